@@ -1,0 +1,3 @@
+from hermes_sup.cli.main import main
+
+main()

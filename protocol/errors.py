@@ -1,0 +1,54 @@
+"""Protocol errors and their stable codes.
+
+As in h11, one base class splits in two: a *local* error means this side
+misused the protocol (a bug here), a *remote* error means the peer sent
+something bad (answer it with an `error` message and keep serving).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes carried in `error` messages. Never renumber or reuse."""
+
+    # The frames themselves are wrong.
+    BAD_FRAMES = "bad_frames"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    TOO_LARGE = "too_large"
+    BAD_SIGNATURE = "bad_signature"
+    REPLAYED = "replayed"
+    MALFORMED = "malformed"
+    BAD_FIELD = "bad_field"
+    UNKNOWN_KIND = "unknown_kind"
+    # The request is well formed but cannot be served.
+    BAD_SESSION_KEY = "bad_session_key"
+    NO_SUCH_SESSION = "no_such_session"
+    SESSION_CONFLICT = "session_conflict"
+    SPAWN_FAILED = "spawn_failed"
+    WORKER_DIED = "worker_died"
+    SESSION_KILLED = "session_killed"
+    TURN_FAILED = "turn_failed"
+    BUSY = "busy"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """Base of every protocol error; carries a stable code and a readable message."""
+
+    def __init__(self, code: ErrorCode, message: str, *, msg_id: str | None = None) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+        # The id of the offending message when it could be read, so a reply can cite it.
+        self.msg_id = msg_id
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to build or send something the protocol does not allow."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol does not allow."""

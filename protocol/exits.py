@@ -1,0 +1,41 @@
+"""Named exit codes of worker processes.
+
+They let the supervisor tell "crashed once" from "will never start": a
+worker that cannot load its runtime exits with RUNTIME_LOAD_FAILED and is not
+respawned in a loop.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class WorkerExit(IntEnum):
+    """Exit codes a worker chooses. Anything else is a crash."""
+
+    OK = 0  # asked to stop, stopped
+    BOOT_FAILED = 70  # could not set up its environment, directories or sockets
+    RUNTIME_LOAD_FAILED = 71  # the agent runtime failed to import or construct
+    SUPERVISOR_GONE = 72  # the supervisor died; the worker cleaned up and left
+    REJECTED = 73  # the supervisor refused its hello (bad token)
+
+
+def describe_exit(code: int | None, signal_name: str | None) -> str:
+    """A sentence saying why a worker ended, for errors and logs."""
+    if signal_name is not None:
+        if signal_name == "SIGKILL":
+            return "killed by SIGKILL (perhaps out of memory)"
+        return f"killed by {signal_name}"
+    if code is None:
+        return "ended for an unknown reason"
+    try:
+        named = WorkerExit(code)
+    except ValueError:
+        return f"exited with status {code}"
+    return {
+        WorkerExit.OK: "exited normally",
+        WorkerExit.BOOT_FAILED: "failed to boot (status 70, see the session log)",
+        WorkerExit.RUNTIME_LOAD_FAILED: "could not load its agent runtime (status 71, see the session log)",
+        WorkerExit.SUPERVISOR_GONE: "exited because the supervisor went away",
+        WorkerExit.REJECTED: "was refused by the supervisor (bad token)",
+    }[named]

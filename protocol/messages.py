@@ -1,0 +1,112 @@
+"""Message kinds and the shape of each kind's body.
+
+Every message is one `Message` envelope; what differs between kinds is the
+body, checked against the schema in `BODY_SCHEMAS`. The schemas are data, not
+classes, so PROTOCOL.md and implementations in other languages can follow
+them line by line.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Kind(StrEnum):
+    """Every message kind. Client and supervisor use the first group; worker and
+    supervisor the second; `event`, `reply`, `cancel` and `error` appear on both."""
+
+    # client <-> supervisor
+    PING = "ping"
+    PONG = "pong"
+    OPEN = "open"
+    OPENED = "opened"
+    SEND = "send"
+    EVENT = "event"
+    REPLY = "reply"
+    CANCEL = "cancel"
+    CANCELLED = "cancelled"
+    LIST = "list"
+    SESSIONS = "sessions"
+    KILL = "kill"
+    KILLED = "killed"
+    ERROR = "error"
+    # worker <-> supervisor
+    HELLO = "hello"
+    TURN = "turn"
+    STOP = "stop"
+
+
+_NONE = type(None)
+_NUM = (int, float)
+
+# kind -> {field: (accepted python types, required)}. `object` accepts any
+# msgpack value. A field that may be nil lists NoneType among its types.
+BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
+    Kind.PING: {},
+    Kind.PONG: {
+        "version": ((str,), True),
+        "protocol": ((int,), True),
+        "pid": ((int,), True),
+        "uptime": (_NUM, True),
+    },
+    Kind.OPEN: {"options": ((dict,), False)},
+    Kind.OPENED: {
+        "pid": ((int, _NONE), True),
+        "state": ((str,), True),
+        "created": ((bool,), True),
+    },
+    Kind.SEND: {"text": ((str,), True), "options": ((dict,), False)},
+    Kind.EVENT: {"type": ((str,), True), "data": ((object,), False)},
+    Kind.REPLY: {"text": ((str,), True), "ok": ((bool,), True), "data": ((dict,), False)},
+    Kind.CANCEL: {"turn": ((str, _NONE), False)},
+    Kind.CANCELLED: {"turn": ((str, _NONE), True)},
+    Kind.LIST: {"prefix": ((str,), False), "state": ((str,), False)},
+    Kind.SESSIONS: {"sessions": ((list,), True)},
+    Kind.KILL: {"force": ((bool,), False), "timeout": (_NUM, False)},
+    Kind.KILLED: {"pid": ((int, _NONE), True), "reason": ((str,), True)},
+    Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},
+    Kind.HELLO: {"pid": ((int,), True)},
+    Kind.TURN: {"text": ((str,), True)},
+    Kind.STOP: {},
+}
+
+# Kinds whose envelope must name a session.
+SESSION_KINDS = frozenset({Kind.OPEN, Kind.SEND, Kind.CANCEL, Kind.KILL, Kind.HELLO})
+
+MAX_ID_LENGTH = 64
+
+
+def new_id() -> str:
+    """A fresh random message id (128 bits, hex)."""
+    return os.urandom(16).hex()
+
+
+@dataclass(frozen=True)
+class Message:
+    """One protocol message: an envelope around a kind-specific body.
+
+    `re` names the request this message answers or streams for; `session` is
+    the session key it concerns, if any.
+    """
+
+    kind: Kind
+    body: dict[str, Any] = field(default_factory=dict)
+    session: str | None = None
+    re: str | None = None
+    id: str = field(default_factory=new_id)
+    ts: float = field(default_factory=time.time)
+
+    def reply(self, kind: Kind, body: dict[str, Any] | None = None) -> Message:
+        """A message answering this one: same session, `re` set to this id."""
+        return Message(kind, body or {}, session=self.session, re=self.id)
+
+
+def error_message(
+    code: str, message: str, *, re: str | None = None, session: str | None = None
+) -> Message:
+    """Build an `error` message with a stable code and a readable sentence."""
+    return Message(Kind.ERROR, {"code": code, "message": message}, session=session, re=re)

@@ -1,0 +1,112 @@
+"""What a worker's environment is made of, and checking a front end's options.
+
+A worker's os.environ is built from scratch, in this order (later wins):
+  1. the allowlisted part of the supervisor's own environment (--pass-env);
+  2. variables configured for every worker (--env NAME=VALUE);
+  3. per-session `env` from the front end's open options;
+  4. per-session `session_env` as HERMES_SESSION_<NAME> (platform, chat_id, ...);
+  5. the session's own HERMES_SESSION_KEY, HERMES_HOME and TERMINAL_CWD.
+Nothing else of the supervisor's environment reaches a worker.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hermes_sup.protocol import ErrorCode, RemoteProtocolError
+
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+SESSION_ENV_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
+MAX_VALUE_LENGTH = 4096
+MAX_ENTRIES = 64
+# Set by the supervisor for each session; a front end may not override them.
+RESERVED = frozenset({"HERMES_HOME", "TERMINAL_CWD", "HERMES_SESSION_KEY"})
+OPTION_NAMES = ("session_env", "env")
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Per-session settings a front end passes when it opens a session."""
+
+    session_env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The options as a plain map (for the worker and session.json)."""
+        return {"session_env": dict(self.session_env), "env": dict(self.env)}
+
+    def __bool__(self) -> bool:
+        return bool(self.session_env or self.env)
+
+
+def _bad(message: str) -> RemoteProtocolError:
+    return RemoteProtocolError(ErrorCode.BAD_FIELD, message)
+
+
+def _check_map(where: str, value: object, name_re: re.Pattern[str], upper: bool) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise _bad(f"option {where!r} must be a map of names to strings")
+    if len(value) > MAX_ENTRIES:
+        raise _bad(f"option {where!r} has {len(value)} entries; at most {MAX_ENTRIES}")
+    out: dict[str, str] = {}
+    for name, val in value.items():
+        if not isinstance(name, str) or not name_re.fullmatch(name):
+            raise _bad(f"option {where!r} has an invalid variable name {str(name)[:40]!r}")
+        if not isinstance(val, str):
+            raise _bad(f"option {where}.{name} must be a string, got {type(val).__name__}")
+        if "\0" in val or len(val) > MAX_VALUE_LENGTH:
+            raise _bad(f"option {where}.{name} holds a NUL or is over {MAX_VALUE_LENGTH} chars")
+        out[name.upper() if upper else name] = val
+    return out
+
+
+def parse_options(raw: object) -> SessionOptions:
+    """Check the `options` map of an open/send request; RemoteProtocolError names
+    what is wrong."""
+    if raw is None:
+        return SessionOptions()
+    if not isinstance(raw, dict):
+        raise _bad("'options' must be a map")
+    unknown = sorted(str(k) for k in raw if k not in OPTION_NAMES)
+    if unknown:
+        raise _bad(f"unknown option {unknown[0]!r}; known options: {', '.join(OPTION_NAMES)}")
+    session_env = _check_map("session_env", raw.get("session_env", {}), SESSION_ENV_NAME_RE, True)
+    env = _check_map("env", raw.get("env", {}), ENV_NAME_RE, False)
+    clash = sorted(RESERVED & env.keys())
+    if clash:
+        raise _bad(f"option env.{clash[0]} is set by the supervisor for each session")
+    return SessionOptions(session_env=session_env, env=env)
+
+
+def allowlisted(environ: Mapping[str, str], patterns: tuple[str, ...]) -> dict[str, str]:
+    """The part of `environ` whose names match the allowlist (globs allowed)."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+    }
+
+
+def worker_env(
+    base: Mapping[str, str],
+    fixed: Mapping[str, str],
+    options: SessionOptions,
+    key: str,
+    home: Path,
+    workspace: Path,
+) -> dict[str, str]:
+    """The complete os.environ of one session's worker."""
+    env = dict(base)
+    env.update(fixed)
+    env.update(options.env)
+    for name, value in options.session_env.items():
+        env[f"HERMES_SESSION_{name}"] = value
+    env["HERMES_SESSION_KEY"] = key
+    env["HERMES_HOME"] = str(home)
+    env["TERMINAL_CWD"] = str(workspace)
+    return env

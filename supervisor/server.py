@@ -1,0 +1,816 @@
+"""The supervisor: owns worker processes and routes messages between clients and them.
+
+Theory of operation
+-------------------
+`Supervisor.run` prepares everything that must exist before any zmq context
+or thread does (the state directory, the lock, the signing key, the subreaper
+flag, the zygote) and then enters one asyncio loop built on zmq.asyncio.
+
+Two ROUTER sockets are bound in the private state directory: `control.sock`
+for clients (front ends, the CLI) and `workers.sock` for workers. Only the
+supervisor binds; everyone else connects. Client frames are signed with the
+shared key; each worker's frames with its own token, which is handed to it
+through the zygote and never crosses a socket. A worker's routing id is
+chosen by the supervisor, and its token proves it.
+
+Frames are read and sent without blocking (a slow client is dropped, never
+waited on). Signal handlers only put an event on a queue; the main loop reaps
+children, forwards, spawns and kills. Long operations (spawn, kill, shutdown)
+are tasks, so no command blocks another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+import psutil
+import zmq
+import zmq.asyncio
+from hermes_sup.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Kind,
+    Limits,
+    LocalProtocolError,
+    Message,
+    RemoteProtocolError,
+    ReplayGuard,
+    check_session_key,
+    decode,
+    describe_exit,
+    encode,
+    error_message,
+)
+
+from . import statedir
+from .config import Settings
+from .environment import SessionOptions, allowlisted, parse_options, worker_env
+from .process import WorkerProcess, become_subreaper, kill_processes
+from .session import Session, Turn, open_session_dir, save_session_meta
+from .spawner import Zygote, ZygoteError
+from .states import LIVE_STATES, Event, State
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+MAX_UNCLAIMED_EXITS = 4096
+RECV_BATCH = 256
+
+
+def kv(event: str, **fields: Any) -> str:
+    """A structured log line: `event key=value ...` (values quoted when needed)."""
+    parts = [event]
+    for name, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "='):
+            text = '"' + text.replace('"', '\\"') + '"'
+        parts.append(f"{name}={text}")
+    return " ".join(parts)
+
+
+def version() -> str:
+    """The installed hermes-sup version."""
+    try:
+        return metadata.version("hermes-sup")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Supervisor:
+    """One supervisor process serving many sessions."""
+
+    def __init__(self, settings: Settings, environ: dict[str, str] | None = None) -> None:
+        self.settings = settings
+        self.environ = dict(os.environ if environ is None else environ)
+        self.limits = Limits(max_frame_size=settings.max_frame_size)
+        self.guard = ReplayGuard()
+        self.sessions: dict[str, Session] = {}
+        self.by_worker_id: dict[bytes, Session] = {}
+        self.by_pid: dict[int, Session] = {}
+        self.unclaimed_exits: dict[int, int] = {}
+        self.accepting = True
+        self.forced = False
+        self.started = time.time()
+        self.key = b""
+        self.base_env: dict[str, str] = {}
+        self.zygote: Zygote | None = None
+        self._lock = statedir.InstanceLock(settings.state_dir)
+        self._events: asyncio.Queue[tuple[str, Any]] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._cull_pending = False
+        self._front_handlers: dict[Kind, Callable[[bytes, Message], None]] = {
+            Kind.PING: self._on_ping,
+            Kind.OPEN: self._on_open,
+            Kind.SEND: self._on_send,
+            Kind.CANCEL: self._on_cancel,
+            Kind.LIST: self._on_list,
+            Kind.KILL: self._on_kill,
+        }
+
+    # ------------------------------------------------------------------ start
+
+    def run(self) -> int:
+        """Start, serve until SIGTERM/SIGINT, shut down. Returns an exit status."""
+        s = self.settings
+        statedir.ensure_private_dir(s.state_dir)
+        statedir.ensure_private_dir(s.data_dir)
+        self.control_endpoint = statedir.endpoint(s.state_dir, statedir.CONTROL_SOCKET)
+        self.worker_endpoint = statedir.endpoint(s.state_dir, statedir.WORKER_SOCKET)
+        self._lock.acquire()
+        try:
+            self.key = statedir.load_or_create_key(s.state_dir)
+            self._raise_fd_limit()
+            become_subreaper()
+            self.base_env = allowlisted(self.environ, s.pass_env)
+            self._start_zygote()
+            return asyncio.run(self._main())
+        finally:
+            if self.zygote is not None:
+                self.zygote.close()
+            for name in (statedir.CONTROL_SOCKET, statedir.WORKER_SOCKET):
+                try:
+                    (s.state_dir / name).unlink()
+                except FileNotFoundError:
+                    pass
+            self._lock.release()
+
+    def _raise_fd_limit(self) -> None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info(kv("fd_limit", soft=resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+
+    def _start_zygote(self) -> None:
+        home = self.settings.data_dir / "zygote-home"
+        statedir.ensure_private_dir(home)
+        env = dict(self.base_env)
+        # The zygote's own HERMES_HOME stays empty: anything preloaded that
+        # captured a path at import would show up there, not in a session.
+        env["HERMES_HOME"] = str(home)
+        if "PYTHONPATH" in self.environ:
+            env["PYTHONPATH"] = self.environ["PYTHONPATH"]
+        self.zygote = Zygote(self.settings.preload, env, cwd=str(self.settings.data_dir))
+        ready = self.zygote.start()
+        if ready.get("failed"):
+            for mod, why in ready["failed"].items():
+                log.error(kv("preload_failed", module=mod, error=why))
+        log.info(
+            kv(
+                "zygote_ready",
+                pid=ready.get("pid"),
+                preloaded=",".join(ready.get("loaded", [])),
+                seconds=f"{ready.get('seconds', 0):.3f}",
+            )
+        )
+
+    async def _main(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._events = asyncio.Queue()
+        self.ctx = zmq.asyncio.Context()
+        self.front = self._bind(self.control_endpoint)
+        self.back = self._bind(self.worker_endpoint)
+        # Sync views of the same sockets, for non-blocking drains and sends.
+        self._front: zmq.Socket[bytes] = zmq.Socket.shadow(self.front.underlying)
+        self._back: zmq.Socket[bytes] = zmq.Socket.shadow(self.back.underlying)
+        assert self.zygote is not None
+        self.zygote.attach(loop)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))
+        readers = [
+            asyncio.create_task(self._serve(self.front, self._front, self._on_front)),
+            asyncio.create_task(self._serve(self.back, self._back, self._on_back)),
+        ]
+        log.info(
+            kv(
+                "ready",
+                pid=os.getpid(),
+                control=self.control_endpoint,
+                runtime=self.settings.runtime,
+                version=version(),
+            )
+        )
+        self._reap()  # anything that died before the handler was installed
+        try:
+            await self._main_loop()
+        finally:
+            for task in readers:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            self.zygote.detach(loop)
+            self.front.close(0)
+            self.back.close(0)
+            self.ctx.term()
+        log.info(kv("stopped", pid=os.getpid()))
+        return 0
+
+    def _bind(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Sends to a peer that is gone raise instead of vanishing silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_size + 4096)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        path = endpoint.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)  # stale socket of a dead supervisor: we hold the lock
+        old = os.umask(0o177)
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        return sock
+
+    # ------------------------------------------------------------- main loop
+
+    async def _main_loop(self) -> None:
+        assert self._events is not None
+        shutdown: asyncio.Task[None] | None = None
+        while True:
+            get = asyncio.ensure_future(self._events.get())
+            waiters: set[asyncio.Future[Any]] = {get}
+            if shutdown is not None:
+                waiters.add(shutdown)
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if shutdown is not None and shutdown in done:
+                get.cancel()
+                shutdown.result()
+                return
+            kind, arg = get.result()
+            if kind == "signal" and arg == signal.SIGCHLD:
+                self._reap()
+            elif kind == "signal":
+                name = signal.Signals(arg).name
+                if shutdown is None:
+                    log.info(kv("shutdown", signal=name))
+                    shutdown = asyncio.create_task(self._shutdown())
+                elif arg == signal.SIGINT and not self.forced:
+                    log.warning(kv("shutdown_forced", signal=name))
+                    self._force_kill_all()
+
+    async def _serve(
+        self,
+        asock: zmq.asyncio.Socket,
+        sock: zmq.Socket[bytes],
+        handler: Callable[[list[bytes]], None],
+    ) -> None:
+        """Wait for a socket to be readable, then drain it without blocking."""
+        while True:
+            await asock.poll(None, zmq.POLLIN)
+            for _ in range(RECV_BATCH):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    handler(frames)
+                except Exception:
+                    log.exception(kv("bug", where=handler.__name__))
+            else:
+                await asyncio.sleep(0)  # let the other socket have a turn
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error(kv("bug", where="task"), exc_info=task.exception())
+
+    # ---------------------------------------------------------------- clients
+
+    def _send_client(self, client: bytes, msg: Message) -> None:
+        try:
+            frames = encode(msg, self.key, self.limits)
+        except LocalProtocolError as exc:
+            log.error(kv("unsendable", kind=msg.kind.value, error=exc.message))
+            frames = encode(
+                error_message(
+                    ErrorCode.INTERNAL.value, exc.message, re=msg.re, session=msg.session
+                ),
+                self.key,
+            )
+        try:
+            self._front.send_multipart([client, *frames], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning(kv("client_slow_dropped", kind=msg.kind.value, re=msg.re))
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.info(kv("client_gone", kind=msg.kind.value, re=msg.re))
+
+    def _error(
+        self, client: bytes, code: ErrorCode, message: str, re: str | None, session: str | None
+    ) -> None:
+        self._send_client(client, error_message(code.value, message, re=re, session=session))
+
+    def _on_front(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        client, rest = frames[0], frames[1:]
+        try:
+            msg = decode(rest, self.key, self.limits, self.guard)
+        except RemoteProtocolError as exc:
+            log.warning(kv("bad_request", code=exc.code.value, error=exc.message))
+            self._error(client, exc.code, exc.message, exc.msg_id, None)
+            return
+        handler = self._front_handlers.get(msg.kind)
+        if handler is None:
+            self._error(
+                client,
+                ErrorCode.UNKNOWN_KIND,
+                f"{msg.kind.value!r} is not a request a client can send",
+                msg.id,
+                msg.session,
+            )
+            return
+        try:
+            handler(client, msg)
+        except RemoteProtocolError as exc:
+            self._error(client, exc.code, exc.message, msg.id, msg.session)
+        except Exception as exc:
+            log.exception(kv("bug", kind=msg.kind.value))
+            self._error(client, ErrorCode.INTERNAL, f"internal error: {exc}", msg.id, msg.session)
+
+    def _on_ping(self, client: bytes, msg: Message) -> None:
+        self._send_client(
+            client,
+            msg.reply(
+                Kind.PONG,
+                {
+                    "version": version(),
+                    "protocol": PROTOCOL_VERSION,
+                    "pid": os.getpid(),
+                    "uptime": time.time() - self.started,
+                },
+            ),
+        )
+
+    def _session_for(self, key: str, raw_options: object, create: bool) -> Session | None:
+        """Find (or create) a session; new options on a running one are a conflict."""
+        options = parse_options(raw_options) if raw_options is not None else None
+        session = self.sessions.get(key)
+        if session is None:
+            if not create:
+                return None
+            path, stored = open_session_dir(self.settings.data_dir, key)
+            session = Session(key=key, dir=path, options=options or stored or SessionOptions())
+            save_session_meta(session)
+            self.sessions[key] = session
+            log.info(kv("session_new", session=key, dir=path.name))
+        elif options is not None and options != session.options:
+            if session.state in LIVE_STATES:
+                raise RemoteProtocolError(
+                    ErrorCode.SESSION_CONFLICT,
+                    f"session {key!r} is running with other options; kill it to apply new ones",
+                )
+            session.options = options
+            save_session_meta(session)
+        return session
+
+    def _on_open(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        self._check_accepting()
+        created = key not in self.sessions or self.sessions[key].state is State.EXITED
+        session = self._session_for(key, msg.body.get("options"), create=True)
+        assert session is not None
+        if session.state is State.EXITED:
+            self._start_worker(session)
+        session.touch()
+        self._send_client(
+            client,
+            msg.reply(
+                Kind.OPENED,
+                {"pid": session.pid, "state": session.state.value, "created": created},
+            ),
+        )
+
+    def _on_send(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        self._check_accepting()
+        session = self._session_for(key, msg.body.get("options"), create=True)
+        assert session is not None
+        session.queue.append(Turn(id=msg.id, client=client, text=msg.body["text"]))
+        session.touch()
+        # Acknowledge at once, so a client can tell a slow turn from a dead supervisor.
+        self._send_client(
+            client,
+            msg.reply(
+                Kind.EVENT,
+                {"type": "status", "data": {"state": "queued", "position": len(session.queue)}},
+            ),
+        )
+        if session.state is State.EXITED:
+            self._start_worker(session)
+        self._pump(session)
+
+    def _on_cancel(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        session = self._require(key)
+        target = msg.body.get("turn")
+        cancelled: str | None = None
+        if session.current is not None and target in (None, session.current.id):
+            cancelled = session.current.id
+            self._send_worker(session, Message(Kind.CANCEL, {"turn": cancelled}, session=key))
+        elif target is not None:
+            for turn in list(session.queue):
+                if turn.id == target:
+                    session.queue.remove(turn)
+                    cancelled = turn.id
+                    self._error(
+                        turn.client,
+                        ErrorCode.TURN_FAILED,
+                        "cancelled before it started",
+                        turn.id,
+                        key,
+                    )
+        self._send_client(client, msg.reply(Kind.CANCELLED, {"turn": cancelled}))
+
+    def _on_list(self, client: bytes, msg: Message) -> None:
+        prefix = msg.body.get("prefix", "")
+        state = msg.body.get("state")
+        rows = [
+            s.describe()
+            for key, s in sorted(self.sessions.items())
+            if key.startswith(prefix) and (state is None or s.state.value == state)
+        ]
+        self._send_client(client, msg.reply(Kind.SESSIONS, {"sessions": rows}))
+
+    def _on_kill(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        session = self._require(key)
+        force = bool(msg.body.get("force", False))
+
+        async def kill_and_reply() -> None:
+            pid, reason = await self._kill_session(session, force=force)
+            self._send_client(client, msg.reply(Kind.KILLED, {"pid": pid, "reason": reason}))
+
+        self._spawn_task(kill_and_reply())
+
+    def _require(self, key: str) -> Session:
+        session = self.sessions.get(key)
+        if session is None:
+            raise RemoteProtocolError(ErrorCode.NO_SUCH_SESSION, f"no session {key!r}")
+        return session
+
+    def _check_accepting(self) -> None:
+        if not self.accepting:
+            raise RemoteProtocolError(
+                ErrorCode.SHUTTING_DOWN, "the supervisor is shutting down; try again after restart"
+            )
+
+    # ---------------------------------------------------------------- workers
+
+    def _start_worker(self, session: Session) -> None:
+        session.generation += 1
+        session.token = secrets.token_bytes(32)
+        session.worker_id = b"w" + secrets.token_bytes(15)
+        session.proc = None
+        session.exited = asyncio.Event()
+        session.started_at = time.time()
+        session.advance(Event.SPAWN)
+        self.by_worker_id[session.worker_id] = session
+        self._spawn_task(self._fork(session, session.generation))
+
+    async def _fork(self, session: Session, generation: int) -> None:
+        assert self.zygote is not None and session.token is not None
+        env = worker_env(
+            self.base_env,
+            self.settings.env,
+            session.options,
+            session.key,
+            session.home,
+            session.workspace,
+        )
+        request = {
+            "key": session.key,
+            "title": session.key if len(session.key) <= 48 else session.key[:45] + "...",
+            "token": session.token,
+            "worker_id": session.worker_id,
+            "endpoint": self.worker_endpoint,
+            "supervisor_pid": os.getpid(),
+            "env": env,
+            "workspace": str(session.workspace),
+            "home": str(session.home),
+            "log": str(session.log_path),
+            "runtime": self.settings.runtime,
+            "options": session.options.to_wire(),
+        }
+        try:
+            pid = await self.zygote.spawn(request)
+        except ZygoteError as exc:
+            if session.generation == generation:
+                self._worker_gone(session, f"could not be forked: {exc}")
+            return
+        proc = WorkerProcess(pid)
+        session.proc = proc
+        self.by_pid[pid] = session
+        log.info(kv("spawned", session=session.key, pid=pid))
+        status = self.unclaimed_exits.pop(pid, None)
+        if status is not None:
+            self._on_exit(pid, status)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.settings.start_timeout, self._check_started, session, generation)
+
+    def _check_started(self, session: Session, generation: int) -> None:
+        if session.generation == generation and session.state is State.STARTING:
+            log.error(kv("start_timeout", session=session.key, pid=session.pid))
+            if session.proc is not None:
+                session.proc.signal_group(signal.SIGKILL)
+                session.proc.kill()
+
+    def _send_worker(self, session: Session, msg: Message) -> bool:
+        if session.worker_id is None or session.token is None:
+            return False
+        try:
+            self._back.send_multipart([session.worker_id, *encode(msg, session.token)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning(kv("worker_unreachable", session=session.key, error=exc))
+            return False
+
+    def _on_back(self, frames: list[bytes]) -> None:
+        if len(frames) != 4:
+            log.warning(kv("bad_worker_frames", count=len(frames)))
+            return
+        session = self.by_worker_id.get(frames[0])
+        if session is None or session.token is None:
+            log.warning(kv("unknown_worker", id=frames[0].hex()[:16]))
+            return
+        try:
+            msg = decode(frames[1:], session.token, self.limits)
+        except RemoteProtocolError as exc:
+            log.warning(kv("bad_worker_message", session=session.key, error=exc))
+            return
+        if msg.session != session.key:
+            log.warning(kv("worker_wrong_session", session=session.key, claimed=msg.session))
+            return
+        session.touch()
+        if msg.kind is Kind.HELLO:
+            if session.state is State.STARTING:
+                session.advance(Event.HELLO)
+                log.info(kv("ready", session=session.key, pid=msg.body["pid"]))
+                self._pump(session)
+            return
+        turn = session.current
+        if turn is None or msg.re != turn.id:
+            log.warning(kv("stray_worker_message", session=session.key, kind=msg.kind.value))
+            return
+        if msg.kind is Kind.EVENT:
+            self._send_client(
+                turn.client, Message(Kind.EVENT, msg.body, session=session.key, re=turn.id)
+            )
+        elif msg.kind in (Kind.REPLY, Kind.ERROR):
+            self._send_client(
+                turn.client, Message(msg.kind, msg.body, session=session.key, re=turn.id)
+            )
+            session.current = None
+            session.turns += 1
+            session.advance(Event.DONE)
+            self._pump(session)
+        else:
+            log.warning(kv("unexpected_worker_message", session=session.key, kind=msg.kind.value))
+
+    def _pump(self, session: Session) -> None:
+        """Hand the next queued turn to an idle worker."""
+        if session.state is not State.IDLE or session.current is not None or not session.queue:
+            return
+        turn = session.queue.popleft()
+        session.current = turn
+        session.advance(Event.TURN)
+        self._send_client(
+            turn.client,
+            Message(
+                Kind.EVENT,
+                {"type": "status", "data": {"state": "running", "pid": session.pid}},
+                session=session.key,
+                re=turn.id,
+            ),
+        )
+        self._send_worker(
+            session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
+        )
+
+    # ---------------------------------------------------------------- exits
+
+    def _reap(self) -> None:
+        """Collect every child that has exited (workers, orphans, the zygote)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.zygote is not None and pid == self.zygote.pid:
+                self._on_zygote_exit(status)
+            else:
+                self._on_exit(pid, status)
+
+    def _on_zygote_exit(self, status: int) -> None:
+        assert self.zygote is not None
+        self.zygote.fail_pending("the zygote died")
+        if not self.accepting:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        log.error(kv("zygote_died", status=code))
+        self.zygote.detach(asyncio.get_running_loop())
+        self.zygote.close()
+        self._start_zygote()
+        self.zygote.attach(asyncio.get_running_loop())
+
+    def _on_exit(self, pid: int, status: int) -> None:
+        session = self.by_pid.pop(pid, None)
+        if session is None or session.proc is None or session.proc.pid != pid:
+            # An orphan of a dead worker, or a worker whose pid the zygote has
+            # not told us yet: keep its status for `_fork` to claim.
+            if len(self.unclaimed_exits) >= MAX_UNCLAIMED_EXITS:
+                self.unclaimed_exits.pop(next(iter(self.unclaimed_exits)))
+            self.unclaimed_exits[pid] = status
+            return
+        session.proc.set_exited(status)
+        reason = describe_exit(session.proc.exit_code, session.proc.exit_signal)
+        self._worker_gone(session, reason)
+
+    def _worker_gone(self, session: Session, reason: str) -> None:
+        """The session's worker is no more: answer whoever was waiting on it."""
+        was = session.state
+        pid = session.proc.pid if session.proc is not None else None
+        if session.worker_id is not None:
+            self.by_worker_id.pop(session.worker_id, None)
+        session.worker_id = None
+        session.token = None
+        session.exits += 1
+        session.last_exit = reason
+        session.advance(Event.EXIT)
+        level = logging.INFO if was is State.STOPPING else logging.WARNING
+        log.log(level, kv("exited", session=session.key, pid=pid, reason=reason, was=was.value))
+        if session.current is not None:
+            turn, session.current = session.current, None
+            if was is State.STOPPING:
+                code, text = ErrorCode.SESSION_KILLED, "the session was killed during this turn"
+            else:
+                code = ErrorCode.WORKER_DIED
+                text = (
+                    f"the worker of session {session.key!r} (pid {pid}) {reason} during this turn"
+                )
+            self._error(turn.client, code, text, turn.id, session.key)
+        if was is State.STARTING:
+            self._fail_queue(
+                session,
+                ErrorCode.SPAWN_FAILED,
+                f"the worker of session {session.key!r} could not start: it {reason}",
+            )
+        session.exited.set()
+        if session.queue and self.accepting:
+            self._start_worker(session)  # messages are waiting: start a fresh worker
+        self._schedule_orphan_cull()
+
+    def _fail_queue(self, session: Session, code: ErrorCode, text: str) -> None:
+        while session.queue:
+            turn = session.queue.popleft()
+            self._error(turn.client, code, text, turn.id, session.key)
+
+    def _schedule_orphan_cull(self) -> None:
+        if not self._cull_pending:
+            self._cull_pending = True
+            asyncio.get_running_loop().call_later(0.05, self._cull_orphans)
+
+    def _cull_orphans(self) -> None:
+        """Kill processes re-parented to us that are not workers: descendants
+        left behind by a worker that died. Nothing a session started outlives it."""
+        self._cull_pending = False
+        if self.zygote is not None and self.zygote.pending:
+            self._schedule_orphan_cull()  # a new worker may be mid-adoption
+            return
+        known = set(self.by_pid)
+        if self.zygote is not None and self.zygote.pid is not None:
+            known.add(self.zygote.pid)
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        orphans = [p for p in children if p.pid not in known]
+        for proc in orphans:
+            try:
+                tree = proc.children(recursive=True)
+            except psutil.Error:
+                tree = []
+            hit = kill_processes([proc, *tree])
+            if hit:
+                log.warning(kv("orphans_killed", pid=proc.pid, count=hit))
+
+    # ---------------------------------------------------------------- kill
+
+    async def _kill_session(self, session: Session, force: bool) -> tuple[int | None, str]:
+        """Stop a session's worker and everything it started; return (pid, how)."""
+        if session.state is State.EXITED:
+            return None, "not running"
+        if session.state is State.STOPPING:
+            await session.exited.wait()
+            return (session.proc.pid if session.proc else None), "was already stopping"
+        session.advance(Event.KILL)
+        self._fail_queue(
+            session, ErrorCode.SESSION_KILLED, "the session was killed before this turn ran"
+        )
+        s = self.settings
+        # A worker still being forked has no pid yet; wait for it (bounded).
+        deadline = time.monotonic() + s.start_timeout
+        while session.proc is None and not session.exited.is_set():
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        proc = session.proc
+        if proc is None:
+            await session.exited.wait()
+            return None, "never started"
+        # Snapshot the whole tree before the first signal: once a parent dies,
+        # its children's parent links are gone.
+        tree = proc.descendants()
+        how = "stopped"
+        if not (force or self.forced) and self._send_worker(
+            session, Message(Kind.STOP, {}, session=session.key)
+        ):
+            await self._wait_exit(session, s.stop_timeout)
+        if not session.exited.is_set():
+            tree += proc.descendants()
+            how = "terminated"
+            proc.signal_group(signal.SIGTERM)
+            proc.terminate()
+            if not (force or self.forced):
+                await self._wait_exit(session, s.term_timeout)
+        if not session.exited.is_set():
+            tree += proc.descendants()
+            how = "killed"
+            proc.signal_group(signal.SIGKILL)
+            proc.kill()
+        killed = kill_processes(tree)
+        await session.exited.wait()
+        if killed:
+            log.info(kv("descendants_killed", session=session.key, count=killed))
+        log.info(kv("killed", session=session.key, pid=proc.pid, how=how))
+        return proc.pid, how
+
+    async def _wait_exit(self, session: Session, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(session.exited.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _force_kill_all(self) -> None:
+        self.forced = True
+        for session in self.sessions.values():
+            if session.proc is not None and session.proc.returncode is None:
+                session.proc.signal_group(signal.SIGKILL)
+                session.proc.kill()
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def _shutdown(self) -> None:
+        """Stop taking turns, let running ones finish (up to the grace period),
+        then stop every worker in parallel."""
+        self.accepting = False
+        for session in self.sessions.values():
+            self._fail_queue(session, ErrorCode.SHUTTING_DOWN, "the supervisor is shutting down")
+        deadline = time.monotonic() + self.settings.shutdown_grace
+        while (
+            not self.forced
+            and time.monotonic() < deadline
+            and any(s.state is State.BUSY for s in self.sessions.values())
+        ):
+            await asyncio.sleep(0.05)
+        live = [s for s in self.sessions.values() if s.state in LIVE_STATES]
+        await asyncio.gather(*(self._kill_session(s, force=self.forced) for s in live))
+        # Let tasks that reply to kill requests send their answers.
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=1.0)
+        assert self.zygote is not None
+        zygote_pid = self.zygote.pid
+        self.zygote.close()
+        if zygote_pid is not None:
+            await self._wait_pid_gone(zygote_pid, 2.0)
+
+    async def _wait_pid_gone(self, pid: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if done:
+                return
+            await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

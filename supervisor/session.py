@@ -1,0 +1,126 @@
+"""One session as the supervisor sees it: its data, its worker, its queue of turns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hermes_sup.protocol import session_dir_name
+
+from .environment import SessionOptions, parse_options
+from .process import WorkerProcess
+from .states import Event, State, next_state
+
+SESSION_FILE = "session.json"
+
+
+@dataclass
+class Turn:
+    """A message waiting for, or running in, a session's worker."""
+
+    id: str  # the client's request id; events and the reply cite it
+    client: bytes  # the client's routing id
+    text: str
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Session:
+    """A session key, its directory, and the worker serving it (if any)."""
+
+    key: str
+    dir: Path
+    options: SessionOptions
+    state: State = State.EXITED
+    proc: WorkerProcess | None = None
+    worker_id: bytes | None = None
+    token: bytes | None = None
+    generation: int = 0
+    queue: deque[Turn] = field(default_factory=deque)
+    current: Turn | None = None
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    last_activity: float = field(default_factory=time.time)
+    turns: int = 0
+    exits: int = 0
+    last_exit: str | None = None
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def workspace(self) -> Path:
+        """The worker's cwd and TERMINAL_CWD."""
+        return self.dir / "workspace"
+
+    @property
+    def home(self) -> Path:
+        """The worker's HERMES_HOME."""
+        return self.dir / "home"
+
+    @property
+    def log_path(self) -> Path:
+        """Where the worker's stdout and stderr go."""
+        return self.dir / "worker.log"
+
+    @property
+    def pid(self) -> int | None:
+        """The live worker's pid, if there is one."""
+        if self.proc is None or self.proc.returncode is not None:
+            return None
+        return self.proc.pid
+
+    def advance(self, event: Event) -> State:
+        """Apply one transition from the state table."""
+        self.state = next_state(self.state, event)
+        return self.state
+
+    def touch(self) -> None:
+        """Note activity (any message either way)."""
+        self.last_activity = time.time()
+
+    def describe(self) -> dict[str, Any]:
+        """The session as a `sessions` list entry."""
+        return {
+            "key": self.key,
+            "state": self.state.value,
+            "pid": self.pid,
+            "started": self.started_at,
+            "last_activity": self.last_activity,
+            "turns": self.turns,
+            "queued": len(self.queue),
+            "exits": self.exits,
+            "last_exit": self.last_exit,
+        }
+
+
+def open_session_dir(data_dir: Path, key: str) -> tuple[Path, SessionOptions | None]:
+    """The session's directory (created 0700) and the options stored there, if any."""
+    path = data_dir / "sessions" / session_dir_name(key)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    meta = path / SESSION_FILE
+    try:
+        stored = json.loads(meta.read_text())
+    except (FileNotFoundError, ValueError):
+        return path, None
+    if stored.get("key") != key:
+        raise RuntimeError(f"{meta} belongs to key {stored.get('key')!r}, not {key!r}")
+    try:
+        return path, parse_options(stored.get("options"))
+    except Exception:
+        return path, None
+
+
+def save_session_meta(session: Session) -> None:
+    """Record the key and options next to the session's data (atomically)."""
+    meta = session.dir / SESSION_FILE
+    tmp = meta.with_suffix(".tmp")
+    data = {"key": session.key, "options": session.options.to_wire(), "created": session.created_at}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, meta)

@@ -1,0 +1,145 @@
+"""The supervisor's side of the zygote: start it, ask it for workers.
+
+The zygote is a fresh interpreter (posix_spawn, so it inherits no sockets,
+threads or zmq context of ours) that preloads what workers need, freezes its
+gc and then forks one worker per request. Requests and replies are msgpack
+datagrams over a SOCK_SEQPACKET socketpair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+MAX_DATAGRAM = 1 << 20
+
+
+class ZygoteError(Exception):
+    """The zygote could not start or could not fork a worker."""
+
+
+class Zygote:
+    """A running zygote process and the requests in flight to it."""
+
+    def __init__(self, preload: tuple[str, ...], env: Mapping[str, str], cwd: str) -> None:
+        self.preload = preload
+        self.env = dict(env)
+        self.cwd = cwd
+        self.pid: int | None = None
+        self.started_at = 0.0
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[int]] = {}
+
+    @property
+    def pending(self) -> int:
+        """Spawn requests sent and not yet answered."""
+        return len(self._pending)
+
+    def start(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Start the zygote and wait (blocking) until its preload is done.
+        Call before any zmq context or thread exists in this process."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs.set_inheritable(True)
+        argv = [
+            sys.executable,
+            "-m",
+            "hermes_sup.worker.zygote",
+            "--fd",
+            str(theirs.fileno()),
+            "--supervisor-pid",
+            str(os.getpid()),
+            "--cwd",
+            self.cwd,
+        ]
+        for mod in self.preload:
+            argv += ["--preload", mod]
+        self.pid = os.posix_spawn(sys.executable, argv, self.env, setsid=False)
+        theirs.close()
+        ours.settimeout(timeout)
+        try:
+            data = ours.recv(MAX_DATAGRAM)
+        except TimeoutError:
+            raise ZygoteError(
+                f"zygote (pid {self.pid}) did not get ready in {timeout:.0f}s"
+            ) from None
+        if not data:
+            raise ZygoteError(f"zygote (pid {self.pid}) exited during start-up; see the log above")
+        ready = msgpack.unpackb(data, raw=False)
+        ours.setblocking(False)
+        self._sock = ours
+        self.started_at = time.monotonic()
+        return dict(ready)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the zygote's replies from the event loop."""
+        assert self._sock is not None
+        loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    def detach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop reading replies (before close)."""
+        if self._sock is not None:
+            loop.remove_reader(self._sock.fileno())
+
+    async def spawn(self, request: dict[str, Any]) -> int:
+        """Ask for one worker; returns its pid once forked."""
+        if self._sock is None:
+            raise ZygoteError("the zygote is not running")
+        req_id = next(self._ids)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        try:
+            self._sock.send(msgpack.packb({"op": "spawn", "id": req_id, **request}))
+        except OSError as exc:
+            del self._pending[req_id]
+            raise ZygoteError(f"cannot reach the zygote: {exc}") from None
+        return await fut
+
+    def _on_readable(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data = self._sock.recv(MAX_DATAGRAM)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.fail_pending(f"zygote socket failed: {exc}")
+                return
+            if not data:
+                self.fail_pending("the zygote exited")
+                if self._sock is not None:
+                    asyncio.get_running_loop().remove_reader(self._sock.fileno())
+                return
+            reply = msgpack.unpackb(data, raw=False)
+            fut = self._pending.pop(reply.get("id"), None)
+            if fut is None or fut.done():
+                continue
+            if "pid" in reply:
+                fut.set_result(int(reply["pid"]))
+            else:
+                fut.set_exception(ZygoteError(str(reply.get("error", "fork failed"))))
+
+    def fail_pending(self, why: str) -> None:
+        """Fail every request in flight (the zygote died)."""
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(ZygoteError(why))
+
+    def close(self) -> None:
+        """Close our end; the zygote sees EOF and exits."""
+        self.fail_pending("the supervisor is shutting down")
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,71 @@
+"""Session states and the only transitions allowed between them.
+
+Theory of operation
+-------------------
+A session is a key with a directory of data and at most one worker process.
+It starts EXITED (no process). The first message spawns a worker: STARTING.
+The worker proves its token with a `hello`: IDLE. A turn sent to it: BUSY;
+its reply: IDLE again. A kill makes it STOPPING until the process is reaped,
+then EXITED. A worker that dies by itself goes straight to EXITED; its data
+stays, and the next message spawns a fresh worker on it.
+
+Every change of state goes through `next_state`, so a transition not in the
+table is a bug that raises at once instead of a session stuck in limbo.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    """Where a session is in its life."""
+
+    EXITED = "exited"  # no worker; data on disk; the next message starts one
+    STARTING = "starting"  # forked, waiting for the worker's hello
+    IDLE = "idle"  # worker ready, no turn running
+    BUSY = "busy"  # a turn is running
+    STOPPING = "stopping"  # being killed; waiting for the process to be reaped
+
+
+class Event(StrEnum):
+    """What happens to a session."""
+
+    SPAWN = "spawn"  # a worker was requested
+    HELLO = "hello"  # the worker proved its token
+    TURN = "turn"  # a turn was handed to the worker
+    DONE = "done"  # the turn ended (reply or error)
+    KILL = "kill"  # an operator or shutdown stops it
+    EXIT = "exit"  # the process was reaped (or never started)
+
+
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.EXITED, Event.SPAWN): State.STARTING,
+    (State.STARTING, Event.HELLO): State.IDLE,
+    (State.STARTING, Event.EXIT): State.EXITED,
+    (State.STARTING, Event.KILL): State.STOPPING,
+    (State.IDLE, Event.TURN): State.BUSY,
+    (State.IDLE, Event.EXIT): State.EXITED,
+    (State.IDLE, Event.KILL): State.STOPPING,
+    (State.BUSY, Event.DONE): State.IDLE,
+    (State.BUSY, Event.EXIT): State.EXITED,
+    (State.BUSY, Event.KILL): State.STOPPING,
+    (State.STOPPING, Event.EXIT): State.EXITED,
+    # A reply can cross a kill on the wire; the session stays STOPPING.
+    (State.STOPPING, Event.DONE): State.STOPPING,
+}
+
+# States in which a worker process exists (or is being created).
+LIVE_STATES = frozenset({State.STARTING, State.IDLE, State.BUSY, State.STOPPING})
+
+
+class InvalidTransition(Exception):
+    """A transition not in TRANSITIONS was attempted: a bug in the supervisor."""
+
+
+def next_state(state: State, event: Event) -> State:
+    """The state after `event` happens in `state`, or InvalidTransition."""
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        raise InvalidTransition(f"no transition from {state.value} on {event.value}") from None

@@ -1,0 +1,325 @@
+"""What runs inside one session's worker process, from fork to exit.
+
+`boot` is called in the freshly forked child of the zygote. It makes the
+process the session's own: its own session and process group, umask 077,
+stdout/stderr into the session log, cwd = the workspace, and os.environ
+replaced by exactly the environment the supervisor computed for this session.
+Only then does it create a zmq context and connect to the supervisor.
+
+The main loop never runs agent code. It polls the supervisor socket and a
+wake-up pipe, forwards what the turn thread produced, and watches for the
+supervisor's death. The turn runs in one thread at a time, so the main loop
+stays responsive for cancel and stop while an agent thinks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+import psutil
+import zmq
+from hermes_sup.protocol import (
+    ErrorCode,
+    Kind,
+    Message,
+    RemoteProtocolError,
+    WorkerExit,
+    decode,
+    encode,
+    error_message,
+)
+
+from . import runtime as runtime_mod
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+POLL_MS = 200
+# The signal the kernel sends us when the supervisor dies. It only wakes the
+# main loop, which checks getppid() and cleans up; it must not kill us first.
+PARENT_DEATH_SIGNAL = signal.SIGUSR1
+
+log = logging.getLogger("hermes_sup.worker")
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def boot(request: dict[str, Any]) -> NoReturn:
+    """Become the session's worker; never returns."""
+    code = WorkerExit.BOOT_FAILED
+    try:
+        code = _boot(request)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(int(code))
+
+
+def _boot(req: dict[str, Any]) -> int:
+    supervisor_pid = int(req["supervisor_pid"])
+    os.setsid()
+    # Orphans of our children re-parent to us, so our process tree is always
+    # the whole of what this session started (setsid or not).
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    # The intermediate fork exits right away; wait to be adopted by the
+    # supervisor before asking for a parent-death signal (else it fires now).
+    deadline = time.monotonic() + 5.0
+    while os.getppid() != supervisor_pid:
+        if time.monotonic() > deadline:
+            return WorkerExit.SUPERVISOR_GONE
+        time.sleep(0.0002)
+    signal.signal(PARENT_DEATH_SIGNAL, lambda *_: None)
+    _prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
+    if os.getppid() != supervisor_pid:
+        return WorkerExit.SUPERVISOR_GONE
+
+    os.umask(0o077)
+    workspace = Path(req["workspace"])
+    home = Path(req["home"])
+    for d in (workspace, home):
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _redirect_output(req["log"])
+    os.chdir(workspace)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"hermes-sup worker {req['title']}")
+    except ImportError:
+        pass
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    log.info("worker start session=%s pid=%d runtime=%s", req["key"], os.getpid(), req["runtime"])
+
+    info = runtime_mod.SessionInfo(
+        key=req["key"], workspace=workspace, home=home, options=dict(req.get("options") or {})
+    )
+    try:
+        agent = runtime_mod.load(req["runtime"], info)
+    except runtime_mod.RuntimeLoadError as exc:
+        log.error("runtime load failed: %s", exc)
+        traceback.print_exc()
+        return WorkerExit.RUNTIME_LOAD_FAILED
+    return WorkerLoop(req, agent).run()
+
+
+def _redirect_output(path: str) -> None:
+    """stdin from /dev/null; stdout and stderr appended to the session log."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def kill_tree() -> int:
+    """SIGKILL every descendant of this process; returns how many."""
+    try:
+        procs = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return 0
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return len(procs)
+
+
+class WorkerLoop:
+    """The worker's main loop: one socket to the supervisor, one turn thread."""
+
+    def __init__(self, req: dict[str, Any], agent: runtime_mod.Runtime) -> None:
+        self.key: str = req["key"]
+        self.token: bytes = bytes(req["token"])
+        self.supervisor_pid = int(req["supervisor_pid"])
+        self.agent = agent
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # The supervisor chose this routing id; our token signs every frame.
+        self.sock.setsockopt(zmq.ROUTING_ID, bytes(req["worker_id"]))
+        self.sock.connect(req["endpoint"])
+        self.outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self.turn: threading.Thread | None = None
+        self.turn_id: str | None = None
+        self.stopping = False
+
+    def run(self) -> int:
+        """Serve turns until asked to stop or the supervisor goes away."""
+        self._send(Message(Kind.HELLO, {"pid": os.getpid()}, session=self.key))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        code = WorkerExit.OK
+        while True:
+            ready = dict(poller.poll(POLL_MS))
+            if os.getppid() != self.supervisor_pid:
+                log.error("supervisor (pid %d) is gone; stopping", self.supervisor_pid)
+                code = WorkerExit.SUPERVISOR_GONE
+                break
+            if self._wake_r in ready:
+                self._drain_wake()
+            if self.sock in ready:
+                self._recv_all()
+            self._flush_outbox()
+            if self.stopping and self.turn is None:
+                break
+        killed = kill_tree()
+        if killed:
+            log.info("killed %d leftover process(es) of this session", killed)
+        self.sock.close(0)
+        self.ctx.term()
+        return code
+
+    def _send(self, msg: Message) -> None:
+        self.sock.send_multipart(encode(msg, self.token))
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _recv_all(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frames, self.token)
+            except RemoteProtocolError as exc:
+                log.warning("dropped a bad frame from the supervisor: %s", exc)
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Message) -> None:
+        if msg.kind is Kind.TURN:
+            if self.turn is not None:
+                # The supervisor sends one turn at a time; this is its bug, say so.
+                self._send(
+                    error_message(
+                        ErrorCode.INTERNAL.value,
+                        "a turn is already running",
+                        re=msg.id,
+                        session=self.key,
+                    )
+                )
+                return
+            self.turn_id = msg.id
+            self.turn = threading.Thread(
+                target=self._run_turn, args=(msg.id, msg.body["text"]), name="turn", daemon=True
+            )
+            self.turn.start()
+        elif msg.kind is Kind.CANCEL:
+            self._cancel()
+        elif msg.kind is Kind.STOP:
+            self.stopping = True
+            self._cancel()
+        else:
+            log.warning("ignored a %s message from the supervisor", msg.kind.value)
+
+    def _cancel(self) -> None:
+        cancel = getattr(self.agent, "cancel", None)
+        if self.turn is not None and callable(cancel):
+            try:
+                cancel()
+            except Exception:
+                log.exception("runtime cancel failed")
+
+    def _run_turn(self, turn_id: str, text: str) -> None:
+        """The turn thread: run the agent, queue its events and its answer."""
+
+        def emit(event_type: str, data: Any = None) -> None:
+            self._post(
+                Message(
+                    Kind.EVENT,
+                    {"type": str(event_type), "data": data},
+                    session=self.key,
+                    re=turn_id,
+                )
+            )
+
+        try:
+            result = self.agent.run_turn(text, emit)
+            if isinstance(result, str):
+                result = runtime_mod.TurnReply(result)
+            final = Message(
+                Kind.REPLY,
+                {"text": result.text, "ok": True, "data": result.data},
+                session=self.key,
+                re=turn_id,
+            )
+        except Exception as exc:
+            log.exception("turn failed")
+            final = error_message(
+                ErrorCode.TURN_FAILED.value,
+                f"{type(exc).__name__}: {exc}",
+                re=turn_id,
+                session=self.key,
+            )
+        self._post(final)
+        self._post(None)  # the turn thread is done
+
+    def _post(self, msg: Message | None) -> None:
+        self.outbox.put(msg)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full, so the main loop is awake anyway
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                msg = self.outbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg is None:
+                if self.turn is not None:
+                    self.turn.join()
+                self.turn = None
+                self.turn_id = None
+                continue
+            try:
+                self._send(msg)
+            except Exception as exc:  # e.g. an event whose data msgpack cannot carry
+                log.error("cannot send %s: %s", msg.kind.value, exc)
+                if msg.kind is not Kind.EVENT:
+                    self._send(
+                        error_message(
+                            ErrorCode.TURN_FAILED.value,
+                            f"the reply could not be sent: {exc}",
+                            re=msg.re,
+                            session=self.key,
+                        )
+                    )

@@ -1,0 +1,128 @@
+"""The probe runtime: a diagnostic agent that needs no model.
+
+It lets tests and operators see a session's isolation for themselves:
+
+    env NAME           the value of NAME in this worker's os.environ ("" if unset)
+    setenv NAME VALUE  set NAME in this worker's os.environ
+    cwd                this worker's current directory
+    pid                this worker's pid
+    sh COMMAND         run COMMAND with /bin/sh in the workspace, streaming its
+                       output lines as events; the reply is its exit status
+    sleep SECONDS      sleep (cancellable)
+    write PATH TEXT    write TEXT to PATH, relative to the workspace
+    anything else      echoed back
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import psutil
+
+from .runtime import Emit, SessionInfo, TurnReply
+
+MAX_SLEEP = 24 * 3600.0
+
+
+class ProbeError(Exception):
+    """A probe command was used wrongly; the message says how to use it."""
+
+
+class ProbeRuntime:
+    """Answers the probe commands for one session."""
+
+    def __init__(self, session: SessionInfo) -> None:
+        self.session = session
+        self._cancelled = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def run_turn(self, text: str, emit: Emit) -> TurnReply:
+        """Handle one probe command."""
+        self._cancelled.clear()
+        command, _, rest = text.strip().partition(" ")
+        handler = getattr(self, f"_do_{command}", None)
+        if handler is None or command.startswith("_"):
+            return TurnReply(text)
+        return handler(rest, emit)  # type: ignore[no-any-return]
+
+    def cancel(self) -> None:
+        """Interrupt a running `sleep` or `sh` (from the worker's main thread)."""
+        self._cancelled.set()
+        proc = self._proc
+        if proc is not None:
+            try:
+                tree = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                tree = []
+            for p in [proc, *tree]:
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except (psutil.Error, ProcessLookupError):
+                    pass
+
+    def _do_env(self, rest: str, emit: Emit) -> TurnReply:
+        name = rest.strip()
+        if not name:
+            raise ProbeError("usage: env NAME")
+        return TurnReply(os.environ.get(name, ""), {"name": name, "set": name in os.environ})
+
+    def _do_setenv(self, rest: str, emit: Emit) -> TurnReply:
+        name, _, value = rest.strip().partition(" ")
+        if not name or "=" in name or "\0" in name + value:
+            raise ProbeError("usage: setenv NAME VALUE")
+        os.environ[name] = value
+        return TurnReply(f"{name}={value}")
+
+    def _do_cwd(self, rest: str, emit: Emit) -> TurnReply:
+        return TurnReply(os.getcwd())
+
+    def _do_pid(self, rest: str, emit: Emit) -> TurnReply:
+        return TurnReply(str(os.getpid()))
+
+    def _do_sleep(self, rest: str, emit: Emit) -> TurnReply:
+        try:
+            seconds = float(rest)
+        except ValueError:
+            raise ProbeError("usage: sleep SECONDS") from None
+        if not 0 <= seconds <= MAX_SLEEP:
+            raise ProbeError(f"sleep takes 0 to {MAX_SLEEP:.0f} seconds")
+        if self._cancelled.wait(seconds):
+            return TurnReply("cancelled", {"cancelled": True})
+        return TurnReply(f"slept {seconds:g}")
+
+    def _do_write(self, rest: str, emit: Emit) -> TurnReply:
+        name, _, content = rest.strip().partition(" ")
+        if not name:
+            raise ProbeError("usage: write PATH TEXT")
+        workspace = Path.cwd().resolve()
+        target = (workspace / name).resolve()
+        if target != workspace and workspace not in target.parents:
+            raise ProbeError(f"{name!r} is outside the workspace")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content)
+        return TurnReply(f"wrote {len(content.encode())} bytes to {name}", {"path": str(target)})
+
+    def _do_sh(self, rest: str, emit: Emit) -> TurnReply:
+        if not rest.strip():
+            raise ProbeError("usage: sh COMMAND")
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", rest],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self._proc = proc
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                emit("output", raw.decode("utf-8", "replace").rstrip("\n"))
+            status = proc.wait()
+        finally:
+            self._proc = None
+        if self._cancelled.is_set():
+            return TurnReply("cancelled", {"cancelled": True, "exit": status})
+        return TurnReply(f"exit {status}", {"exit": status})
