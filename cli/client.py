@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
 from hermes_sup.protocol import (
     ErrorCode,
     Kind,

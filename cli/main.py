@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.config import (
     DATA_DIR_ENV,

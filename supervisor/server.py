@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 `Supervisor.run` prepares everything that must exist before any zmq context
 or thread does (the state directory, the lock, the signing key, the subreaper
-flag, the zygote) and then enters one asyncio loop built on zmq.asyncio.
+flag, the zygote) and then enters one asyncio loop.
 
 Two ROUTER sockets are bound in the private state directory: `control.sock`
 for clients (front ends, the CLI) and `workers.sock` for workers. Only the
@@ -14,7 +14,7 @@ through the zygote and never crosses a socket. A worker's routing id is
 chosen by the supervisor, and its token proves it.
 
 Frames are read and sent without blocking (a slow client is dropped, never
-waited on). Signal handlers only put an event on a queue; the main loop reaps
+waited on); see channel.py for how the sockets are driven by the loop. Signal handlers only put an event on a queue; the main loop reaps
 children, forwards, spawns and kills. Long operations (spawn, kill, shutdown)
 are tasks, so no command blocks another.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 import zmq
-import zmq.asyncio
+
 from hermes_sup.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -52,6 +52,7 @@ from hermes_sup.protocol import (
 )
 
 from . import statedir
+from .channel import Channel
 from .config import Settings
 from .environment import SessionOptions, allowlisted, parse_options, worker_env
 from .process import WorkerProcess, become_subreaper, kill_processes
@@ -62,7 +63,6 @@ from .states import LIVE_STATES, Event, State
 log = logging.getLogger("hermes_sup.supervisor")
 
 MAX_UNCLAIMED_EXITS = 4096
-RECV_BATCH = 256
 
 
 def kv(event: str, **fields: Any) -> str:
@@ -174,20 +174,13 @@ class Supervisor:
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
-        self.ctx = zmq.asyncio.Context()
-        self.front = self._bind(self.control_endpoint)
-        self.back = self._bind(self.worker_endpoint)
-        # Sync views of the same sockets, for non-blocking drains and sends.
-        self._front: zmq.Socket[bytes] = zmq.Socket.shadow(self.front.underlying)
-        self._back: zmq.Socket[bytes] = zmq.Socket.shadow(self.back.underlying)
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.front = Channel(self._bind(self.control_endpoint), self._on_front, loop)
+        self.back = Channel(self._bind(self.worker_endpoint), self._on_back, loop)
         assert self.zygote is not None
         self.zygote.attach(loop)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))
-        readers = [
-            asyncio.create_task(self._serve(self.front, self._front, self._on_front)),
-            asyncio.create_task(self._serve(self.back, self._back, self._on_back)),
-        ]
         log.info(
             kv(
                 "ready",
@@ -201,17 +194,14 @@ class Supervisor:
         try:
             await self._main_loop()
         finally:
-            for task in readers:
-                task.cancel()
-            await asyncio.gather(*readers, return_exceptions=True)
             self.zygote.detach(loop)
-            self.front.close(0)
-            self.back.close(0)
+            self.front.close()
+            self.back.close()
             self.ctx.term()
         log.info(kv("stopped", pid=os.getpid()))
         return 0
 
-    def _bind(self, endpoint: str) -> zmq.asyncio.Socket:
+    def _bind(self, endpoint: str) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Sends to a peer that is gone raise instead of vanishing silently.
@@ -257,27 +247,6 @@ class Supervisor:
                     log.warning(kv("shutdown_forced", signal=name))
                     self._force_kill_all()
 
-    async def _serve(
-        self,
-        asock: zmq.asyncio.Socket,
-        sock: zmq.Socket[bytes],
-        handler: Callable[[list[bytes]], None],
-    ) -> None:
-        """Wait for a socket to be readable, then drain it without blocking."""
-        while True:
-            await asock.poll(None, zmq.POLLIN)
-            for _ in range(RECV_BATCH):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    handler(frames)
-                except Exception:
-                    log.exception(kv("bug", where=handler.__name__))
-            else:
-                await asyncio.sleep(0)  # let the other socket have a turn
-
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -302,7 +271,7 @@ class Supervisor:
                 self.key,
             )
         try:
-            self._front.send_multipart([client, *frames], zmq.NOBLOCK)
+            self.front.send([client, *frames])
         except zmq.Again:
             log.warning(kv("client_slow_dropped", kind=msg.kind.value, re=msg.re))
         except zmq.ZMQError as exc:
@@ -535,7 +504,7 @@ class Supervisor:
         if session.worker_id is None or session.token is None:
             return False
         try:
-            self._back.send_multipart([session.worker_id, *encode(msg, session.token)], zmq.NOBLOCK)
+            self.back.send([session.worker_id, *encode(msg, session.token)])
             return True
         except zmq.ZMQError as exc:
             log.warning(kv("worker_unreachable", session=session.key, error=exc))

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import psutil
 import zmq
+
 from hermes_sup.protocol import (
     ErrorCode,
     Kind,
@@ -166,7 +167,7 @@ class WorkerLoop:
         # The supervisor chose this routing id; our token signs every frame.
         self.sock.setsockopt(zmq.ROUTING_ID, bytes(req["worker_id"]))
         self.sock.connect(req["endpoint"])
-        self.outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.turn: threading.Thread | None = None
@@ -288,10 +289,9 @@ class WorkerLoop:
                 re=turn_id,
                 session=self.key,
             )
-        self._post(final)
-        self._post(None)  # the turn thread is done
+        self._post(final)  # the last thing this thread does
 
-    def _post(self, msg: Message | None) -> None:
+    def _post(self, msg: Message) -> None:
         self.outbox.put(msg)
         try:
             os.write(self._wake_w, b"\0")
@@ -304,17 +304,18 @@ class WorkerLoop:
                 msg = self.outbox.get_nowait()
             except queue.Empty:
                 return
-            if msg is None:
-                if self.turn is not None:
-                    self.turn.join()
+            final = msg.kind is not Kind.EVENT
+            if final and self.turn is not None:
+                # The final answer is the thread's last act: mark the turn
+                # over before the supervisor, seeing it, sends the next one.
+                self.turn.join()
                 self.turn = None
                 self.turn_id = None
-                continue
             try:
                 self._send(msg)
             except Exception as exc:  # e.g. an event whose data msgpack cannot carry
                 log.error("cannot send %s: %s", msg.kind.value, exc)
-                if msg.kind is not Kind.EVENT:
+                if final:
                     self._send(
                         error_message(
                             ErrorCode.TURN_FAILED.value,

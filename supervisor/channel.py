@@ -1,0 +1,79 @@
+"""A zmq socket driven by the asyncio loop without a future per message.
+
+A zmq socket's FD is edge-triggered: it signals "something changed", and any
+operation on the socket (a send included) may consume that edge while input
+is waiting. So: on FD readiness, drain while EVENTS says POLLIN (in bounded
+batches, yielding to the loop between them); after every send, look at
+EVENTS again and schedule a drain if input is now pending. Nothing blocks:
+sends use NOBLOCK and the caller decides what a full queue means.
+
+zmq.asyncio would await one future per message, which costs several times
+the routing work itself at the message rates a supervisor of many sessions
+sees; this keeps the whole supervisor on one asyncio loop all the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+BATCH = 256
+
+
+class Channel:
+    """One socket, one handler for what arrives on it."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        handler: Callable[[list[bytes]], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.sock = sock
+        self.handler = handler
+        self.loop = loop
+        self._scheduled = False
+        self._fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._drain)
+        self._schedule()  # input may have arrived before we were watching
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        if self.sock.closed:
+            return
+        for _ in range(BATCH):
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.handler(frames)
+            except Exception:
+                # A bug in a handler must not stop the socket being served.
+                log.exception("handler failed for a message; continuing")
+        self._schedule()  # more waiting: let other work run, then continue
+
+    def send(self, frames: list[bytes]) -> None:
+        """Send without blocking; raises zmq.Again (queue full) or zmq.ZMQError."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        finally:
+            if not self.sock.closed and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._schedule()
+
+    def close(self) -> None:
+        """Stop watching and close the socket at once (linger 0)."""
+        self.loop.remove_reader(self._fd)
+        self.sock.close(0)

@@ -1,0 +1,187 @@
+"""Shared fixtures: a real supervisor, and checks that tests leave nothing behind.
+
+Every end-to-end test runs its supervisor on a short private directory under
+/tmp (unix socket paths are limited to 107 bytes). After the test, any
+process whose command line, working directory or environment mentions that
+directory is a leak: the test fails, and the leaked processes (ours, found
+by pid) are killed so they do not poison the next test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from hermes_sup.cli.client import Client, NotRunning, RequestTimeout
+
+
+def processes_mentioning(marker: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose cmdline, cwd or environment contains `marker`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if marker in cmdline or marker in proc.cwd():
+                found.append(proc)
+                continue
+            if any(marker in v for v in proc.environ().values()):
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def wait_gone(marker: str, timeout: float) -> list[psutil.Process]:
+    """Wait until no process mentions `marker`; return the survivors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_mentioning(marker)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A short private directory for one test; fails the test if any process
+    that mentions it outlives the test."""
+    path = Path(tempfile.mkdtemp(prefix="hst-", dir="/tmp"))
+    yield path
+    survivors = wait_gone(str(path), timeout=5.0)
+    for proc in survivors:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
+    if survivors:
+        names = ", ".join(f"{p.pid}" for p in survivors)
+        pytest.fail(f"processes outlived the test: {names}")
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A zmq context that must terminate within 5 s at teardown (sockets closed, linger 0)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    done = threading.Event()
+
+    def term() -> None:
+        ctx.term()
+        done.set()
+
+    threading.Thread(target=term, daemon=True).start()
+    if not done.wait(5.0):
+        pytest.fail("zmq context did not terminate: a socket was left open")
+
+
+class Supervisor:
+    """A real `hermes-sup serve` process for one test."""
+
+    def __init__(self, root: Path, args: list[str], env: dict[str, str] | None) -> None:
+        self.root = root
+        self.state_dir = root / "s"
+        self.data_dir = root / "d"
+        self.log_path = root / "supervisor.log"
+        self.args = args
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True) -> Supervisor:
+        """Start the supervisor and wait until it answers a ping."""
+        env = dict(os.environ if self.env is None else self.env)
+        cmd = [
+            sys.executable,
+            "-m",
+            "hermes_sup.cli",
+            "--state-dir",
+            str(self.state_dir),
+            "serve",
+            "--data-dir",
+            str(self.data_dir),
+            *self.args,
+        ]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Block until the supervisor answers, or fail with its log."""
+        deadline = time.monotonic() + timeout
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"supervisor exited early:\n{self.log()}")
+            try:
+                with Client(self.state_dir, timeout=1.0) as c:
+                    c.ping()
+                return
+            except (NotRunning, RequestTimeout):
+                time.sleep(0.02)
+        raise AssertionError(f"supervisor did not get ready:\n{self.log()}")
+
+    def client(self, timeout: float = 15.0) -> Client:
+        """A new client of this supervisor (close it, or use `with`)."""
+        return Client(self.state_dir, timeout=timeout)
+
+    def log(self) -> str:
+        """Everything the supervisor printed."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait; a supervisor that does not stop fails the test."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"supervisor did not stop on SIGTERM:\n{self.log()}") from None
+        finally:
+            self._log.close()
+
+
+@pytest.fixture
+def supervisor_factory(workdir: Path) -> Iterator[object]:
+    """Make (and always stop) real supervisors: factory(*serve_args, env=None)."""
+    made: list[Supervisor] = []
+
+    def make(
+        *args: str, env: dict[str, str] | None = None, start: bool = True, root: Path | None = None
+    ) -> Supervisor:
+        sup = Supervisor(root or workdir, list(args), env)
+        made.append(sup)
+        return sup.start() if start else sup
+
+    yield make
+    for sup in made:
+        sup.stop()
+
+
+@pytest.fixture
+def supervisor(supervisor_factory: object) -> Supervisor:
+    """One running supervisor with the probe runtime."""
+    return supervisor_factory()  # type: ignore[operator,no-any-return]

@@ -1,0 +1,162 @@
+"""Logic tier: session keys, the state table and the worker environment policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hermes_sup.protocol import ErrorCode, RemoteProtocolError, check_session_key, session_dir_name
+from hermes_sup.supervisor.environment import (
+    SessionOptions,
+    allowlisted,
+    parse_options,
+    worker_env,
+)
+from hermes_sup.supervisor.states import (
+    TRANSITIONS,
+    Event,
+    InvalidTransition,
+    State,
+    next_state,
+)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "alice",
+        "telegram:-100123456",
+        "slack:T01:C02",
+        "550e8400-e29b-41d4-a716-446655440000",
+        "user@example.com",
+        "a" * 128,
+        "7",
+    ],
+)
+def test_valid_keys(key: str) -> None:
+    assert check_session_key(key) == key
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "",
+        "../../etc",
+        "..",
+        ".hidden",
+        "-rf",
+        "a/b",
+        "a\0b",
+        "a b",
+        "a\nb",
+        "é",
+        "a" * 129,
+        "/etc/passwd",
+        "a\\b",
+        42,
+        None,
+        b"bytes",
+    ],
+)
+def test_invalid_keys_are_refused_with_the_rule(key: object) -> None:
+    with pytest.raises(RemoteProtocolError) as err:
+        check_session_key(key)
+    assert err.value.code is ErrorCode.BAD_SESSION_KEY
+    assert "session key" in err.value.message
+
+
+def test_session_dir_is_a_digest_not_the_key() -> None:
+    name = session_dir_name("alice")
+    assert "alice" not in name and len(name) == 32
+    assert name != session_dir_name("alice2")
+    assert Path(name).name == name
+
+
+def test_every_state_can_be_left() -> None:
+    """No state is a dead end: each has a transition out (or is EXITED, the rest state)."""
+    sources = {s for s, _ in TRANSITIONS}
+    assert sources == set(State)
+
+
+def test_normal_life_of_a_session() -> None:
+    s = State.EXITED
+    for ev, want in [
+        (Event.SPAWN, State.STARTING),
+        (Event.HELLO, State.IDLE),
+        (Event.TURN, State.BUSY),
+        (Event.DONE, State.IDLE),
+        (Event.KILL, State.STOPPING),
+        (Event.EXIT, State.EXITED),
+    ]:
+        s = next_state(s, ev)
+        assert s is want
+
+
+@pytest.mark.parametrize(
+    "state, event",
+    [
+        (State.EXITED, Event.TURN),
+        (State.IDLE, Event.HELLO),
+        (State.EXITED, Event.KILL),
+        (State.STOPPING, Event.TURN),
+        (State.BUSY, Event.TURN),
+    ],
+)
+def test_transitions_not_in_the_table_raise(state: State, event: Event) -> None:
+    with pytest.raises(InvalidTransition):
+        next_state(state, event)
+
+
+def test_allowlist_keeps_only_named_variables() -> None:
+    env = {"PATH": "/bin", "LC_ALL": "C", "OPENAI_API_KEY": "sk-secret", "AWS_SECRET": "x"}
+    assert allowlisted(env, ("PATH", "LC_*")) == {"PATH": "/bin", "LC_ALL": "C"}
+
+
+def test_worker_env_layers_and_session_values_win() -> None:
+    opts = parse_options(
+        {"session_env": {"platform": "telegram", "chat_id": "42"}, "env": {"FOO": "from-options"}}
+    )
+    env = worker_env(
+        {"PATH": "/bin", "FOO": "base"},
+        {"FOO": "fixed", "BAR": "1"},
+        opts,
+        "alice",
+        Path("/d/home"),
+        Path("/d/ws"),
+    )
+    assert env == {
+        "PATH": "/bin",
+        "FOO": "from-options",
+        "BAR": "1",
+        "HERMES_SESSION_PLATFORM": "telegram",
+        "HERMES_SESSION_CHAT_ID": "42",
+        "HERMES_SESSION_KEY": "alice",
+        "HERMES_HOME": "/d/home",
+        "TERMINAL_CWD": "/d/ws",
+    }
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ("nope", "'options' must be a map"),
+        ({"colour": {}}, "unknown option 'colour'"),
+        ({"env": {"HERMES_HOME": "/tmp/x"}}, "set by the supervisor"),
+        ({"env": {"1BAD": "x"}}, "invalid variable name"),
+        ({"env": {"A": 1}}, "must be a string"),
+        ({"env": {"A": "x\0y"}}, "NUL"),
+        ({"session_env": {"chat-id": "1"}}, "invalid variable name"),
+        ({"session_env": {f"k{i}": "v" for i in range(65)}}, "at most 64"),
+    ],
+)
+def test_bad_options_name_what_is_wrong(raw: object, words: str) -> None:
+    with pytest.raises(RemoteProtocolError) as err:
+        parse_options(raw)
+    assert err.value.code is ErrorCode.BAD_FIELD
+    assert words in err.value.message
+
+
+def test_options_compare_by_value() -> None:
+    assert parse_options({"env": {"A": "1"}}) == SessionOptions(env={"A": "1"})
+    assert not parse_options(None)
