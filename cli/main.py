@@ -125,6 +125,13 @@ def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
     help="Seconds a worker gets to stop before SIGTERM (then SIGKILL).",
 )
 @click.option(
+    "--max-queue",
+    type=click.IntRange(1),
+    default=256,
+    show_default=True,
+    help="Turns one session may have waiting before senders get a busy error.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -140,6 +147,7 @@ def serve(
     env_pairs: tuple[str, ...],
     max_frame_size: int,
     stop_timeout: float,
+    max_queue: int,
     log_level: str,
 ) -> None:
     """Run the supervisor in the foreground until SIGTERM or Ctrl-C.
@@ -165,6 +173,7 @@ def serve(
         env=_parse_pairs(env_pairs, "--env"),
         max_frame_size=max_frame_size,
         stop_timeout=stop_timeout,
+        max_queue=max_queue,
         log_level=log_level,
     )
     try:

@@ -77,4 +77,6 @@ class Settings:
     start_timeout: float = 30.0
     # Shutdown: how long running turns may finish before workers are stopped.
     shutdown_grace: float = 10.0
+    # Turns one session may have waiting; over it, a `busy` error, nothing dropped.
+    max_queue: int = 256
     log_level: str = "info"

@@ -206,7 +206,10 @@ class Supervisor:
         sock.setsockopt(zmq.LINGER, 0)
         # Sends to a peer that is gone raise instead of vanishing silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_size + 4096)
+        # Frames a little over the limit reach decode and get a clear too_large
+        # reply; far over it, zmq drops the peer before buffering the frame.
+        limit = self.settings.max_frame_size
+        sock.setsockopt(zmq.MAXMSGSIZE, limit + limit // 4 + 4096)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         path = endpoint.removeprefix("ipc://")
@@ -370,6 +373,12 @@ class Supervisor:
         self._check_accepting()
         session = self._session_for(key, msg.body.get("options"), create=True)
         assert session is not None
+        if len(session.queue) >= self.settings.max_queue:
+            raise RemoteProtocolError(
+                ErrorCode.BUSY,
+                f"session {key!r} already has {len(session.queue)} turns waiting "
+                f"(limit {self.settings.max_queue}); try again when it catches up",
+            )
         session.queue.append(Turn(id=msg.id, client=client, text=msg.body["text"]))
         session.touch()
         # Acknowledge at once, so a client can tell a slow turn from a dead supervisor.

@@ -1,0 +1,36 @@
+# hermes-sup: `make run` and `make test` work on a fresh machine with Python 3.11+.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Parallel test processes (pytest-xdist); every test has its own supervisor.
+JOBS   ?= 2
+
+.PHONY: install run test test-fast lint typecheck clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Install (or refresh) the package and its test tools into the venv.
+install: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+
+run: install
+	$(BIN)/hermes-sup serve
+
+test: install
+	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
+
+test-fast: install
+	$(BIN)/python -m pytest -n $(JOBS) -m "not e2e"
+
+lint: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+typecheck: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/mypy protocol
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

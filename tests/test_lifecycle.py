@@ -1,0 +1,229 @@
+"""Workers that die, sessions that are killed, a supervisor that is killed:
+real processes throughout, checked with psutil."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from hermes_sup.cli.client import SupervisorError
+from hermes_sup.protocol import Kind
+
+from .conftest import processes_mentioning, wait_gone
+
+pytestmark = pytest.mark.e2e
+
+# Three kinds of grandchild: a plain background child, one that left the
+# process group with setsid, and a daemon whose parent exited at once.
+GRANDCHILDREN = (
+    "sh sleep 1000 >/dev/null 2>&1 & "
+    "setsid sleep 1001 >/dev/null 2>&1 & "
+    "(setsid sh -c 'sleep 1002' >/dev/null 2>&1 &) ; "
+    "echo started"
+)
+
+
+def worker_pid(client, key: str) -> int:
+    return int(client.run(key, "pid")[0].body["text"])
+
+
+def tree_of(pid: int, expect: int) -> list[psutil.Process]:
+    """The worker's descendants, once all `expect` sleeps have started."""
+    deadline = time.monotonic() + 5
+    while True:
+        procs = psutil.Process(pid).children(recursive=True)
+        sleeps = [p for p in procs if p.name() == "sleep"]
+        if len(sleeps) >= expect or time.monotonic() > deadline:
+            return procs
+        time.sleep(0.02)
+
+
+def all_gone(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_kill_leaves_no_descendant_behind(supervisor, force: bool) -> None:
+    with supervisor.client() as client:
+        pid = worker_pid(client, "victim")
+        assert client.run("victim", "write keep.txt data")[0].kind is Kind.REPLY
+        assert client.run("victim", GRANDCHILDREN)[0].body["text"] == "exit 0"
+        procs = tree_of(pid, expect=3)
+        assert len([p for p in procs if p.name() == "sleep"]) == 3
+        other = worker_pid(client, "bystander")
+
+        result = client.kill("victim", force=force)
+        assert result["pid"] == pid
+        assert result["reason"] == ("killed" if force else "stopped")
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert all_gone(procs, timeout=3) == []
+
+        rows = {r["key"]: r for r in client.sessions()}
+        assert rows["victim"]["state"] == "exited" and rows["victim"]["pid"] is None
+        assert rows["bystander"]["state"] == "idle" and rows["bystander"]["pid"] == other
+
+        # Data stays; the next message starts a fresh worker on it.
+        reply, events = client.run("victim", "sh cat keep.txt")
+        assert events[-1].body["data"] == "data"
+        assert worker_pid(client, "victim") != pid
+
+
+def test_killing_an_unknown_session_is_an_error(supervisor) -> None:
+    with supervisor.client() as client:
+        with pytest.raises(SupervisorError) as err:
+            client.kill("nobody")
+        assert err.value.code == "no_such_session"
+
+
+def test_worker_killed_mid_turn_is_reported_and_others_keep_working(supervisor) -> None:
+    with supervisor.client(timeout=10) as client:
+        client.run("steady", "pid")
+        req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="doomed")
+        running_pid = None
+        while running_pid is None:
+            msg = client.next()
+            assert msg.re == req
+            running_pid = msg.body["data"].get("pid") if msg.kind is Kind.EVENT else None
+        os.kill(running_pid, signal.SIGKILL)
+        started = time.monotonic()
+        msg = client.next()
+        took = time.monotonic() - started
+        assert msg.kind is Kind.ERROR and msg.re == req
+        assert msg.body["code"] == "worker_died"
+        assert "SIGKILL" in msg.body["message"] and str(running_pid) in msg.body["message"]
+        assert took < 2.0  # prompt: reaped on SIGCHLD, not by polling
+        assert client.run("steady", "env HERMES_SESSION_KEY")[0].body["text"] == "steady"
+        row = next(r for r in client.sessions() if r["key"] == "doomed")
+        assert row["state"] == "exited" and "SIGKILL" in row["last_exit"]
+        # Lazy restart on the next message.
+        assert worker_pid(client, "doomed") != running_pid
+
+
+def test_orphans_of_a_crashed_worker_are_killed(supervisor) -> None:
+    with supervisor.client() as client:
+        pid = worker_pid(client, "crashy")
+        client.run("crashy", GRANDCHILDREN)
+        procs = tree_of(pid, expect=3)
+        os.kill(pid, signal.SIGKILL)
+        assert all_gone(procs, timeout=5) == []
+        assert client.ping()["pid"] == supervisor.pid
+
+
+def test_supervisor_sigkill_leaves_nothing_running(supervisor_factory, workdir) -> None:
+    sup = supervisor_factory()
+    with sup.client() as client:
+        pids = [worker_pid(client, f"s{i}") for i in range(4)]
+        client.run("s0", GRANDCHILDREN)
+        tree_of(pids[0], expect=3)
+        busy = client.submit(Kind.SEND, {"text": "sleep 60"}, session="s1")
+        assert client.next().re == busy
+    ours = processes_mentioning(str(workdir))
+    assert len(ours) >= 1 + 1 + 4 + 3  # supervisor, zygote, workers, sleeps
+    os.kill(sup.pid, signal.SIGKILL)
+    sup.proc.wait()
+    survivors = wait_gone(str(workdir), timeout=3.0)
+    assert survivors == [], [(p.pid, p.name()) for p in survivors]
+
+
+def test_a_second_supervisor_refuses_and_a_stale_socket_does_not_block(
+    supervisor_factory, workdir
+) -> None:
+    first = supervisor_factory()
+    second = supervisor_factory(start=False)
+    second.start(wait=False)
+    assert second.proc.wait(20) == 1
+    assert "already running" in second.log() and str(first.pid) in second.log()
+    # Killed hard, the first leaves its socket files behind; a new one starts anyway.
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait()
+    assert (first.state_dir / "control.sock").exists()
+    wait_gone(str(workdir), timeout=3.0)
+    third = supervisor_factory()
+    with third.client() as client:
+        assert client.run("x", "pid")[0].kind is Kind.REPLY
+
+
+def test_sigterm_lets_the_running_turn_finish_then_stops_everything(
+    supervisor_factory, workdir
+) -> None:
+    sup = supervisor_factory()
+    with sup.client(timeout=15) as client:
+        client.run("idle-one", "pid")
+        req = client.submit(Kind.SEND, {"text": "sleep 1"}, session="busy-one")
+        assert client.next().re == req  # queued
+        assert client.next().body["data"]["state"] == "running"
+        queued = client.submit(Kind.SEND, {"text": "pid"}, session="busy-one")
+        sup.proc.send_signal(signal.SIGTERM)
+        answers = {}
+        while len(answers) < 2:
+            msg = client.next()
+            if msg.kind is not Kind.EVENT:
+                answers[msg.re] = msg
+    assert answers[req].kind is Kind.REPLY and answers[req].body["text"] == "slept 1"
+    assert answers[queued].kind is Kind.ERROR
+    assert answers[queued].body["code"] == "shutting_down"
+    assert sup.proc.wait(15) == 0
+    assert wait_gone(str(workdir), timeout=3.0) == []
+
+
+def test_messages_queued_during_start_run_in_order(supervisor) -> None:
+    with supervisor.client() as client:
+        reqs = [
+            client.submit(Kind.SEND, {"text": f"sh echo {i}"}, session="ordered") for i in range(20)
+        ]
+        order = []
+        while len(order) < 20:
+            msg = client.next()
+            if msg.kind is Kind.EVENT and msg.body["type"] == "output":
+                order.append(int(msg.body["data"]))
+                assert msg.re == reqs[int(msg.body["data"])]
+        assert order == list(range(20))
+
+
+def test_cancel_interrupts_the_running_turn(supervisor) -> None:
+    with supervisor.client() as client:
+        req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="c")
+        while True:
+            msg = client.next()
+            if msg.kind is Kind.EVENT and msg.body["data"].get("state") == "running":
+                break
+        started = time.monotonic()
+        assert client.cancel("c") == req
+        reply = client._answer(req)
+        while reply.kind is Kind.EVENT:
+            reply = client._answer(req)
+        assert reply.body["text"] == "cancelled"
+        assert time.monotonic() - started < 5
+
+
+def test_cli_exit_codes_and_output(supervisor, workdir) -> None:
+    base = [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(supervisor.state_dir)]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *args], capture_output=True, text=True, timeout=30)
+
+    ok = run("send", "cli", "sh echo hello; echo world")
+    assert ok.returncode == 0 and ok.stdout == "hello\nworld\nexit 0\n"
+    bad = run("send", "../etc", "hi")
+    assert bad.returncode == 1 and "invalid session key" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    listed = run("list", "--json")
+    assert listed.returncode == 0 and '"key": "cli"' in listed.stdout
+    assert run("kill", "nobody").returncode == 1
+    assert run("ping").returncode == 0
+    missing = subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(workdir / "nope"), "ping"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert missing.returncode == 3 and "hermes-sup --state-dir" in missing.stderr
+    usage = run("send", "only-one-arg")
+    assert usage.returncode == 2
