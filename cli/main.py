@@ -89,6 +89,75 @@ def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
     return out
 
 
+# Lifecycle settings, one flag each: (flag, Settings field, type, help).
+# "none" or 0 turns off a limit that may be off.
+TUNABLES: list[tuple[str, str, Any, str]] = [
+    ("--max-sessions", "max_sessions", int, "Live workers at most [default: from the fd limit]."),
+    (
+        "--idle-timeout",
+        "idle_timeout",
+        float,
+        "Stop sessions idle this many seconds [default: never].",
+    ),
+    ("--turn-timeout", "turn_timeout", float, "Cancel turns running longer [default: no limit]."),
+    ("--heartbeat-timeout", "heartbeat_timeout", float, "A worker silent this long is hung [10]."),
+    ("--memory-limit", "memory_limit_mb", int, "MiB of RSS per session, children included [2048]."),
+    ("--max-procs", "max_procs", int, "Processes per session besides the worker [256]."),
+    ("--max-open-files", "max_open_files", int, "Open-file rlimit of each worker [1024]."),
+    ("--cpu-seconds", "cpu_seconds", int, "CPU-time rlimit of each worker [default: none]."),
+    ("--min-uptime", "min_uptime", float, "A worker dying sooner is a fast failure [2]."),
+    ("--backoff-base", "backoff_base", float, "First back-off delay in seconds; doubles [0.5]."),
+    ("--backoff-cap", "backoff_cap", float, "Longest back-off delay in seconds [30]."),
+    ("--max-fast-failures", "max_fast_failures", int, "Fast failures before failed [5]."),
+    (
+        "--failed-cooldown",
+        "failed_cooldown",
+        float,
+        "Seconds a failed session refuses turns [300].",
+    ),
+    ("--shutdown-grace", "shutdown_grace", float, "Seconds running turns get at shutdown [10]."),
+    ("--max-queued-total", "max_queued_total", int, "Turns waiting across all sessions [10000]."),
+]
+OPTIONAL = {
+    "max_sessions",
+    "idle_timeout",
+    "turn_timeout",
+    "memory_limit_mb",
+    "max_procs",
+    "max_open_files",
+    "cpu_seconds",
+}
+
+
+def _tunable_type(field: str, kind: Any) -> click.ParamType:
+    class Tunable(click.ParamType):
+        name = kind.__name__
+
+        def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+            if isinstance(value, str) and value.lower() == "none" and field in OPTIONAL:
+                return None
+            try:
+                number = kind(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number", param, ctx)
+            if number < 0:
+                self.fail(f"{value!r} is negative", param, ctx)
+            if number == 0 and field in OPTIONAL:
+                return None
+            return number
+
+    return Tunable()
+
+
+def tunables(func: Any) -> Any:
+    """Add one option per TUNABLES row; unset ones keep Settings' defaults."""
+    for flag, field, kind, help_text in reversed(TUNABLES):
+        func = click.option(
+            flag, field, type=_tunable_type(field, kind), default=None, help=help_text
+        )(func)
+    return func
+
+
 @cli.command()
 @click.option(
     "--data-dir",
@@ -137,6 +206,7 @@ def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
     default="info",
     show_default=True,
 )
+@tunables
 @click.pass_context
 def serve(
     ctx: click.Context,
@@ -149,6 +219,7 @@ def serve(
     stop_timeout: float,
     max_queue: int,
     log_level: str,
+    **tuned: Any,
 ) -> None:
     """Run the supervisor in the foreground until SIGTERM or Ctrl-C.
 
@@ -176,6 +247,12 @@ def serve(
         max_queue=max_queue,
         log_level=log_level,
     )
+    for field, value in tuned.items():
+        if (
+            value is not None
+            or ctx.get_parameter_source(field) is click.core.ParameterSource.COMMANDLINE
+        ):
+            setattr(settings, field, value)
     try:
         code = Supervisor(settings).run()
     except StateDirError as exc:

@@ -25,6 +25,8 @@ def describe_exit(code: int | None, signal_name: str | None) -> str:
     if signal_name is not None:
         if signal_name == "SIGKILL":
             return "killed by SIGKILL (perhaps out of memory)"
+        if signal_name == "SIGXCPU":
+            return "killed by SIGXCPU (CPU time limit exceeded)"
         return f"killed by {signal_name}"
     if code is None:
         return "ended for an unknown reason"

@@ -33,11 +33,14 @@ class Kind(StrEnum):
     SESSIONS = "sessions"
     KILL = "kill"
     KILLED = "killed"
+    WATCH = "watch"
+    UNWATCH = "unwatch"
     ERROR = "error"
     # worker <-> supervisor
     HELLO = "hello"
     TURN = "turn"
     STOP = "stop"
+    HEARTBEAT = "heartbeat"
 
 
 _NONE = type(None)
@@ -68,10 +71,13 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.SESSIONS: {"sessions": ((list,), True)},
     Kind.KILL: {"force": ((bool,), False), "timeout": (_NUM, False)},
     Kind.KILLED: {"pid": ((int, _NONE), True), "reason": ((str,), True)},
+    Kind.WATCH: {"replay": ((int,), False)},
+    Kind.UNWATCH: {"watch": ((str,), True)},
     Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},
     Kind.HELLO: {"pid": ((int,), True)},
     Kind.TURN: {"text": ((str,), True)},
     Kind.STOP: {},
+    Kind.HEARTBEAT: {"busy": ((bool,), False)},
 }
 
 # Kinds whose envelope must name a session.

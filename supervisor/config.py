@@ -77,6 +77,41 @@ class Settings:
     start_timeout: float = 30.0
     # Shutdown: how long running turns may finish before workers are stopped.
     shutdown_grace: float = 10.0
-    # Turns one session may have waiting; over it, a `busy` error, nothing dropped.
+    # Turns one session may have waiting, and all sessions together; over
+    # either, a `busy` error: nothing is dropped silently.
     max_queue: int = 256
+    max_queued_total: int = 10_000
+    # Workers heartbeat from their main loop (never from the turn thread), so
+    # a long turn is busy, not hung. Silent this long: SIGABRT (a traceback
+    # lands in the session log), then SIGKILL after abort_grace.
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    abort_grace: float = 2.0
+    # A turn running longer is cancelled and reported (None: no limit, the
+    # default for agents); a runtime that ignores the cancel is killed.
+    turn_timeout: float | None = None
+    cancel_grace: float = 5.0
+    # A worker that dies sooner than min_uptime after its spawn is a fast
+    # failure: back off backoff_base * 2^(n-1) seconds (at most backoff_cap);
+    # after max_fast_failures in a row the session is failed until killed or
+    # until failed_cooldown passes.
+    min_uptime: float = 2.0
+    backoff_base: float = 0.5
+    backoff_cap: float = 30.0
+    max_fast_failures: int = 5
+    failed_cooldown: float = 300.0
+    # Per-session limits. Memory is the RSS of the worker and all its
+    # descendants, sampled every limits_interval; over it the session is
+    # recycled. max_procs counts the worker's descendants the same way.
+    # max_open_files and cpu_seconds are rlimits set in the worker.
+    memory_limit_mb: int | None = 2048
+    max_procs: int | None = 256
+    max_open_files: int | None = 1024
+    cpu_seconds: int | None = None
+    limits_interval: float = 2.0
+    # Live workers at most (None: derived from the open-file limit). When
+    # full, the least recently used idle session is stopped to make room.
+    max_sessions: int | None = None
+    # Stop sessions idle this long (None: never). Busy sessions never are.
+    idle_timeout: float | None = None
     log_level: str = "info"

@@ -14,9 +14,14 @@ through the zygote and never crosses a socket. A worker's routing id is
 chosen by the supervisor, and its token proves it.
 
 Frames are read and sent without blocking (a slow client is dropped, never
-waited on); see channel.py for how the sockets are driven by the loop. Signal handlers only put an event on a queue; the main loop reaps
-children, forwards, spawns and kills. Long operations (spawn, kill, shutdown)
-are tasks, so no command blocks another.
+waited on); see channel.py for how the sockets are driven by the loop.
+Signal handlers only put an event on a queue; the main loop reaps children.
+A tick enforces heartbeats, limits and idle time. Long operations (spawn,
+kill, shutdown) are tasks, so no command waits for another.
+
+Every state change goes through `_transition`, which applies the table in
+states.py and publishes the change to watchers. Every turn ends in exactly
+one reply or error to its client, whatever happens to its worker.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import resource
 import secrets
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -44,6 +51,7 @@ from hermes_sup.protocol import (
     Message,
     RemoteProtocolError,
     ReplayGuard,
+    WorkerExit,
     check_session_key,
     decode,
     describe_exit,
@@ -55,7 +63,9 @@ from . import statedir
 from .channel import Channel
 from .config import Settings
 from .environment import SessionOptions, allowlisted, parse_options, worker_env
+from .limits import TreeUsage, safe_max_sessions, scan_trees
 from .process import WorkerProcess, become_subreaper, kill_processes
+from .records import WorkerRecords
 from .session import Session, Turn, open_session_dir, save_session_meta
 from .spawner import Zygote, ZygoteError
 from .states import LIVE_STATES, Event, State
@@ -63,6 +73,12 @@ from .states import LIVE_STATES, Event, State
 log = logging.getLogger("hermes_sup.supervisor")
 
 MAX_UNCLAIMED_EXITS = 4096
+MAX_WATCHERS = 1024
+# Answers kept so that a client resending a `send` with the same id after a
+# timeout gets the same turn, never a second run of it.
+DEDUP_ENTRIES = 10_000
+TICK = 0.25
+MIB = 1024 * 1024
 
 
 def kv(event: str, **fields: Any) -> str:
@@ -84,6 +100,24 @@ def version() -> str:
         return "0+unknown"
 
 
+@dataclass
+class Watcher:
+    """A client that asked to see state changes (of one session, or all)."""
+
+    client: bytes
+    id: str
+    session: str | None
+
+
+@dataclass
+class SentTurn:
+    """What the supervisor remembers of a `send`, for resends with the same id."""
+
+    session: str
+    turn: Turn | None
+    final: Message | None = None
+
+
 class Supervisor:
     """One supervisor process serving many sessions."""
 
@@ -96,16 +130,23 @@ class Supervisor:
         self.by_worker_id: dict[bytes, Session] = {}
         self.by_pid: dict[int, Session] = {}
         self.unclaimed_exits: dict[int, int] = {}
+        self.watchers: dict[str, Watcher] = {}
+        self.sent: OrderedDict[str, SentTurn] = OrderedDict()
+        self.queued_total = 0
+        self.max_sessions = settings.max_sessions or 1
         self.accepting = True
         self.forced = False
         self.started = time.time()
         self.key = b""
         self.base_env: dict[str, str] = {}
         self.zygote: Zygote | None = None
+        self.records: WorkerRecords | None = None
         self._lock = statedir.InstanceLock(settings.state_dir)
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cull_pending = False
+        self._scanning = False
+        self._next_scan = 0.0
         self._front_handlers: dict[Kind, Callable[[bytes, Message], None]] = {
             Kind.PING: self._on_ping,
             Kind.OPEN: self._on_open,
@@ -113,6 +154,8 @@ class Supervisor:
             Kind.CANCEL: self._on_cancel,
             Kind.LIST: self._on_list,
             Kind.KILL: self._on_kill,
+            Kind.WATCH: self._on_watch,
+            Kind.UNWATCH: self._on_unwatch,
         }
 
     # ------------------------------------------------------------------ start
@@ -127,7 +170,10 @@ class Supervisor:
         self._lock.acquire()
         try:
             self.key = statedir.load_or_create_key(s.state_dir)
-            self._raise_fd_limit()
+            self.records = WorkerRecords(s.state_dir)
+            for line in self.records.stop_leftovers():
+                log.warning(kv("leftover_worker", detail=line))
+            self._size_for_fd_limit()
             become_subreaper()
             self.base_env = allowlisted(self.environ, s.pass_env)
             self._start_zygote()
@@ -142,11 +188,27 @@ class Supervisor:
                     pass
             self._lock.release()
 
-    def _raise_fd_limit(self) -> None:
+    def _size_for_fd_limit(self) -> None:
+        """Raise our open-file limit to the hard limit and derive max_sessions
+        from it: running out of descriptors aborts libzmq, so refuse first."""
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard != resource.RLIM_INFINITY and soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        log.info(kv("fd_limit", soft=resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+            soft = hard
+        safe = safe_max_sessions(soft)
+        wanted = self.settings.max_sessions
+        if wanted is not None and wanted > safe:
+            log.warning(
+                kv(
+                    "max_sessions_lowered",
+                    wanted=wanted,
+                    allowed=safe,
+                    fd_limit=soft,
+                    hint="raise LimitNOFILE / ulimit -n to allow more",
+                )
+            )
+        self.max_sessions = min(wanted or safe, safe)
+        log.info(kv("limits", fd_limit=soft, max_sessions=self.max_sessions))
 
     def _start_zygote(self) -> None:
         home = self.settings.data_dir / "zygote-home"
@@ -191,9 +253,11 @@ class Supervisor:
             )
         )
         self._reap()  # anything that died before the handler was installed
+        ticker = asyncio.create_task(self._tick_loop())
         try:
             await self._main_loop()
         finally:
+            ticker.cancel()
             self.zygote.detach(loop)
             self.front.close()
             self.back.close()
@@ -250,6 +314,39 @@ class Supervisor:
                     log.warning(kv("shutdown_forced", signal=name))
                     self._force_kill_all()
 
+    async def _tick_loop(self) -> None:
+        """Heartbeats, limits and idle time, a few times a second."""
+        while True:
+            await asyncio.sleep(TICK)
+            try:
+                self._tick()
+            except Exception:
+                log.exception(kv("bug", where="tick"))
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        wall = time.time()
+        s = self.settings
+        for session in list(self.sessions.values()):
+            if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
+                silent = now - session.last_heartbeat
+                if silent > s.heartbeat_timeout and not session.hang_signalled:
+                    self._on_hang(session, silent)
+            if (
+                s.idle_timeout is not None
+                and self.accepting
+                and session.state is State.IDLE
+                and not session.queue
+                and wall - session.last_activity > s.idle_timeout
+            ):
+                idle = wall - session.last_activity
+                self._spawn_task(
+                    self._kill_session(session, force=False, reason=f"idle for {idle:.0f}s")
+                )
+        if (s.memory_limit_mb or s.max_procs) and now >= self._next_scan and not self._scanning:
+            self._next_scan = now + s.limits_interval
+            self._spawn_task(self._check_limits())
+
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -262,7 +359,8 @@ class Supervisor:
 
     # ---------------------------------------------------------------- clients
 
-    def _send_client(self, client: bytes, msg: Message) -> None:
+    def _send_client(self, client: bytes, msg: Message) -> bool:
+        """Send to a client without blocking; False if it is gone or too slow."""
         try:
             frames = encode(msg, self.key, self.limits)
         except LocalProtocolError as exc:
@@ -275,12 +373,14 @@ class Supervisor:
             )
         try:
             self.front.send([client, *frames])
+            return True
         except zmq.Again:
             log.warning(kv("client_slow_dropped", kind=msg.kind.value, re=msg.re))
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            log.info(kv("client_gone", kind=msg.kind.value, re=msg.re))
+            log.debug(kv("client_gone", kind=msg.kind.value, re=msg.re))
+        return False
 
     def _error(
         self, client: bytes, code: ErrorCode, message: str, re: str | None, session: str | None
@@ -292,7 +392,11 @@ class Supervisor:
             return
         client, rest = frames[0], frames[1:]
         try:
-            msg = decode(rest, self.key, self.limits, self.guard)
+            msg = decode(rest, self.key, self.limits)
+            if msg.kind is Kind.SEND and msg.id in self.sent:
+                self._on_resend(client, msg)
+                return
+            self.guard.check(msg.id, msg.ts, time.time())
         except RemoteProtocolError as exc:
             log.warning(kv("bad_request", code=exc.code.value, error=exc.message))
             self._error(client, exc.code, exc.message, exc.msg_id, None)
@@ -315,6 +419,19 @@ class Supervisor:
             log.exception(kv("bug", kind=msg.kind.value))
             self._error(client, ErrorCode.INTERNAL, f"internal error: {exc}", msg.id, msg.session)
 
+    def _on_resend(self, client: bytes, msg: Message) -> None:
+        """A `send` with an id we already took: the same turn, never a second run."""
+        record = self.sent[msg.id]
+        if record.final is not None:
+            self._send_client(client, record.final)
+            return
+        if record.turn is not None:
+            record.turn.client = client  # the rest of the turn goes to the resender
+        self._send_client(
+            client,
+            msg.reply(Kind.EVENT, {"type": "status", "data": {"state": "duplicate"}}),
+        )
+
     def _on_ping(self, client: bytes, msg: Message) -> None:
         self._send_client(
             client,
@@ -329,13 +446,11 @@ class Supervisor:
             ),
         )
 
-    def _session_for(self, key: str, raw_options: object, create: bool) -> Session | None:
-        """Find (or create) a session; new options on a running one are a conflict."""
+    def _session_for(self, key: str, raw_options: object) -> Session:
+        """Find or create a session; new options on a running one are a conflict."""
         options = parse_options(raw_options) if raw_options is not None else None
         session = self.sessions.get(key)
         if session is None:
-            if not create:
-                return None
             path, stored = open_session_dir(self.settings.data_dir, key)
             session = Session(key=key, dir=path, options=options or stored or SessionOptions())
             save_session_meta(session)
@@ -351,12 +466,51 @@ class Supervisor:
             save_session_meta(session)
         return session
 
+    def _check_runnable(self, session: Session) -> None:
+        """Refuse turns for a failed session (until its cool-down) and when
+        there is no room for another worker."""
+        if session.state is State.FAILED:
+            left = session.retry_at - time.monotonic()
+            if left > 0:
+                raise RemoteProtocolError(
+                    ErrorCode.SESSION_FAILED,
+                    f"session {session.key!r} has failed: its worker {session.last_exit}. "
+                    f"Kill it to retry now, or wait {left:.0f}s",
+                )
+            self._transition(session, Event.CLEAR, "cool-down passed")
+            session.fast_failures = 0
+        if session.state in (State.EXITED, State.BACKOFF):
+            self._make_room(session)
+
+    def _make_room(self, session: Session) -> None:
+        """Before a new worker: stop the least recently used idle session if
+        we are at max_sessions, or refuse with `overloaded`."""
+        live = [s for s in self.sessions.values() if s.state in LIVE_STATES]
+        running = [s for s in live if s.state is not State.STOPPING]
+        if len(running) < self.max_sessions:
+            return
+        idle = [s for s in running if s.state is State.IDLE and not s.queue and s is not session]
+        if not idle:
+            raise RemoteProtocolError(
+                ErrorCode.OVERLOADED,
+                f"all {self.max_sessions} session slots are busy; try again shortly",
+            )
+        victim = min(idle, key=lambda s: s.last_activity)
+        log.info(kv("evict", session=victim.key, for_session=session.key))
+        self._spawn_task(
+            self._kill_session(
+                victim,
+                force=False,
+                reason=f"evicted to make room (max_sessions {self.max_sessions})",
+            )
+        )
+
     def _on_open(self, client: bytes, msg: Message) -> None:
         key = check_session_key(msg.session)
         self._check_accepting()
         created = key not in self.sessions or self.sessions[key].state is State.EXITED
-        session = self._session_for(key, msg.body.get("options"), create=True)
-        assert session is not None
+        session = self._session_for(key, msg.body.get("options"))
+        self._check_runnable(session)
         if session.state is State.EXITED:
             self._start_worker(session)
         session.touch()
@@ -371,15 +525,19 @@ class Supervisor:
     def _on_send(self, client: bytes, msg: Message) -> None:
         key = check_session_key(msg.session)
         self._check_accepting()
-        session = self._session_for(key, msg.body.get("options"), create=True)
-        assert session is not None
-        if len(session.queue) >= self.settings.max_queue:
+        session = self._session_for(key, msg.body.get("options"))
+        self._check_runnable(session)
+        s = self.settings
+        if len(session.queue) >= s.max_queue or self.queued_total >= s.max_queued_total:
             raise RemoteProtocolError(
                 ErrorCode.BUSY,
                 f"session {key!r} already has {len(session.queue)} turns waiting "
-                f"(limit {self.settings.max_queue}); try again when it catches up",
+                f"(limit {s.max_queue}; {self.queued_total} waiting in all, limit "
+                f"{s.max_queued_total}); try again when it catches up",
             )
-        session.queue.append(Turn(id=msg.id, client=client, text=msg.body["text"]))
+        turn = Turn(id=msg.id, client=client, text=msg.body["text"])
+        self._enqueue(session, turn)
+        self._remember(msg.id, SentTurn(session=key, turn=turn))
         session.touch()
         # Acknowledge at once, so a client can tell a slow turn from a dead supervisor.
         self._send_client(
@@ -391,7 +549,14 @@ class Supervisor:
         )
         if session.state is State.EXITED:
             self._start_worker(session)
+        elif session.state is State.BACKOFF:
+            self._schedule_retry(session)
         self._pump(session)
+
+    def _remember(self, msg_id: str, record: SentTurn) -> None:
+        self.sent[msg_id] = record
+        while len(self.sent) > DEDUP_ENTRIES:
+            self.sent.popitem(last=False)
 
     def _on_cancel(self, client: bytes, msg: Message) -> None:
         key = check_session_key(msg.session)
@@ -405,13 +570,17 @@ class Supervisor:
             for turn in list(session.queue):
                 if turn.id == target:
                     session.queue.remove(turn)
+                    self.queued_total -= 1
                     cancelled = turn.id
-                    self._error(
-                        turn.client,
-                        ErrorCode.TURN_FAILED,
-                        "cancelled before it started",
-                        turn.id,
-                        key,
+                    self._finish(
+                        turn,
+                        session,
+                        error_message(
+                            ErrorCode.TURN_FAILED.value,
+                            "cancelled before it started",
+                            re=turn.id,
+                            session=key,
+                        ),
                     )
         self._send_client(client, msg.reply(Kind.CANCELLED, {"turn": cancelled}))
 
@@ -436,6 +605,31 @@ class Supervisor:
 
         self._spawn_task(kill_and_reply())
 
+    def _on_watch(self, client: bytes, msg: Message) -> None:
+        if msg.session is not None:
+            check_session_key(msg.session)
+        if len(self.watchers) >= MAX_WATCHERS:
+            raise RemoteProtocolError(ErrorCode.BUSY, f"too many watchers (limit {MAX_WATCHERS})")
+        self.watchers[msg.id] = Watcher(client, msg.id, msg.session)
+        self._send_client(client, msg.reply(Kind.EVENT, {"type": "watching", "data": None}))
+
+    def _on_unwatch(self, client: bytes, msg: Message) -> None:
+        watcher = self.watchers.get(msg.body["watch"])
+        if watcher is not None and watcher.client == client:
+            del self.watchers[watcher.id]
+        self._send_client(client, msg.reply(Kind.EVENT, {"type": "unwatched", "data": None}))
+
+    def _publish(self, session: Session, event_type: str, data: Any) -> None:
+        """Send an event to every watcher of this session; forget those gone."""
+        for watcher in list(self.watchers.values()):
+            if watcher.session not in (None, session.key):
+                continue
+            msg = Message(
+                Kind.EVENT, {"type": event_type, "data": data}, session=session.key, re=watcher.id
+            )
+            if not self._send_client(watcher.client, msg):
+                self.watchers.pop(watcher.id, None)
+
     def _require(self, key: str) -> Session:
         session = self.sessions.get(key)
         if session is None:
@@ -448,30 +642,128 @@ class Supervisor:
                 ErrorCode.SHUTTING_DOWN, "the supervisor is shutting down; try again after restart"
             )
 
+    # ---------------------------------------------------------------- turns
+
+    def _transition(self, session: Session, event: Event, reason: str | None = None) -> None:
+        previous = session.state
+        session.advance(event)
+        if self.watchers:
+            self._publish(
+                session,
+                "state",
+                {
+                    "state": session.state.value,
+                    "previous": previous.value,
+                    "pid": session.pid,
+                    "reason": reason,
+                },
+            )
+
+    def _enqueue(self, session: Session, turn: Turn) -> None:
+        session.queue.append(turn)
+        self.queued_total += 1
+
+    def _finish(self, turn: Turn, session: Session, final: Message) -> None:
+        """Give a turn its one final answer (and remember it for resends)."""
+        record = self.sent.get(turn.id)
+        if record is not None:
+            record.final = final
+            record.turn = None
+        self._send_client(turn.client, final)
+
+    def _fail_queue(self, session: Session, code: ErrorCode, text: str) -> None:
+        while session.queue:
+            turn = session.queue.popleft()
+            self.queued_total -= 1
+            self._finish(
+                turn, session, error_message(code.value, text, re=turn.id, session=session.key)
+            )
+
+    def _pump(self, session: Session) -> None:
+        """Hand the next queued turn to an idle worker."""
+        if session.state is not State.IDLE or session.current is not None or not session.queue:
+            return
+        turn = session.queue.popleft()
+        self.queued_total -= 1
+        session.current = turn
+        self._transition(session, Event.TURN)
+        self._send_client(
+            turn.client,
+            Message(
+                Kind.EVENT,
+                {"type": "status", "data": {"state": "running", "pid": session.pid}},
+                session=session.key,
+                re=turn.id,
+            ),
+        )
+        self._send_worker(
+            session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
+        )
+        if self.settings.turn_timeout is not None:
+            asyncio.get_running_loop().call_later(
+                self.settings.turn_timeout, self._on_turn_timeout, session, turn
+            )
+
+    def _on_turn_timeout(self, session: Session, turn: Turn) -> None:
+        if session.current is not turn or turn.abandoned:
+            return
+        limit = self.settings.turn_timeout
+        turn.abandoned = True
+        self._finish(
+            turn,
+            session,
+            error_message(
+                ErrorCode.TURN_TIMEOUT.value,
+                f"the turn ran over the {limit:g}s turn timeout and was cancelled",
+                re=turn.id,
+                session=session.key,
+            ),
+        )
+        self._send_worker(session, Message(Kind.CANCEL, {"turn": turn.id}, session=session.key))
+        generation = session.generation
+        # A runtime that ignores the cancel loses its worker.
+        asyncio.get_running_loop().call_later(
+            self.settings.cancel_grace, self._check_cancelled, session, turn, generation
+        )
+
+    def _check_cancelled(self, session: Session, turn: Turn, generation: int) -> None:
+        if session.current is turn and session.generation == generation:
+            self._terminate(
+                session,
+                f"its turn ran over the {self.settings.turn_timeout:g}s turn timeout "
+                "and did not stop when cancelled",
+            )
+
     # ---------------------------------------------------------------- workers
 
     def _start_worker(self, session: Session) -> None:
+        if session.retry_timer is not None:
+            session.retry_timer.cancel()
+            session.retry_timer = None
         session.generation += 1
         session.token = secrets.token_bytes(32)
         session.worker_id = b"w" + secrets.token_bytes(15)
         session.proc = None
         session.exited = asyncio.Event()
         session.started_at = time.time()
-        session.advance(Event.SPAWN)
+        session.spawned_mono = session.last_heartbeat = time.monotonic()
+        session.hang_signalled = False
+        session.kill_reason = session.kill_code = None
+        self._transition(session, Event.SPAWN)
         self.by_worker_id[session.worker_id] = session
         self._spawn_task(self._fork(session, session.generation))
 
-    async def _fork(self, session: Session, generation: int) -> None:
-        assert self.zygote is not None and session.token is not None
+    def _spawn_request(self, session: Session) -> dict[str, Any]:
+        s = self.settings
         env = worker_env(
-            self.base_env,
-            self.settings.env,
-            session.options,
-            session.key,
-            session.home,
-            session.workspace,
+            self.base_env, s.env, session.options, session.key, session.home, session.workspace
         )
-        request = {
+        rlimits = {}
+        if s.max_open_files:
+            rlimits["nofile"] = s.max_open_files
+        if s.cpu_seconds:
+            rlimits["cpu"] = s.cpu_seconds
+        return {
             "key": session.key,
             "title": session.key if len(session.key) <= 48 else session.key[:45] + "...",
             "token": session.token,
@@ -482,18 +774,25 @@ class Supervisor:
             "workspace": str(session.workspace),
             "home": str(session.home),
             "log": str(session.log_path),
-            "runtime": self.settings.runtime,
+            "runtime": s.runtime,
             "options": session.options.to_wire(),
+            "heartbeat": s.heartbeat_interval,
+            "rlimits": rlimits,
         }
+
+    async def _fork(self, session: Session, generation: int) -> None:
+        assert self.zygote is not None and session.token is not None
         try:
-            pid = await self.zygote.spawn(request)
+            pid = await self.zygote.spawn(self._spawn_request(session))
         except ZygoteError as exc:
             if session.generation == generation:
-                self._worker_gone(session, f"could not be forked: {exc}")
+                self._worker_gone(session, f"could not be forked: {exc}", exit_code=None)
             return
         proc = WorkerProcess(pid)
         session.proc = proc
         self.by_pid[pid] = session
+        if self.records is not None:
+            self.records.add(pid, session.key, proc.create_time)
         log.info(kv("spawned", session=session.key, pid=pid))
         status = self.unclaimed_exits.pop(pid, None)
         if status is not None:
@@ -504,10 +803,9 @@ class Supervisor:
 
     def _check_started(self, session: Session, generation: int) -> None:
         if session.generation == generation and session.state is State.STARTING:
-            log.error(kv("start_timeout", session=session.key, pid=session.pid))
-            if session.proc is not None:
-                session.proc.signal_group(signal.SIGKILL)
-                session.proc.kill()
+            self._terminate(
+                session, f"did not say hello within {self.settings.start_timeout:g}s of its start"
+            )
 
     def _send_worker(self, session: Session, msg: Message) -> bool:
         if session.worker_id is None or session.token is None:
@@ -525,7 +823,7 @@ class Supervisor:
             return
         session = self.by_worker_id.get(frames[0])
         if session is None or session.token is None:
-            log.warning(kv("unknown_worker", id=frames[0].hex()[:16]))
+            log.debug(kv("unknown_worker", id=frames[0].hex()[:16]))
             return
         try:
             msg = decode(frames[1:], session.token, self.limits)
@@ -535,10 +833,13 @@ class Supervisor:
         if msg.session != session.key:
             log.warning(kv("worker_wrong_session", session=session.key, claimed=msg.session))
             return
+        session.last_heartbeat = time.monotonic()
+        if msg.kind is Kind.HEARTBEAT:
+            return  # a heartbeat is life, not activity: it does not reset the idle clock
         session.touch()
         if msg.kind is Kind.HELLO:
             if session.state is State.STARTING:
-                session.advance(Event.HELLO)
+                self._transition(session, Event.HELLO)
                 log.info(kv("ready", session=session.key, pid=msg.body["pid"]))
                 self._pump(session)
             return
@@ -547,39 +848,105 @@ class Supervisor:
             log.warning(kv("stray_worker_message", session=session.key, kind=msg.kind.value))
             return
         if msg.kind is Kind.EVENT:
-            self._send_client(
-                turn.client, Message(Kind.EVENT, msg.body, session=session.key, re=turn.id)
-            )
+            if not turn.abandoned:
+                self._send_client(
+                    turn.client, Message(Kind.EVENT, msg.body, session=session.key, re=turn.id)
+                )
         elif msg.kind in (Kind.REPLY, Kind.ERROR):
-            self._send_client(
-                turn.client, Message(msg.kind, msg.body, session=session.key, re=turn.id)
-            )
+            if turn.abandoned:
+                pass  # its client already had a turn_timeout error
+            elif session.state is State.STOPPING:
+                # The worker was told to stop and cut this turn short: say so.
+                self._finish(
+                    turn,
+                    session,
+                    error_message(
+                        session.kill_code or ErrorCode.SESSION_KILLED.value,
+                        f"the session was stopped during this turn: {session.kill_reason}",
+                        re=turn.id,
+                        session=session.key,
+                    ),
+                )
+            else:
+                self._finish(
+                    turn, session, Message(msg.kind, msg.body, session=session.key, re=turn.id)
+                )
             session.current = None
             session.turns += 1
-            session.advance(Event.DONE)
+            self._transition(session, Event.DONE)
             self._pump(session)
         else:
             log.warning(kv("unexpected_worker_message", session=session.key, kind=msg.kind.value))
 
-    def _pump(self, session: Session) -> None:
-        """Hand the next queued turn to an idle worker."""
-        if session.state is not State.IDLE or session.current is not None or not session.queue:
+    # ---------------------------------------------------------------- health
+
+    def _on_hang(self, session: Session, silent: float) -> None:
+        """No heartbeat: SIGABRT for a traceback in the session log, then SIGKILL."""
+        assert session.proc is not None
+        session.hang_signalled = True
+        log.error(kv("hung", session=session.key, pid=session.proc.pid, silent=f"{silent:.1f}s"))
+        session.kill_reason = (
+            f"was hung (no heartbeat for {silent:.0f}s; SIGABRT for a traceback in its log, "
+            "then SIGKILL)"
+        )
+        session.proc.send_signal(signal.SIGABRT)
+        asyncio.get_running_loop().call_later(
+            self.settings.abort_grace, self._kill_now, session, session.generation
+        )
+
+    def _terminate(self, session: Session, reason: str) -> None:
+        """End a worker for a reason of the supervisor's own (a limit, a hang)."""
+        if session.proc is None or session.proc.returncode is not None:
             return
-        turn = session.queue.popleft()
-        session.current = turn
-        session.advance(Event.TURN)
-        self._send_client(
-            turn.client,
-            Message(
-                Kind.EVENT,
-                {"type": "status", "data": {"state": "running", "pid": session.pid}},
-                session=session.key,
-                re=turn.id,
-            ),
-        )
-        self._send_worker(
-            session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
-        )
+        log.warning(kv("terminating", session=session.key, pid=session.proc.pid, reason=reason))
+        session.kill_reason = reason
+        self._kill_now(session, session.generation)
+
+    def _kill_now(self, session: Session, generation: int) -> None:
+        proc = session.proc
+        if session.generation != generation or proc is None or proc.returncode is not None:
+            return
+        tree = proc.descendants()
+        proc.signal_group(signal.SIGKILL)
+        proc.kill()
+        kill_processes(tree)
+
+    async def _check_limits(self) -> None:
+        """Sample every live worker's tree (in a thread: it reads /proc) and
+        recycle the sessions over their memory or process limit."""
+        s = self.settings
+        workers = {
+            sess.proc.pid: sess
+            for sess in self.sessions.values()
+            if sess.proc is not None
+            and sess.proc.returncode is None
+            and sess.state in (State.IDLE, State.BUSY)
+        }
+        if not workers:
+            return
+        self._scanning = True
+        try:
+            usage: dict[int, TreeUsage] = await asyncio.get_running_loop().run_in_executor(
+                None, scan_trees, list(workers)
+            )
+        finally:
+            self._scanning = False
+        for pid, use in usage.items():
+            session = workers[pid]
+            if session.proc is None or session.proc.pid != pid:
+                continue
+            if s.memory_limit_mb and use.rss > s.memory_limit_mb * MIB:
+                self._terminate(
+                    session,
+                    f"went over its memory limit ({use.rss / MIB:.0f} MiB RSS with its "
+                    f"children > {s.memory_limit_mb} MiB) and was recycled",
+                )
+            elif s.max_procs and use.procs > s.max_procs:
+                self._terminate(
+                    session,
+                    f"went over its process limit ({use.procs} processes > "
+                    f"{s.max_procs}) and was recycled",
+                )
 
     # ---------------------------------------------------------------- exits
 
@@ -618,12 +985,18 @@ class Supervisor:
                 self.unclaimed_exits.pop(next(iter(self.unclaimed_exits)))
             self.unclaimed_exits[pid] = status
             return
+        if self.records is not None:
+            self.records.remove(pid)
         session.proc.set_exited(status)
-        reason = describe_exit(session.proc.exit_code, session.proc.exit_signal)
-        self._worker_gone(session, reason)
+        reason = session.kill_reason or describe_exit(
+            session.proc.exit_code, session.proc.exit_signal
+        )
+        self._worker_gone(session, reason, exit_code=session.proc.exit_code)
 
-    def _worker_gone(self, session: Session, reason: str) -> None:
-        """The session's worker is no more: answer whoever was waiting on it."""
+    def _worker_gone(self, session: Session, reason: str, exit_code: int | None) -> None:
+        """The session's worker is no more: decide the session's next state
+        and answer whoever was waiting on it."""
+        s = self.settings
         was = session.state
         pid = session.proc.pid if session.proc is not None else None
         if session.worker_id is not None:
@@ -632,34 +1005,96 @@ class Supervisor:
         session.token = None
         session.exits += 1
         session.last_exit = reason
-        session.advance(Event.EXIT)
+        uptime = time.monotonic() - session.spawned_mono
+        if was is State.STOPPING:
+            event = Event.EXIT
+        elif exit_code == WorkerExit.RUNTIME_LOAD_FAILED:
+            event = Event.GIVE_UP  # it will never start: do not retry in a loop
+        elif was is State.STARTING or uptime < s.min_uptime:
+            session.fast_failures += 1
+            event = (
+                Event.GIVE_UP if session.fast_failures >= s.max_fast_failures else Event.FAST_EXIT
+            )
+        else:
+            session.fast_failures = 0
+            event = Event.EXIT
+        self._transition(session, event, reason)
         level = logging.INFO if was is State.STOPPING else logging.WARNING
-        log.log(level, kv("exited", session=session.key, pid=pid, reason=reason, was=was.value))
+        log.log(
+            level,
+            kv(
+                "exited",
+                session=session.key,
+                pid=pid,
+                reason=reason,
+                was=was.value,
+                now=session.state.value,
+            ),
+        )
+
         if session.current is not None:
             turn, session.current = session.current, None
-            if was is State.STOPPING:
-                code, text = ErrorCode.SESSION_KILLED, "the session was killed during this turn"
-            else:
-                code = ErrorCode.WORKER_DIED
-                text = (
-                    f"the worker of session {session.key!r} (pid {pid}) {reason} during this turn"
+            if not turn.abandoned:
+                if was is State.STOPPING:
+                    code = ErrorCode(session.kill_code or ErrorCode.SESSION_KILLED.value)
+                    text = f"the session was stopped during this turn: {reason}"
+                else:
+                    code = ErrorCode.WORKER_DIED
+                    text = f"the worker of session {session.key!r} (pid {pid}) {reason} during this turn"
+                self._finish(
+                    turn, session, error_message(code.value, text, re=turn.id, session=session.key)
                 )
-            self._error(turn.client, code, text, turn.id, session.key)
-        if was is State.STARTING:
+        if session.state is State.FAILED:
+            session.retry_at = time.monotonic() + s.failed_cooldown
             self._fail_queue(
                 session,
-                ErrorCode.SPAWN_FAILED,
-                f"the worker of session {session.key!r} could not start: it {reason}",
+                ErrorCode.SESSION_FAILED,
+                f"session {session.key!r} has failed: its worker {reason}"
+                + (
+                    f" ({session.fast_failures} fast failures in a row)"
+                    if session.fast_failures > 1
+                    else ""
+                )
+                + f"; kill it to retry now, or wait {s.failed_cooldown:g}s",
             )
+        elif session.state is State.BACKOFF:
+            delay = min(s.backoff_base * 2 ** (session.fast_failures - 1), s.backoff_cap)
+            session.retry_at = time.monotonic() + delay
+            for turn in session.queue:
+                self._send_client(
+                    turn.client,
+                    Message(
+                        Kind.EVENT,
+                        {
+                            "type": "status",
+                            "data": {"state": "backoff", "retry_in": delay, "reason": reason},
+                        },
+                        session=session.key,
+                        re=turn.id,
+                    ),
+                )
+            if session.queue:
+                self._schedule_retry(session)
         session.exited.set()
-        if session.queue and self.accepting:
+        if session.state is State.EXITED and session.queue and self.accepting:
             self._start_worker(session)  # messages are waiting: start a fresh worker
         self._schedule_orphan_cull()
 
-    def _fail_queue(self, session: Session, code: ErrorCode, text: str) -> None:
-        while session.queue:
-            turn = session.queue.popleft()
-            self._error(turn.client, code, text, turn.id, session.key)
+    def _schedule_retry(self, session: Session) -> None:
+        if session.retry_timer is None:
+            delay = max(0.0, session.retry_at - time.monotonic())
+            session.retry_timer = asyncio.get_running_loop().call_later(delay, self._retry, session)
+
+    def _retry(self, session: Session) -> None:
+        session.retry_timer = None
+        if session.state is not State.BACKOFF or not session.queue or not self.accepting:
+            return
+        try:
+            self._make_room(session)
+        except RemoteProtocolError as exc:
+            self._fail_queue(session, exc.code, exc.message)
+            return
+        self._start_worker(session)
 
     def _schedule_orphan_cull(self) -> None:
         if not self._cull_pending:
@@ -692,17 +1127,32 @@ class Supervisor:
 
     # ---------------------------------------------------------------- kill
 
-    async def _kill_session(self, session: Session, force: bool) -> tuple[int | None, str]:
-        """Stop a session's worker and everything it started; return (pid, how)."""
+    async def _kill_session(
+        self,
+        session: Session,
+        force: bool,
+        reason: str = "killed by request",
+        code: ErrorCode = ErrorCode.SESSION_KILLED,
+    ) -> tuple[int | None, str]:
+        """Stop a session's worker and everything it started; return (pid, how).
+        Also clears a backed-off or failed session."""
+        if session.state in (State.BACKOFF, State.FAILED):
+            self._fail_queue(session, code, f"the session was stopped: {reason}")
+            self._transition(session, Event.CLEAR, reason)
+            session.fast_failures = 0
+            if session.retry_timer is not None:
+                session.retry_timer.cancel()
+                session.retry_timer = None
+            return None, "cleared"
         if session.state is State.EXITED:
             return None, "not running"
         if session.state is State.STOPPING:
             await session.exited.wait()
             return (session.proc.pid if session.proc else None), "was already stopping"
-        session.advance(Event.KILL)
-        self._fail_queue(
-            session, ErrorCode.SESSION_KILLED, "the session was killed before this turn ran"
-        )
+        session.kill_reason = reason
+        session.kill_code = code.value
+        self._transition(session, Event.KILL, reason)
+        self._fail_queue(session, code, f"the session was stopped before this turn ran: {reason}")
         s = self.settings
         # A worker still being forked has no pid yet; wait for it (bounded).
         deadline = time.monotonic() + s.start_timeout
@@ -738,7 +1188,7 @@ class Supervisor:
         await session.exited.wait()
         if killed:
             log.info(kv("descendants_killed", session=session.key, count=killed))
-        log.info(kv("killed", session=session.key, pid=proc.pid, how=how))
+        log.info(kv("killed", session=session.key, pid=proc.pid, how=how, reason=reason))
         return proc.pid, how
 
     async def _wait_exit(self, session: Session, timeout: float) -> None:
@@ -770,7 +1220,17 @@ class Supervisor:
         ):
             await asyncio.sleep(0.05)
         live = [s for s in self.sessions.values() if s.state in LIVE_STATES]
-        await asyncio.gather(*(self._kill_session(s, force=self.forced) for s in live))
+        await asyncio.gather(
+            *(
+                self._kill_session(
+                    s,
+                    force=self.forced,
+                    reason="the supervisor is shutting down",
+                    code=ErrorCode.SHUTTING_DOWN,
+                )
+                for s in live
+            )
+        )
         # Let tasks that reply to kill requests send their answers.
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=1.0)

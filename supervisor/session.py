@@ -25,9 +25,12 @@ class Turn:
     """A message waiting for, or running in, a session's worker."""
 
     id: str  # the client's request id; events and the reply cite it
-    client: bytes  # the client's routing id
+    client: bytes  # the client's routing id (a resend may move it)
     text: str
     queued_at: float = field(default_factory=time.monotonic)
+    # Set when the supervisor gave up on the turn (timeout): its late answer
+    # from the worker is dropped, the client already had an error.
+    abandoned: bool = False
 
 
 @dataclass
@@ -51,6 +54,18 @@ class Session:
     exits: int = 0
     last_exit: str | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    # Monotonic clocks for the supervisor's own bookkeeping.
+    spawned_mono: float = 0.0
+    last_heartbeat: float = 0.0
+    hang_signalled: bool = False
+    # Fast failures in a row, and when a backed-off or failed session may run.
+    fast_failures: int = 0
+    retry_at: float = 0.0
+    retry_timer: asyncio.TimerHandle | None = None
+    # Why the supervisor itself ended the worker, if it did (overrides the
+    # bare exit status in errors and `list`), and the code the turn gets.
+    kill_reason: str | None = None
+    kill_code: str | None = None
 
     @property
     def workspace(self) -> Path:
@@ -95,6 +110,7 @@ class Session:
             "queued": len(self.queue),
             "exits": self.exits,
             "last_exit": self.last_exit,
+            "fast_failures": self.fast_failures,
         }
 
 

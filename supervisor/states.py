@@ -6,8 +6,15 @@ A session is a key with a directory of data and at most one worker process.
 It starts EXITED (no process). The first message spawns a worker: STARTING.
 The worker proves its token with a `hello`: IDLE. A turn sent to it: BUSY;
 its reply: IDLE again. A kill makes it STOPPING until the process is reaped,
-then EXITED. A worker that dies by itself goes straight to EXITED; its data
-stays, and the next message spawns a fresh worker on it.
+then EXITED. Its data stays; the next message spawns a fresh worker on it.
+
+A worker that dies by itself after running a while goes to EXITED and is
+restarted lazily, by the next message. One that dies soon after it was
+spawned is a fast failure: the session waits in BACKOFF (exponentially
+longer each time, capped) before the next spawn, and after too many fast
+failures in a row, or a worker that cannot load its runtime at all, it is
+FAILED: messages get a clear error until an operator kills it (which clears
+it) or a cool-down passes. BACKOFF and FAILED sessions can always be killed.
 
 Every change of state goes through `next_state`, so a transition not in the
 table is a bug that raises at once instead of a session stuck in limbo.
@@ -26,6 +33,8 @@ class State(StrEnum):
     IDLE = "idle"  # worker ready, no turn running
     BUSY = "busy"  # a turn is running
     STOPPING = "stopping"  # being killed; waiting for the process to be reaped
+    BACKOFF = "backoff"  # died soon after start; waiting before the next spawn
+    FAILED = "failed"  # keeps failing (or cannot load); refuses turns until cleared
 
 
 class Event(StrEnum):
@@ -36,23 +45,35 @@ class Event(StrEnum):
     TURN = "turn"  # a turn was handed to the worker
     DONE = "done"  # the turn ended (reply or error)
     KILL = "kill"  # an operator or shutdown stops it
-    EXIT = "exit"  # the process was reaped (or never started)
+    EXIT = "exit"  # the process was reaped after running a while (or was killed)
+    FAST_EXIT = "fast_exit"  # the process died soon after it was spawned
+    GIVE_UP = "give_up"  # too many fast failures, or the runtime cannot load
+    CLEAR = "clear"  # an operator kill, or the cool-down, clears backoff/failed
 
 
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.EXITED, Event.SPAWN): State.STARTING,
     (State.STARTING, Event.HELLO): State.IDLE,
     (State.STARTING, Event.EXIT): State.EXITED,
+    (State.STARTING, Event.FAST_EXIT): State.BACKOFF,
+    (State.STARTING, Event.GIVE_UP): State.FAILED,
     (State.STARTING, Event.KILL): State.STOPPING,
     (State.IDLE, Event.TURN): State.BUSY,
     (State.IDLE, Event.EXIT): State.EXITED,
+    (State.IDLE, Event.FAST_EXIT): State.BACKOFF,
+    (State.IDLE, Event.GIVE_UP): State.FAILED,
     (State.IDLE, Event.KILL): State.STOPPING,
     (State.BUSY, Event.DONE): State.IDLE,
     (State.BUSY, Event.EXIT): State.EXITED,
+    (State.BUSY, Event.FAST_EXIT): State.BACKOFF,
+    (State.BUSY, Event.GIVE_UP): State.FAILED,
     (State.BUSY, Event.KILL): State.STOPPING,
     (State.STOPPING, Event.EXIT): State.EXITED,
     # A reply can cross a kill on the wire; the session stays STOPPING.
     (State.STOPPING, Event.DONE): State.STOPPING,
+    (State.BACKOFF, Event.SPAWN): State.STARTING,
+    (State.BACKOFF, Event.CLEAR): State.EXITED,
+    (State.FAILED, Event.CLEAR): State.EXITED,
 }
 
 # States in which a worker process exists (or is being created).

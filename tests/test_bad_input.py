@@ -127,11 +127,18 @@ def test_a_runtime_that_cannot_load_fails_clearly(supervisor_factory) -> None:
     with sup.client() as client:
         with pytest.raises(SupervisorError) as err:
             client.run("a", "hello")
-        assert err.value.code == "spawn_failed"
+        # A runtime that cannot load will never start: failed at once, no retry loop.
+        assert err.value.code == "session_failed"
         assert "could not load its agent runtime" in err.value.message
         assert client.ping()["pid"] == sup.pid
         (row,) = client.sessions()
-        assert row["state"] == "exited" and "status 71" in row["last_exit"]
+        assert row["state"] == "failed" and "status 71" in row["last_exit"]
+        assert row["exits"] == 1
+        with pytest.raises(SupervisorError) as err:
+            client.run("a", "again")
+        assert err.value.code == "session_failed" and "Kill it to retry" in err.value.message
+        assert client.kill("a")["reason"] == "cleared"
+        assert client.sessions()[0]["state"] == "exited"
     log = (sup.data_dir / "sessions").glob("*/worker.log")
     assert any("no_such_module_anywhere" in p.read_text() for p in log)
 

@@ -82,7 +82,8 @@ def test_killing_an_unknown_session_is_an_error(supervisor) -> None:
         assert err.value.code == "no_such_session"
 
 
-def test_worker_killed_mid_turn_is_reported_and_others_keep_working(supervisor) -> None:
+def test_worker_killed_mid_turn_is_reported_and_others_keep_working(supervisor_factory) -> None:
+    supervisor = supervisor_factory("--min-uptime", "0")  # a crash, not a fast failure
     with supervisor.client(timeout=10) as client:
         client.run("steady", "pid")
         req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="doomed")

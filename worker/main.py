@@ -15,9 +15,11 @@ stays responsive for cancel and stop while an agent thinks.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import queue
+import resource
 import signal
 import sys
 import threading
@@ -44,7 +46,7 @@ from . import runtime as runtime_mod
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-POLL_MS = 200
+POLL_MS = 100
 # The signal the kernel sends us when the supervisor dies. It only wakes the
 # main loop, which checks getppid() and cleans up; it must not kill us first.
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -93,6 +95,7 @@ def _boot(req: dict[str, Any]) -> int:
         return WorkerExit.SUPERVISOR_GONE
 
     os.umask(0o077)
+    _apply_rlimits(req.get("rlimits") or {})
     workspace = Path(req["workspace"])
     home = Path(req["home"])
     for d in (workspace, home):
@@ -112,6 +115,9 @@ def _boot(req: dict[str, Any]) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
     )
+    # A hung worker gets SIGABRT before SIGKILL: dump every thread's stack to
+    # the session log so the operator can see where it hung.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     log.info("worker start session=%s pid=%d runtime=%s", req["key"], os.getpid(), req["runtime"])
 
     info = runtime_mod.SessionInfo(
@@ -124,6 +130,24 @@ def _boot(req: dict[str, Any]) -> int:
         traceback.print_exc()
         return WorkerExit.RUNTIME_LOAD_FAILED
     return WorkerLoop(req, agent).run()
+
+
+RLIMITS = {"nofile": resource.RLIMIT_NOFILE, "cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS}
+
+
+def _apply_rlimits(limits: dict[str, int]) -> None:
+    """Lower this worker's rlimits (inherited by everything it starts)."""
+    for name, value in limits.items():
+        which = RLIMITS[name]
+        _soft, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        # CPU: the soft limit sends SIGXCPU (a named death); the hard one, a
+        # second later, SIGKILL if SIGXCPU was caught.
+        new_hard = value + 1 if which == resource.RLIMIT_CPU else value
+        if hard != resource.RLIM_INFINITY:
+            new_hard = min(new_hard, hard)
+        resource.setrlimit(which, (value, new_hard))
 
 
 def _redirect_output(path: str) -> None:
@@ -173,6 +197,8 @@ class WorkerLoop:
         self.turn: threading.Thread | None = None
         self.turn_id: str | None = None
         self.stopping = False
+        self.heartbeat = float(req.get("heartbeat", 1.0))
+        self._next_beat = 0.0
 
     def run(self) -> int:
         """Serve turns until asked to stop or the supervisor goes away."""
@@ -194,6 +220,14 @@ class WorkerLoop:
             self._flush_outbox()
             if self.stopping and self.turn is None:
                 break
+            now = time.monotonic()
+            if now >= self._next_beat:
+                # From the main loop, never the turn thread: a long turn is
+                # busy, a silent main loop is hung.
+                self._send(
+                    Message(Kind.HEARTBEAT, {"busy": self.turn is not None}, session=self.key)
+                )
+                self._next_beat = now + self.heartbeat
         killed = kill_tree()
         if killed:
             log.info("killed %d leftover process(es) of this session", killed)

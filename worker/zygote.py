@@ -9,6 +9,13 @@ Each worker is double-forked: the intermediate child exits at once, so the
 worker re-parents to the supervisor (a child subreaper), which then reaps it
 and learns its exit status directly. The zygote never holds a zmq context and
 never starts a thread: both would be inherited broken by every fork.
+
+The zygote is also the workers' guardian. It remembers every worker it forked
+(pid and create time); when the supervisor's end of the socketpair closes,
+cleanly or because the supervisor was killed, it kills whatever of those
+workers and their descendants is still alive. Workers clean up after
+themselves on their parent-death signal too, but a stopped or hung worker
+cannot; this catches it.
 """
 
 from __future__ import annotations
@@ -85,23 +92,75 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> int:
     return int.from_bytes(data, "little")
 
 
-def serve(sock: socket.socket) -> int:
+class SupervisorGone(Exception):
+    """Raised from the parent-death signal handler to leave the serve loop."""
+
+
+def _on_parent_death(signum: int, frame: object) -> None:
+    raise SupervisorGone
+
+
+def _create_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def kill_workers(workers: dict[int, float | None]) -> int:
+    """SIGKILL every recorded worker that is still the same process, and its
+    whole tree (snapshotted first). Returns how many processes were hit."""
+    import psutil
+
+    hit = 0
+    for pid, created in workers.items():
+        try:
+            proc = psutil.Process(pid)
+            if created is None or proc.create_time() != created:
+                continue  # gone, or the pid now names someone else
+            tree = proc.children(recursive=True)
+        except psutil.Error:
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for p in [proc, *tree]:
+            try:
+                p.kill()
+                hit += 1
+            except psutil.Error:
+                pass
+    return hit
+
+
+def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
     """Answer spawn requests until the supervisor closes its end."""
     while True:
         try:
             data = sock.recv(1 << 20)
         except InterruptedError:
             continue
+        except OSError:
+            return 0
         if not data:
             return 0
         request = msgpack.unpackb(data, raw=False)
         reply: dict[str, Any] = {"id": request.get("id")}
         try:
-            reply["pid"] = _fork_worker(sock, request)
+            pid = _fork_worker(sock, request)
+            reply["pid"] = pid
+            workers[pid] = _create_time(pid)
         except Exception as exc:
             reply["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         sock.send(msgpack.packb(reply))
+        if len(workers) > 4096:
+            # Forget workers that are gone (reaped by the supervisor).
+            for pid in [p for p, t in workers.items() if _create_time(p) != t]:
+                del workers[pid]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", action="append", default=[])
     args = parser.parse_args(argv)
 
-    # Die with the supervisor; and if it is already gone, do not start.
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Hear of the supervisor's death (as SIGTERM, or as EOF on the socket);
+    # and if it is already gone, do not start.
+    signal.signal(signal.SIGTERM, _on_parent_death)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != args.supervisor_pid:
         return 1
     # Ctrl-C in a terminal reaches the whole foreground group; the supervisor
@@ -145,7 +206,18 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     )
-    return serve(sock)
+    workers: dict[int, float | None] = {}
+    try:
+        return serve(sock, workers)
+    except SupervisorGone:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        killed = kill_workers(workers)
+        if killed:
+            print(
+                f"hermes-sup zygote: killed {killed} leftover worker process(es)", file=sys.stderr
+            )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""Records of live workers in the state directory, for the next supervisor.
+
+A worker should die with its supervisor (parent-death signal, and the
+zygote's clean-up), but if a supervisor and its zygote were killed together
+while a worker was stopped, that worker can outlive them. Each live worker
+has a small file `workers/<pid>` holding its session key and process create
+time; a new supervisor stops any worker whose pid AND create time still
+match, so a recycled pid is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import psutil
+
+RECORDS_DIR = "workers"
+
+
+class WorkerRecords:
+    """The `workers/` directory of one state directory."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir / RECORDS_DIR
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+
+    def add(self, pid: int, key: str, create_time: float | None) -> None:
+        """Record a live worker."""
+        path = self.dir / str(pid)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "create_time": create_time}, f)
+
+    def remove(self, pid: int) -> None:
+        """Forget a worker that has been reaped."""
+        try:
+            (self.dir / str(pid)).unlink()
+        except FileNotFoundError:
+            pass
+
+    def stop_leftovers(self) -> list[str]:
+        """Stop workers recorded by a previous supervisor that still run.
+        Returns one line per record saying what was done with it."""
+        report = []
+        for path in sorted(self.dir.iterdir()):
+            try:
+                pid = int(path.name)
+                record = json.loads(path.read_text())
+            except (ValueError, OSError):
+                path.unlink(missing_ok=True)
+                continue
+            key, created = record.get("key"), record.get("create_time")
+            try:
+                proc = psutil.Process(pid)
+                same = created is not None and proc.create_time() == created
+            except psutil.Error:
+                same = False
+            if not same:
+                report.append(
+                    f"record of session {key!r} pid {pid}: process gone or pid reused; ignored"
+                )
+            else:
+                tree = proc.children(recursive=True)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                for p in [proc, *tree]:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+                report.append(
+                    f"stopped leftover worker of session {key!r} pid {pid} and "
+                    f"{len(tree)} descendant(s) from a previous supervisor "
+                    "(not adopted: its token died with that supervisor)"
+                )
+            path.unlink(missing_ok=True)
+        return report
