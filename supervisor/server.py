@@ -1006,7 +1006,7 @@ class Supervisor:
         session.exits += 1
         session.last_exit = reason
         uptime = time.monotonic() - session.spawned_mono
-        if was is State.STOPPING:
+        if was is State.STOPPING or not self.accepting:
             event = Event.EXIT
         elif exit_code == WorkerExit.RUNTIME_LOAD_FAILED:
             event = Event.GIVE_UP  # it will never start: do not retry in a loop
@@ -1035,7 +1035,7 @@ class Supervisor:
         if session.current is not None:
             turn, session.current = session.current, None
             if not turn.abandoned:
-                if was is State.STOPPING:
+                if was is State.STOPPING or session.kill_code is not None:
                     code = ErrorCode(session.kill_code or ErrorCode.SESSION_KILLED.value)
                     text = f"the session was stopped during this turn: {reason}"
                 else:
@@ -1201,6 +1201,8 @@ class Supervisor:
         self.forced = True
         for session in self.sessions.values():
             if session.proc is not None and session.proc.returncode is None:
+                session.kill_reason = "the supervisor was told twice to shut down"
+                session.kill_code = ErrorCode.SHUTTING_DOWN.value
                 session.proc.signal_group(signal.SIGKILL)
                 session.proc.kill()
 

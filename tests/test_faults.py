@@ -1,0 +1,393 @@
+"""Fault tolerance with real processes: hangs, limits, backoff, idle culling,
+eviction, timeouts, shutdown, supervisor death, resends. Each test checks
+what the client saw, what `list` shows, and that other sessions kept working."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hermes_sup.cli.client import SupervisorError
+from hermes_sup.protocol import Kind, Message, encode, session_dir_name
+
+from .conftest import wait_gone
+
+pytestmark = pytest.mark.e2e
+
+RUNTIMES = str(Path(__file__).parent / "runtimes")
+
+
+def until(predicate, timeout: float = 10.0, every: float = 0.05):
+    """Poll `predicate` until it returns something truthy, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+def row(client, key: str) -> dict:
+    return next(r for r in client.sessions() if r["key"] == key)
+
+
+def wait_running(client, req: str) -> int:
+    """Consume a turn's status events until it runs; return the worker pid."""
+    while True:
+        msg = client.next()
+        assert msg.re == req, msg
+        assert msg.kind is Kind.EVENT, msg.body
+        if msg.body["data"].get("state") == "running":
+            return msg.body["data"]["pid"]
+
+
+def final(client, req: str, timeout: float = 20.0) -> Message:
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = client.next(timeout=max(0.1, deadline - time.monotonic()))
+        if msg.re == req and msg.kind is not Kind.EVENT:
+            return msg
+
+
+def test_a_stopped_worker_is_hung_not_busy(supervisor_factory) -> None:
+    sup = supervisor_factory("--heartbeat-timeout", "1.5")
+    with sup.client() as client:
+        # A long turn keeps heartbeating: busy, not hung.
+        assert client.run("long", "sleep 2.5")[0].body["text"] == "slept 2.5"
+        req = client.submit(Kind.SEND, {"text": "sleep 60"}, session="frozen")
+        pid = wait_running(client, req)
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        msg = final(client, req)
+        assert msg.kind is Kind.ERROR and msg.body["code"] == "worker_died"
+        assert "hung" in msg.body["message"] and "no heartbeat" in msg.body["message"]
+        assert time.monotonic() - started < 8
+        assert "hung" in row(client, "frozen")["last_exit"]
+        assert client.run("long", "pid")[0].kind is Kind.REPLY
+    assert "hung" in sup.log()
+
+
+def test_memory_limit_recycles_the_session(supervisor_factory) -> None:
+    sup = supervisor_factory("--memory-limit", "80")
+    hog = (
+        f'sh {sys.executable} -c "b = bytes(range(256)) * (1024 * 1024); '
+        'import time; time.sleep(60)"'
+    )
+    with sup.client() as client:
+        with pytest.raises(SupervisorError) as err:
+            client.run("hog", hog)
+        assert err.value.code == "worker_died"
+        assert "memory limit" in err.value.message and "80 MiB" in err.value.message
+        r = row(client, "hog")
+        assert r["state"] in ("exited", "backoff") and "memory limit" in r["last_exit"]
+        # It comes back on the next message.
+        assert client.run("hog", "env HERMES_SESSION_KEY")[0].body["text"] == "hog"
+
+
+def test_process_limit_recycles_a_session_that_forks_too_much(supervisor_factory) -> None:
+    sup = supervisor_factory("--max-procs", "10", "--min-uptime", "0")
+    with sup.client() as client:
+        pid = int(client.run("forky", "pid")[0].body["text"])
+        reply, _ = client.run(
+            "forky", "sh for i in $(seq 30); do sleep 100 >/dev/null 2>&1 & done; echo spawned"
+        )
+        assert reply.body["text"] == "exit 0"
+        r = until(lambda: (x := row(client, "forky"))["state"] == "exited" and x, timeout=10)
+        assert r and "process limit" in r["last_exit"] and "> 10" in r["last_exit"]
+        assert until(
+            lambda: (
+                not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            ),
+            timeout=5,
+        )
+        assert client.run("calm", "pid")[0].kind is Kind.REPLY
+
+
+def test_rlimits_are_applied_to_workers(supervisor_factory) -> None:
+    sup = supervisor_factory("--max-open-files", "64", "--cpu-seconds", "1")
+    with sup.client() as client:
+        _, events = client.run("fds", "sh ulimit -n; ulimit -t")
+        assert [e.body["data"] for e in events if e.body["type"] == "output"] == ["64", "1"]
+        # A command that burns CPU past the limit is killed by the kernel.
+        reply, _ = client.run("fds", "sh while :; do :; done")
+        assert reply.body["data"]["exit"] in (-24, 152, 137)  # SIGXCPU (or its shell status)
+        assert client.run("fds", "pid")[0].kind is Kind.REPLY
+
+
+def test_a_hung_worker_leaves_a_traceback_in_its_log(supervisor_factory) -> None:
+    env = dict(os.environ, PYTHONPATH=RUNTIMES)
+    sup = supervisor_factory("--agent", "hs_gil_hog:make", "--heartbeat-timeout", "1", env=env)
+    with sup.client() as client:
+        assert client.run("stuck", "hello")[0].body["text"] == "hello"
+        with pytest.raises(SupervisorError) as err:
+            client.run("stuck", "hang")
+        assert err.value.code == "worker_died" and "hung" in err.value.message
+        assert client.run("other", "fine")[0].body["text"] == "fine"
+    text = (sup.data_dir / "sessions" / session_dir_name("stuck") / "worker.log").read_text()
+    assert "Fatal Python error: Aborted" in text
+    assert "hs_gil_hog.py" in text and "run_turn" in text
+
+
+def test_crash_at_import_backs_off_then_fails(supervisor_factory) -> None:
+    env = dict(os.environ, PYTHONPATH=RUNTIMES)
+    sup = supervisor_factory(
+        "--agent",
+        "hs_crash_at_import:make",
+        "--backoff-base",
+        "0.2",
+        "--max-fast-failures",
+        "3",
+        "--failed-cooldown",
+        "60",
+        env=env,
+    )
+    with sup.client() as client, sup.client() as watcher:
+        watch = watcher.submit(Kind.WATCH)
+        assert watcher.next().re == watch
+        started = time.monotonic()
+        req = client.submit(Kind.SEND, {"text": "hello"}, session="crashy")
+        delays = []
+        while True:
+            msg = client.next()
+            if msg.kind is not Kind.EVENT:
+                break
+            if msg.body["data"].get("state") == "backoff":
+                delays.append(msg.body["data"]["retry_in"])
+                assert "status 3" in msg.body["data"]["reason"]
+        took = time.monotonic() - started
+        assert msg.kind is Kind.ERROR and msg.re == req
+        assert msg.body["code"] == "session_failed"
+        assert "3 fast failures" in msg.body["message"]
+        assert delays == [0.2, 0.4]  # doubling back-off
+        assert took >= 0.6
+        r = row(client, "crashy")
+        assert r["state"] == "failed" and r["exits"] == 3
+        # Refused at once while failed; the supervisor keeps serving.
+        with pytest.raises(SupervisorError) as err:
+            client.run("crashy", "again")
+        assert err.value.code == "session_failed"
+        assert client.ping()["pid"] == sup.pid
+        # Every transition was published to the watcher.
+        states = []
+        while True:
+            try:
+                ev = watcher.next(timeout=0.5)
+            except Exception:
+                break
+            if ev.body["type"] == "state":
+                states.append(ev.body["data"]["state"])
+        assert states == ["starting", "backoff", "starting", "backoff", "starting", "failed"]
+        assert client.kill("crashy")["reason"] == "cleared"
+        assert row(client, "crashy")["state"] == "exited"
+
+
+def test_idle_sessions_are_culled_but_busy_ones_are_not(supervisor_factory) -> None:
+    sup = supervisor_factory("--idle-timeout", "1")
+    with sup.client() as client:
+        client.run("idle", "pid")
+        req = client.submit(Kind.SEND, {"text": "sleep 3"}, session="busy")
+        wait_running(client, req)
+        assert until(lambda: row(client, "idle")["state"] == "exited", timeout=5)
+        assert "idle for" in row(client, "idle")["last_exit"]
+        assert row(client, "busy")["state"] == "busy"
+        assert final(client, req).body["text"] == "slept 3"
+        # The busy-to-idle transition reset its clock: culled a second later, not at once.
+        assert row(client, "busy")["state"] == "idle"
+        assert until(lambda: row(client, "busy")["state"] == "exited", timeout=5)
+        # Data stays; it comes back transparently.
+        assert client.run("idle", "env HERMES_SESSION_KEY")[0].body["text"] == "idle"
+
+
+def test_lru_eviction_at_max_sessions_and_overloaded_when_all_busy(supervisor_factory) -> None:
+    sup = supervisor_factory("--max-sessions", "2")
+    with sup.client() as client:
+        client.run("first", "write f.txt one")
+        client.run("second", "pid")
+        client.run("first", "pid")  # now "second" is the least recently used
+        client.run("third", "pid")
+        assert until(lambda: row(client, "second")["state"] == "exited", timeout=5)
+        assert "evicted" in row(client, "second")["last_exit"]
+        assert row(client, "first")["state"] == "idle"
+        # The evicted session returns on its next message (evicting "first" now).
+        assert client.run("second", "env HERMES_SESSION_KEY")[0].body["text"] == "second"
+        # All slots busy: a new session is refused, nothing is evicted.
+        reqs = [
+            client.submit(Kind.SEND, {"text": "sleep 2"}, session=k) for k in ("second", "third")
+        ]
+        for r in reqs:
+            wait_running(client, r)
+        with pytest.raises(SupervisorError) as err:
+            client.run("fourth", "pid")
+        assert err.value.code == "overloaded" and "2 session slots" in err.value.message
+        for r in reqs:
+            assert final(client, r).kind is Kind.REPLY
+        # "first" lost its worker, not its data.
+        assert client.run("first", "sh cat f.txt")[1][-1].body["data"] == "one"
+
+
+def test_max_sessions_is_capped_by_the_fd_limit(supervisor_factory) -> None:
+    def low_fds() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (340, 340))
+
+    sup = supervisor_factory(start=False)
+    sup.args += ["--max-sessions", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hermes_sup.cli",
+        "--state-dir",
+        str(sup.state_dir),
+        "serve",
+        "--data-dir",
+        str(sup.data_dir),
+        *sup.args,
+    ]
+    sup._log = open(sup.log_path, "ab")  # noqa: SIM115
+    sup.proc = subprocess.Popen(cmd, stdout=sup._log, stderr=subprocess.STDOUT, preexec_fn=low_fds)
+    sup.wait_ready()
+    assert "max_sessions_lowered wanted=1000 allowed=28" in sup.log()
+    with sup.client(timeout=30) as client:
+        reqs = {
+            client.submit(Kind.SEND, {"text": "sleep 3"}, session=f"s{i}"): i for i in range(29)
+        }
+        results = {}
+        while len(results) < 29:
+            msg = client.next()
+            if msg.kind is not Kind.EVENT:
+                results[reqs[msg.re]] = msg
+        refused = [m for m in results.values() if m.kind is Kind.ERROR]
+        assert len(refused) == 1 and refused[0].body["code"] == "overloaded"
+        assert client.ping()["pid"] == sup.pid  # a refusal, never an abort
+
+
+def test_turn_timeout_cancels_and_reports(supervisor_factory) -> None:
+    sup = supervisor_factory("--turn-timeout", "0.5")
+    with sup.client() as client:
+        pid = int(client.run("t", "pid")[0].body["text"])
+        started = time.monotonic()
+        with pytest.raises(SupervisorError) as err:
+            client.run("t", "sleep 30")
+        assert err.value.code == "turn_timeout" and "0.5s" in err.value.message
+        assert time.monotonic() - started < 3
+        # The runtime honoured the cancel: same worker, still usable.
+        assert int(client.run("t", "pid")[0].body["text"]) == pid
+
+
+def test_shutdown_gives_in_flight_turns_a_shutting_down_error(supervisor_factory, workdir) -> None:
+    sup = supervisor_factory("--shutdown-grace", "0.5")
+    with sup.client() as client:
+        req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="long")
+        wait_running(client, req)
+        sup.proc.send_signal(signal.SIGTERM)
+        msg = final(client, req)
+    assert msg.kind is Kind.ERROR and msg.body["code"] == "shutting_down"
+    assert sup.proc.wait(15) == 0
+    assert wait_gone(str(workdir), 3) == []
+
+
+def test_a_second_sigint_forces_shutdown(supervisor_factory, workdir) -> None:
+    sup = supervisor_factory("--shutdown-grace", "60")
+    with sup.client() as client:
+        req = client.submit(Kind.SEND, {"text": "sleep 60"}, session="long")
+        wait_running(client, req)
+        sup.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        assert sup.proc.poll() is None  # still waiting for the turn (grace 60s)
+        started = time.monotonic()
+        sup.proc.send_signal(signal.SIGINT)
+        assert sup.proc.wait(10) == 0
+        assert time.monotonic() - started < 5
+        msg = final(client, req)
+    assert msg.kind is Kind.ERROR and msg.body["code"] == "shutting_down"
+    assert wait_gone(str(workdir), 3) == []
+
+
+def test_resending_a_send_never_runs_the_turn_twice(supervisor) -> None:
+    with supervisor.client() as client:
+        msg = Message(
+            Kind.SEND,
+            {"text": "sh echo ran >> count.txt; sleep 0.3; wc -l < count.txt"},
+            session="once",
+        )
+        frames = encode(msg, client.key)
+        client.sock.send_multipart(frames)
+        first_event = client.next()
+        assert first_event.re == msg.id
+        # The client "timed out" and resends the very same request.
+        client.sock.send_multipart(frames)
+        answers = []
+        while not answers or answers[-1].kind is Kind.EVENT:
+            answers.append(client.next())
+        assert any(
+            a.body.get("data", {}) == {"state": "duplicate"}
+            for a in answers
+            if a.kind is Kind.EVENT and isinstance(a.body.get("data"), dict)
+        )
+        assert answers[-1].body["text"] == "exit 0"
+        # A resend after the end gets the same final answer again, no new run.
+        client.sock.send_multipart(frames)
+        again = client.next()
+        assert again.kind is Kind.REPLY and again.body == answers[-1].body
+        _, events = client.run("once", "sh wc -l < count.txt")
+        assert events[-1].body["data"].strip() == "1"
+
+
+def test_supervisor_sigkill_with_a_stopped_worker(supervisor_factory, workdir) -> None:
+    sup = supervisor_factory()
+    with sup.client() as client:
+        pid = int(client.run("stopped", "pid")[0].body["text"])
+        client.run("stopped", "sh sleep 1000 >/dev/null 2>&1 & echo ok")
+        client.run("running", "pid")
+    os.kill(pid, signal.SIGSTOP)
+    os.kill(sup.pid, signal.SIGKILL)
+    sup.proc.wait()
+    # The zygote sees the supervisor go and kills the stopped worker's tree.
+    survivors = wait_gone(str(workdir), timeout=3.0)
+    assert survivors == [], [(p.pid, p.name(), p.status()) for p in survivors]
+
+
+def test_a_restarted_supervisor_stops_leftover_workers_by_pid_and_create_time(
+    supervisor_factory, workdir
+) -> None:
+    sup = supervisor_factory()
+    with sup.client() as client:
+        pid = int(client.run("left", "pid")[0].body["text"])
+        zygote = next(p for p in psutil.Process(sup.pid).children() if p.pid != pid)
+    # Kill the supervisor and its zygote together while the worker is stopped:
+    # nothing is left to clean up after it, so it survives.
+    os.kill(pid, signal.SIGSTOP)
+    os.kill(zygote.pid, signal.SIGKILL)
+    os.kill(sup.pid, signal.SIGKILL)
+    sup.proc.wait()
+    time.sleep(0.5)
+    assert psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    # And a record whose pid is now someone else's: must never be touched.
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        records = sup.state_dir / "workers"
+        (records / str(bystander.pid)).write_text(json.dumps({"key": "ghost", "create_time": 1.0}))
+        second = supervisor_factory(root=workdir)
+        log = second.log()
+        assert f"stopped leftover worker of session 'left' pid {pid}" in log
+        assert f"'ghost' pid {bystander.pid}: process gone or pid reused; ignored" in log
+        assert until(
+            lambda: (
+                not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            ),
+            timeout=3,
+        )
+        assert bystander.poll() is None
+        with second.client() as client:
+            assert client.run("left", "env HERMES_SESSION_KEY")[0].body["text"] == "left"
+    finally:
+        bystander.kill()
+        bystander.wait()
