@@ -35,6 +35,10 @@ class Kind(StrEnum):
     KILLED = "killed"
     WATCH = "watch"
     UNWATCH = "unwatch"
+    LOGS = "logs"
+    LOG_LINES = "log_lines"
+    STATUS = "status"
+    INFO = "info"
     ERROR = "error"
     # worker <-> supervisor
     HELLO = "hello"
@@ -63,16 +67,25 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
         "created": ((bool,), True),
     },
     Kind.SEND: {"text": ((str,), True), "options": ((dict,), False)},
-    Kind.EVENT: {"type": ((str,), True), "data": ((object,), False)},
+    Kind.EVENT: {
+        "type": ((str,), True),
+        "data": ((object,), False),
+        "turn": ((str,), False),
+        "replayed": ((bool,), False),
+    },
     Kind.REPLY: {"text": ((str,), True), "ok": ((bool,), True), "data": ((dict,), False)},
     Kind.CANCEL: {"turn": ((str, _NONE), False)},
     Kind.CANCELLED: {"turn": ((str, _NONE), True)},
     Kind.LIST: {"prefix": ((str,), False), "state": ((str,), False)},
     Kind.SESSIONS: {"sessions": ((list,), True)},
-    Kind.KILL: {"force": ((bool,), False), "timeout": (_NUM, False)},
+    Kind.KILL: {"force": ((bool,), False), "purge": ((bool,), False)},
     Kind.KILLED: {"pid": ((int, _NONE), True), "reason": ((str,), True)},
     Kind.WATCH: {"replay": ((int,), False)},
     Kind.UNWATCH: {"watch": ((str,), True)},
+    Kind.LOGS: {"lines": ((int,), False), "follow": ((bool,), False)},
+    Kind.LOG_LINES: {"lines": ((list,), True)},
+    Kind.STATUS: {},
+    Kind.INFO: {"supervisor": ((dict,), True)},
     Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},
     Kind.HELLO: {"pid": ((int,), True)},
     Kind.TURN: {"text": ((str,), True)},
@@ -81,7 +94,7 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 # Kinds whose envelope must name a session.
-SESSION_KINDS = frozenset({Kind.OPEN, Kind.SEND, Kind.CANCEL, Kind.KILL, Kind.HELLO})
+SESSION_KINDS = frozenset({Kind.OPEN, Kind.SEND, Kind.CANCEL, Kind.KILL, Kind.HELLO, Kind.LOGS})
 
 MAX_ID_LENGTH = 64
 

@@ -114,4 +114,9 @@ class Settings:
     max_sessions: int | None = None
     # Stop sessions idle this long (None: never). Busy sessions never are.
     idle_timeout: float | None = None
+    # Session logs rotate at this size, keeping this many old files.
+    log_max_bytes: int = 10 * 1024 * 1024
+    log_backups: int = 3
+    # Recent turns and events kept per session, replayed to `attach`.
+    history: int = 200
     log_level: str = "info"

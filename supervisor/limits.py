@@ -24,28 +24,35 @@ class TreeUsage:
 
     rss: int  # bytes
     procs: int  # descendants, not counting the worker
+    cpu: float = 0.0  # user + system seconds of the whole tree
 
 
-def scan_trees(roots: list[int]) -> dict[int, TreeUsage]:
-    """RSS and descendant count of each root's process tree, in one pass."""
+def scan_trees(roots: list[int], cpu: bool = False) -> dict[int, TreeUsage]:
+    """RSS, descendant count and (if asked) CPU seconds of each root's
+    process tree, in one pass over the process table."""
+    attrs = ["ppid", "memory_info", "cpu_times"] if cpu else ["ppid", "memory_info"]
     children: dict[int, list[int]] = defaultdict(list)
     rss: dict[int, int] = {}
-    for proc in psutil.process_iter(["ppid", "memory_info"]):
+    cpu_s: dict[int, float] = {}
+    for proc in psutil.process_iter(attrs):
         info = proc.info
         if info["memory_info"] is None:
             continue  # vanished, or not ours to read
         children[info["ppid"]].append(proc.pid)
         rss[proc.pid] = info["memory_info"].rss
+        if cpu and info["cpu_times"] is not None:
+            cpu_s[proc.pid] = info["cpu_times"].user + info["cpu_times"].system
     usage = {}
     for root in roots:
-        total, count = rss.get(root, 0), 0
+        total, count, seconds = rss.get(root, 0), 0, cpu_s.get(root, 0.0)
         stack = list(children.get(root, ()))
         while stack:
             pid = stack.pop()
             total += rss.get(pid, 0)
+            seconds += cpu_s.get(pid, 0.0)
             count += 1
             stack.extend(children.get(pid, ()))
-        usage[root] = TreeUsage(rss=total, procs=count)
+        usage[root] = TreeUsage(rss=total, procs=count, cpu=seconds)
     return usage
 
 

@@ -31,9 +31,10 @@ import logging
 import os
 import resource
 import secrets
+import shutil
 import signal
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -64,6 +65,7 @@ from .channel import Channel
 from .config import Settings
 from .environment import SessionOptions, allowlisted, parse_options, worker_env
 from .limits import TreeUsage, safe_max_sessions, scan_trees
+from .logs import PipeReader, SessionLog, tail
 from .process import WorkerProcess, become_subreaper, kill_processes
 from .records import WorkerRecords
 from .session import Session, Turn, open_session_dir, save_session_meta
@@ -79,6 +81,9 @@ MAX_WATCHERS = 1024
 DEDUP_ENTRIES = 10_000
 TICK = 0.25
 MIB = 1024 * 1024
+# Event data larger than this is not kept in a session's replay history.
+HISTORY_DATA_LIMIT = 8192
+MAX_LOG_TAIL = 10_000
 
 
 def kv(event: str, **fields: Any) -> str:
@@ -156,6 +161,8 @@ class Supervisor:
             Kind.KILL: self._on_kill,
             Kind.WATCH: self._on_watch,
             Kind.UNWATCH: self._on_unwatch,
+            Kind.LOGS: self._on_logs,
+            Kind.STATUS: self._on_status,
         }
 
     # ------------------------------------------------------------------ start
@@ -453,6 +460,9 @@ class Supervisor:
         if session is None:
             path, stored = open_session_dir(self.settings.data_dir, key)
             session = Session(key=key, dir=path, options=options or stored or SessionOptions())
+            s = self.settings
+            session.log = SessionLog(session.log_path, s.log_max_bytes, s.log_backups)
+            session.history = deque(maxlen=s.history)
             save_session_meta(session)
             self.sessions[key] = session
             log.info(kv("session_new", session=key, dir=path.name))
@@ -587,23 +597,91 @@ class Supervisor:
     def _on_list(self, client: bytes, msg: Message) -> None:
         prefix = msg.body.get("prefix", "")
         state = msg.body.get("state")
-        rows = [
-            s.describe()
+        chosen = [
+            s
             for key, s in sorted(self.sessions.items())
             if key.startswith(prefix) and (state is None or s.state.value == state)
         ]
+        self._spawn_task(self._list_reply(client, msg, chosen))
+
+    async def _list_reply(self, client: bytes, msg: Message, chosen: list[Session]) -> None:
+        """Answer `list` with stats sampled now (psutil, in a thread), never
+        from a background stats loop."""
+        pids = [s.pid for s in chosen if s.pid is not None]
+        usage: dict[int, TreeUsage] = {}
+        if pids:
+            usage = await asyncio.get_running_loop().run_in_executor(None, scan_trees, pids, True)
+        now = time.monotonic()
+        rows = []
+        for s in chosen:
+            row = s.describe()
+            row["runtime"] = self.settings.runtime
+            use = usage.get(s.pid) if s.pid is not None else None
+            if use is None:
+                row.update(rss=None, cpu_percent=None, procs=None)
+            else:
+                since = s.cpu_sample if s.cpu_sample is not None else (0.0, s.spawned_mono)
+                elapsed = max(now - since[1], 1e-6)
+                row.update(
+                    rss=use.rss,
+                    procs=use.procs,
+                    cpu_percent=round(max(0.0, use.cpu - since[0]) / elapsed * 100, 1),
+                )
+                s.cpu_sample = (use.cpu, now)
+            rows.append(row)
         self._send_client(client, msg.reply(Kind.SESSIONS, {"sessions": rows}))
+
+    def _on_status(self, client: bytes, msg: Message) -> None:
+        counts: dict[str, int] = {}
+        for s in self.sessions.values():
+            counts[s.state.value] = counts.get(s.state.value, 0) + 1
+        me = psutil.Process()
+        with me.oneshot():
+            rss, fds = me.memory_info().rss, me.num_fds()
+        info = {
+            "pid": os.getpid(),
+            "version": version(),
+            "protocol": PROTOCOL_VERSION,
+            "uptime": time.time() - self.started,
+            "started": self.started,
+            "runtime": self.settings.runtime,
+            "endpoints": {"control": self.control_endpoint, "workers": self.worker_endpoint},
+            "state_dir": str(self.settings.state_dir),
+            "data_dir": str(self.settings.data_dir),
+            "zygote_pid": self.zygote.pid if self.zygote else None,
+            "sessions": counts,
+            "total_sessions": len(self.sessions),
+            "max_sessions": self.max_sessions,
+            "queued": self.queued_total,
+            "rss": rss,
+            "fds": fds,
+            "fd_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "accepting": self.accepting,
+        }
+        self._send_client(client, msg.reply(Kind.INFO, {"supervisor": info}))
 
     def _on_kill(self, client: bytes, msg: Message) -> None:
         key = check_session_key(msg.session)
         session = self._require(key)
         force = bool(msg.body.get("force", False))
+        purge = bool(msg.body.get("purge", False))
 
         async def kill_and_reply() -> None:
             pid, reason = await self._kill_session(session, force=force)
+            if purge and session.state is State.EXITED and self.sessions.get(key) is session:
+                self._purge(session)
+                reason += ", data purged"
             self._send_client(client, msg.reply(Kind.KILLED, {"pid": pid, "reason": reason}))
 
         self._spawn_task(kill_and_reply())
+
+    def _purge(self, session: Session) -> None:
+        """Forget a stopped session and delete its data (kill --purge)."""
+        if session.log is not None:
+            session.log.close()
+        shutil.rmtree(session.dir, ignore_errors=True)
+        del self.sessions[session.key]
+        log.info(kv("purged", session=session.key))
 
     def _on_watch(self, client: bytes, msg: Message) -> None:
         if msg.session is not None:
@@ -612,21 +690,68 @@ class Supervisor:
             raise RemoteProtocolError(ErrorCode.BUSY, f"too many watchers (limit {MAX_WATCHERS})")
         self.watchers[msg.id] = Watcher(client, msg.id, msg.session)
         self._send_client(client, msg.reply(Kind.EVENT, {"type": "watching", "data": None}))
+        replay = msg.body.get("replay", 0)
+        session = self.sessions.get(msg.session) if msg.session else None
+        if replay > 0 and session is not None:
+            for _event_type, body in list(session.history)[-replay:]:
+                self._send_client(
+                    client,
+                    Message(Kind.EVENT, {**body, "replayed": True}, session=session.key, re=msg.id),
+                )
 
     def _on_unwatch(self, client: bytes, msg: Message) -> None:
-        watcher = self.watchers.get(msg.body["watch"])
+        watch_id = msg.body["watch"]
+        watcher = self.watchers.get(watch_id)
         if watcher is not None and watcher.client == client:
-            del self.watchers[watcher.id]
+            del self.watchers[watch_id]
+        for session in self.sessions.values():
+            if session.log_followers.get(watch_id) == client:
+                del session.log_followers[watch_id]
         self._send_client(client, msg.reply(Kind.EVENT, {"type": "unwatched", "data": None}))
 
-    def _publish(self, session: Session, event_type: str, data: Any) -> None:
-        """Send an event to every watcher of this session; forget those gone."""
+    def _on_logs(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        session = self._require(key)
+        count = max(0, min(int(msg.body.get("lines", 50)), MAX_LOG_TAIL))
+        lines = tail(session.log_path, count, self.settings.log_backups) if count else []
+        self._send_client(client, msg.reply(Kind.LOG_LINES, {"lines": lines}))
+        if msg.body.get("follow"):
+            session.log_followers[msg.id] = client
+
+    def _on_log_lines(self, session: Session, lines: list[str]) -> None:
+        for watch_id, client in list(session.log_followers.items()):
+            for line in lines:
+                msg = Message(
+                    Kind.EVENT, {"type": "log", "data": line}, session=session.key, re=watch_id
+                )
+                if not self._send_client(client, msg):
+                    session.log_followers.pop(watch_id, None)
+                    break
+
+    def _read_pipe(self, session: Session, reader: PipeReader) -> None:
+        """Move a worker's output into its log; at end of file, stop reading."""
+        if not reader.drain():
+            asyncio.get_running_loop().remove_reader(reader.fd)
+            reader.close()
+            if session.pipe is reader:
+                session.pipe = None
+
+    def _publish(
+        self, session: Session, event_type: str, data: Any, turn: str | None = None
+    ) -> None:
+        """Record an event in the session's history and send it to every
+        watcher of the session; forget watchers that are gone."""
+        body: dict[str, Any] = {"type": event_type, "data": data}
+        if turn is not None:
+            body["turn"] = turn
+        kept = body
+        if isinstance(data, (str, bytes, dict, list)) and len(repr(data)) > HISTORY_DATA_LIMIT:
+            kept = {**body, "data": f"({len(repr(data))} bytes not kept)"}
+        session.history.append((event_type, kept))
         for watcher in list(self.watchers.values()):
             if watcher.session not in (None, session.key):
                 continue
-            msg = Message(
-                Kind.EVENT, {"type": event_type, "data": data}, session=session.key, re=watcher.id
-            )
+            msg = Message(Kind.EVENT, body, session=session.key, re=watcher.id)
             if not self._send_client(watcher.client, msg):
                 self.watchers.pop(watcher.id, None)
 
@@ -647,17 +772,16 @@ class Supervisor:
     def _transition(self, session: Session, event: Event, reason: str | None = None) -> None:
         previous = session.state
         session.advance(event)
-        if self.watchers:
-            self._publish(
-                session,
-                "state",
-                {
-                    "state": session.state.value,
-                    "previous": previous.value,
-                    "pid": session.pid,
-                    "reason": reason,
-                },
-            )
+        self._publish(
+            session,
+            "state",
+            {
+                "state": session.state.value,
+                "previous": previous.value,
+                "pid": session.pid,
+                "reason": reason,
+            },
+        )
 
     def _enqueue(self, session: Session, turn: Turn) -> None:
         session.queue.append(turn)
@@ -670,6 +794,9 @@ class Supervisor:
             record.final = final
             record.turn = None
         self._send_client(turn.client, final)
+        self._publish(
+            session, "reply" if final.kind is Kind.REPLY else "error", final.body, turn=turn.id
+        )
 
     def _fail_queue(self, session: Session, code: ErrorCode, text: str) -> None:
         while session.queue:
@@ -687,6 +814,7 @@ class Supervisor:
         self.queued_total -= 1
         session.current = turn
         self._transition(session, Event.TURN)
+        self._publish(session, "turn", {"text": turn.text}, turn=turn.id)
         self._send_client(
             turn.client,
             Message(
@@ -773,7 +901,6 @@ class Supervisor:
             "env": env,
             "workspace": str(session.workspace),
             "home": str(session.home),
-            "log": str(session.log_path),
             "runtime": s.runtime,
             "options": session.options.to_wire(),
             "heartbeat": s.heartbeat_interval,
@@ -783,7 +910,7 @@ class Supervisor:
     async def _fork(self, session: Session, generation: int) -> None:
         assert self.zygote is not None and session.token is not None
         try:
-            pid = await self.zygote.spawn(self._spawn_request(session))
+            pid, out_fd = await self.zygote.spawn(self._spawn_request(session))
         except ZygoteError as exc:
             if session.generation == generation:
                 self._worker_gone(session, f"could not be forked: {exc}", exit_code=None)
@@ -791,6 +918,12 @@ class Supervisor:
         proc = WorkerProcess(pid)
         session.proc = proc
         self.by_pid[pid] = session
+        if out_fd is not None and session.log is not None:
+            reader = PipeReader(
+                out_fd, session.log, lambda lines: self._on_log_lines(session, lines)
+            )
+            session.pipe = reader
+            asyncio.get_running_loop().add_reader(out_fd, self._read_pipe, session, reader)
         if self.records is not None:
             self.records.add(pid, session.key, proc.create_time)
         log.info(kv("spawned", session=session.key, pid=pid))
@@ -852,6 +985,7 @@ class Supervisor:
                 self._send_client(
                     turn.client, Message(Kind.EVENT, msg.body, session=session.key, re=turn.id)
                 )
+            self._publish(session, msg.body["type"], msg.body.get("data"), turn=turn.id)
         elif msg.kind in (Kind.REPLY, Kind.ERROR):
             if turn.abandoned:
                 pass  # its client already had a turn_timeout error
@@ -987,6 +1121,10 @@ class Supervisor:
             return
         if self.records is not None:
             self.records.remove(pid)
+        if session.pipe is not None:
+            # Every line the worker wrote before it died is logged before its
+            # death is handled (and reported).
+            self._read_pipe(session, session.pipe)
         session.proc.set_exited(status)
         reason = session.kill_reason or describe_exit(
             session.proc.exit_code, session.proc.exit_signal

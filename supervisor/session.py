@@ -14,6 +14,7 @@ from typing import Any
 from hermes_sup.protocol import session_dir_name
 
 from .environment import SessionOptions, parse_options
+from .logs import PipeReader, SessionLog
 from .process import WorkerProcess
 from .states import Event, State, next_state
 
@@ -66,6 +67,14 @@ class Session:
     # bare exit status in errors and `list`), and the code the turn gets.
     kill_reason: str | None = None
     kill_code: str | None = None
+    # Output of the worker (stdout/stderr) and who follows it.
+    log: SessionLog | None = None
+    pipe: PipeReader | None = None
+    log_followers: dict[str, bytes] = field(default_factory=dict)
+    # Recent events (type, body) replayed to a new watcher, e.g. `attach`.
+    history: deque[tuple[str, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=200))
+    # (cpu seconds of the tree, monotonic time) at the last `list`, for CPU%.
+    cpu_sample: tuple[float, float] | None = None
 
     @property
     def workspace(self) -> Path:

@@ -40,7 +40,7 @@ class Zygote:
         self.started_at = 0.0
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, int | None]]] = {}
 
     @property
     def pending(self) -> int:
@@ -92,12 +92,13 @@ class Zygote:
         if self._sock is not None:
             loop.remove_reader(self._sock.fileno())
 
-    async def spawn(self, request: dict[str, Any]) -> int:
-        """Ask for one worker; returns its pid once forked."""
+    async def spawn(self, request: dict[str, Any]) -> tuple[int, int | None]:
+        """Ask for one worker; returns its pid once forked, and the read end of
+        the pipe that carries its output (ours to close)."""
         if self._sock is None:
             raise ZygoteError("the zygote is not running")
         req_id = next(self._ids)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[int, int | None]] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
         try:
             self._sock.send(msgpack.packb({"op": "spawn", "id": req_id, **request}))
@@ -110,7 +111,7 @@ class Zygote:
         assert self._sock is not None
         while True:
             try:
-                data = self._sock.recv(MAX_DATAGRAM)
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_DATAGRAM, 1)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -123,10 +124,13 @@ class Zygote:
                 return
             reply = msgpack.unpackb(data, raw=False)
             fut = self._pending.pop(reply.get("id"), None)
+            out_fd = fds[0] if fds else None
             if fut is None or fut.done():
+                if out_fd is not None:
+                    os.close(out_fd)
                 continue
             if "pid" in reply:
-                fut.set_result(int(reply["pid"]))
+                fut.set_result((int(reply["pid"]), out_fd))
             else:
                 fut.set_exception(ZygoteError(str(reply.get("error", "fork failed"))))
 

@@ -61,10 +61,12 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
 
 
-def boot(request: dict[str, Any]) -> NoReturn:
-    """Become the session's worker; never returns."""
+def boot(request: dict[str, Any], out_fd: int) -> NoReturn:
+    """Become the session's worker; never returns. `out_fd` is the pipe to the
+    supervisor that becomes stdout and stderr."""
     code = WorkerExit.BOOT_FAILED
     try:
+        _redirect_output(out_fd)
         code = _boot(request)
     except BaseException:
         traceback.print_exc()
@@ -100,7 +102,6 @@ def _boot(req: dict[str, Any]) -> int:
     home = Path(req["home"])
     for d in (workspace, home):
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _redirect_output(req["log"])
     os.chdir(workspace)
     os.environ.clear()
     os.environ.update(req["env"])
@@ -150,9 +151,9 @@ def _apply_rlimits(limits: dict[str, int]) -> None:
         resource.setrlimit(which, (value, new_hard))
 
 
-def _redirect_output(path: str) -> None:
-    """stdin from /dev/null; stdout and stderr appended to the session log."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+def _redirect_output(fd: int) -> None:
+    """stdin from /dev/null; stdout and stderr into the pipe to the supervisor,
+    which writes the session log."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(fd, 1)

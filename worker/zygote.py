@@ -57,8 +57,10 @@ def _preload(modules: list[str]) -> tuple[list[str], dict[str, str]]:
     return loaded, failed
 
 
-def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> int:
-    """Double-fork one worker and return its pid (as seen by the supervisor)."""
+def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> tuple[int, int]:
+    """Double-fork one worker. Returns its pid and the read end of the pipe
+    that carries its stdout and stderr (for the supervisor)."""
+    out_r, out_w = os.pipe()
     r, w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -69,14 +71,16 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> int:
             pid = os.fork()
             if pid == 0:
                 os.close(w)
+                os.close(out_r)
                 sock.close()
                 from hermes_sup.worker.main import boot
 
-                boot(request)  # never returns
+                boot(request, out_w)  # never returns
             os.write(w, pid.to_bytes(8, "little"))
         finally:
             os._exit(0)
     os.close(w)
+    os.close(out_w)
     data = b""
     try:
         while len(data) < 8:
@@ -88,8 +92,9 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> int:
         os.close(r)
         os.waitpid(middle, 0)
     if len(data) != 8:
+        os.close(out_r)
         raise OSError("the intermediate fork died before reporting the worker's pid")
-    return int.from_bytes(data, "little")
+    return int.from_bytes(data, "little"), out_r
 
 
 class SupervisorGone(Exception):
@@ -149,14 +154,20 @@ def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
             return 0
         request = msgpack.unpackb(data, raw=False)
         reply: dict[str, Any] = {"id": request.get("id")}
+        out_fd: int | None = None
         try:
-            pid = _fork_worker(sock, request)
+            pid, out_fd = _fork_worker(sock, request)
             reply["pid"] = pid
             workers[pid] = _create_time(pid)
         except Exception as exc:
             reply["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
-        sock.send(msgpack.packb(reply))
+        if out_fd is None:
+            sock.send(msgpack.packb(reply))
+        else:
+            # The pipe's read end travels with the reply (SCM_RIGHTS).
+            socket.send_fds(sock, [msgpack.packb(reply)], [out_fd])
+            os.close(out_fd)
         if len(workers) > 4096:
             # Forget workers that are gone (reaped by the supervisor).
             for pid in [p for p, t in workers.items() if _create_time(p) != t]:
