@@ -110,9 +110,14 @@ class Client:
         try:
             while True:
                 left = max(0.0, deadline - time.monotonic())
-                if left == 0:
-                    raise RequestTimeout(f"the supervisor did not answer within {wait:g}s")
-                msg = self.next(left)
+                try:
+                    if left == 0:
+                        raise RequestTimeout("deadline passed")
+                    msg = self.next(left)
+                except RequestTimeout:
+                    raise RequestTimeout(
+                        f"the supervisor did not answer within {wait:g}s"
+                    ) from None
                 if msg.re == req_id:
                     return _raise_if_error(msg)
                 kept.append(msg)
@@ -147,9 +152,21 @@ class Client:
             body["state"] = state
         return list(self.request(Kind.LIST, body).body["sessions"])
 
-    def kill(self, session: str, force: bool = False, timeout: float = 30.0) -> dict[str, Any]:
-        """Kill a session's worker and everything it started; waits until gone."""
-        return self.request(Kind.KILL, {"force": force}, session=session, timeout=timeout).body
+    def kill(
+        self, session: str, force: bool = False, purge: bool = False, timeout: float = 30.0
+    ) -> dict[str, Any]:
+        """Kill a session's worker and everything it started; waits until gone.
+        With `purge`, also delete the session's data."""
+        body = {"force": force, "purge": purge}
+        return self.request(Kind.KILL, body, session=session, timeout=timeout).body
+
+    def status(self) -> dict[str, Any]:
+        """The supervisor's own pid, uptime, endpoints, session counts and memory."""
+        return dict(self.request(Kind.STATUS).body["supervisor"])
+
+    def logs(self, session: str, lines: int = 50) -> list[str]:
+        """The last `lines` lines of a session's log."""
+        return list(self.request(Kind.LOGS, {"lines": lines}, session=session).body["lines"])
 
     def cancel(self, session: str, turn: str | None = None) -> str | None:
         """Cancel the running turn (or a queued one by id)."""

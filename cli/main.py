@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import Any
 import click
 
 from hermes_sup.protocol import Kind
+from hermes_sup.supervisor import statedir
 from hermes_sup.supervisor.config import (
     DATA_DIR_ENV,
     DEFAULT_PASS_ENV,
@@ -26,7 +28,7 @@ from hermes_sup.supervisor.config import (
     default_state_dir,
 )
 
-from .client import Client, ClientError, NotRunning, SupervisorError
+from .client import Client, ClientError, NotRunning, RequestTimeout, SupervisorError
 
 EXIT_NOT_RUNNING = 3
 
@@ -79,6 +81,23 @@ def connect(ctx: click.Context) -> Iterator[Client]:
         client.close()
 
 
+def complete_sessions(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+    """Shell completion of session keys, asked of the running supervisor."""
+    from click.shell_completion import CompletionItem
+
+    root = ctx.find_root()
+    state_dir = root.params.get("state_dir") or default_state_dir()
+    try:
+        with Client(Path(state_dir), timeout=1.0) as client:
+            rows = client.sessions(prefix=incomplete)
+    except Exception:
+        return []
+    return [CompletionItem(r["key"], help=r["state"]) for r in rows]
+
+
+SESSION = click.argument("session", shell_complete=complete_sessions)
+
+
 def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in values:
@@ -117,6 +136,8 @@ TUNABLES: list[tuple[str, str, Any, str]] = [
     ),
     ("--shutdown-grace", "shutdown_grace", float, "Seconds running turns get at shutdown [10]."),
     ("--max-queued-total", "max_queued_total", int, "Turns waiting across all sessions [10000]."),
+    ("--log-max-bytes", "log_max_bytes", int, "Rotate a session log at this size [10 MiB]."),
+    ("--history", "history", int, "Recent events per session replayed to attach [200]."),
 ]
 OPTIONAL = {
     "max_sessions",
@@ -280,7 +301,7 @@ def ping(ctx: click.Context) -> None:
 
 
 @cli.command()
-@click.argument("session")
+@SESSION
 @click.argument("text")
 @click.option(
     "--session-env",
@@ -323,61 +344,309 @@ def _print_event(body: dict[str, Any]) -> None:
         click.echo(str(data), nl=False)
 
 
+STATE_ORDER = ["busy", "starting", "idle", "stopping", "backoff", "failed", "exited"]
+STATE_COLORS = {
+    "busy": "yellow",
+    "idle": "green",
+    "starting": "cyan",
+    "stopping": "cyan",
+    "backoff": "magenta",
+    "failed": "red",
+    "exited": None,
+}
+
+
+def use_color(ctx: click.Context) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n}"
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '2h', '1h30m', '1d' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    total, number = 0.0, ""
+    for ch in text.strip().lower():
+        if ch.isdigit() or ch == ".":
+            number += ch
+        elif ch in units and number:
+            total += float(number) * units[ch]
+            number = ""
+        else:
+            raise click.BadParameter(f"{text!r} is not a duration like 90s, 10m, 2h or 1h30m")
+    if number:
+        total += float(number)
+    if not text.strip():
+        raise click.BadParameter("empty duration")
+    return total
+
+
+def shorten(key: str, width: int) -> str:
+    """Fit a key in `width` columns, marking the cut visibly."""
+    return key if len(key) <= width else key[: width - 1] + "…"
+
+
 @cli.command(name="list")
 @click.option(
-    "--json", "as_json", is_flag=True, help="Print a JSON array (times in epoch seconds)."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print a JSON array: numbers as numbers, times as epoch seconds.",
 )
 @click.option("--prefix", default="", help="Only sessions whose key starts with this.")
-@click.option("--state", default=None, help="Only sessions in this state.")
+@click.option(
+    "--state", type=click.Choice(STATE_ORDER), default=None, help="Only sessions in this state."
+)
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool, prefix: str, state: str | None) -> None:
-    """List sessions.
+    """List sessions: state, pid, uptime, idle time, turns, memory and CPU.
+
+    Memory (RSS) and CPU% are of the worker and everything it started, sampled
+    when you ask (CPU% since the previous list, or since the worker started).
 
     \b
-    Example:
-      hermes-sup list --json
+    JSON fields: key, state, pid (or null), started and last_activity (epoch
+    seconds), turns, queued, exits, last_exit, fast_failures, runtime,
+    rss (bytes), procs, cpu_percent.
+
+    \b
+    Examples:
+      hermes-sup list
+      hermes-sup list --state busy
+      hermes-sup list --json --prefix telegram:
     """
     with connect(ctx) as client:
         rows = client.sessions(prefix=prefix, state=state)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
+    rows.sort(key=lambda r: (STATE_ORDER.index(r["state"]), r["key"]))
+    color = use_color(ctx)
     now = time.time()
-    click.echo(f"{'SESSION':<32} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'IDLE':>8} {'TURNS':>6}")
+    header = (
+        f"{'SESSION':<24} {'STATE':<8} {'PID':>7} {'UPTIME':>7} {'IDLE':>6} "
+        f"{'TURNS':>5} {'RSS':>7} {'CPU%':>5}"
+    )
+    click.echo(click.style(header, bold=True) if color else header)
+    total_rss = 0
     for r in rows:
-        key = r["key"] if len(r["key"]) <= 32 else r["key"][:31] + "~"
-        up = _duration(now - r["started"]) if r["pid"] and r["started"] else "-"
+        up = now - r["started"] if r["pid"] and r["started"] else None
+        cpu = "-" if r.get("cpu_percent") is None else f"{r['cpu_percent']:.1f}"
+        total_rss += r.get("rss") or 0
+        state_cell = f"{r['state']:<8}"
+        if color and STATE_COLORS.get(r["state"]):
+            state_cell = click.style(state_cell, fg=STATE_COLORS[r["state"]])
         click.echo(
-            f"{key:<32} {r['state']:<9} {r['pid'] or '-':>7} {up:>8} "
-            f"{_duration(now - r['last_activity']):>8} {r['turns']:>6}"
+            f"{shorten(r['key'], 24):<24} {state_cell} {r['pid'] or '-':>7} {_duration(up):>7} "
+            f"{_duration(now - r['last_activity']):>6} {r['turns']:>5} "
+            f"{_size(r.get('rss')):>7} {cpu:>5}"
         )
-    click.echo(f"{len(rows)} session(s)")
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    by_state = ", ".join(f"{counts[s]} {s}" for s in STATE_ORDER if s in counts)
+    runtime = rows[0]["runtime"] if rows else "-"
+    click.echo(
+        f"{len(rows)} session(s){': ' + by_state if by_state else ''}; "
+        f"RSS {_size(total_rss)}; runtime {runtime}"
+    )
 
 
 @cli.command()
-@click.argument("session")
-@click.option("--force", is_flag=True, help="SIGKILL at once instead of asking the worker to stop.")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @click.pass_context
-def kill(ctx: click.Context, session: str, force: bool) -> None:
-    """Kill SESSION's worker and every process it started. Its data stays.
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show the supervisor itself: pid, uptime, version, endpoints, sessions, memory.
 
     \b
     Example:
-      hermes-sup kill alice
+      hermes-sup status
     """
     with connect(ctx) as client:
-        result = client.kill(session, force=force)
-    pid = result.get("pid")
-    click.echo(f"{session}: {result['reason']}" + (f" (pid {pid})" if pid else ""))
+        info = client.status()
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(info["sessions"].items())) or "none"
+    lines = [
+        f"hermes-sup {info['version']} (protocol {info['protocol']}), pid {info['pid']}, "
+        f"up {_duration(info['uptime'])}",
+        f"runtime:   {info['runtime']}   zygote pid {info['zygote_pid']}",
+        f"control:   {info['endpoints']['control']}",
+        f"workers:   {info['endpoints']['workers']}",
+        f"data:      {info['data_dir']}",
+        f"sessions:  {info['total_sessions']} ({counts}); at most {info['max_sessions']} live; "
+        f"{info['queued']} turn(s) queued",
+        f"memory:    {_size(info['rss'])} RSS; {info['fds']} of {info['fd_limit']} fds",
+    ]
+    if not info["accepting"]:
+        lines.append("shutting down: not accepting turns")
+    click.echo("\n".join(lines))
+
+
+@cli.command()
+@click.argument("sessions", nargs=-1, shell_complete=complete_sessions)
+@click.option("--all", "all_", is_flag=True, help="Kill every session.")
+@click.option(
+    "--idle-for",
+    "idle_for",
+    default=None,
+    metavar="DURATION",
+    help="Kill idle sessions idle at least this long (90s, 10m, 2h).",
+)
+@click.option("--force", is_flag=True, help="SIGKILL at once instead of asking the worker to stop.")
+@click.option("--purge", is_flag=True, help="Also delete the sessions' data (asks first).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask before purging.")
+@click.pass_context
+def kill(
+    ctx: click.Context,
+    sessions: tuple[str, ...],
+    all_: bool,
+    idle_for: str | None,
+    force: bool,
+    purge: bool,
+    yes: bool,
+) -> None:
+    """Kill sessions' workers and every process they started; return when gone.
+
+    Graceful by default: the worker is asked to stop, then its process group
+    gets SIGTERM, then SIGKILL. The data (workspace, HERMES_HOME, log) stays,
+    and the next message starts a fresh worker on it, unless --purge.
+
+    \b
+    Examples:
+      hermes-sup kill alice
+      hermes-sup kill --idle-for 30m
+      hermes-sup kill --all --force
+      hermes-sup kill bob --purge --yes
+    """
+    if not (sessions or all_ or idle_for):
+        raise click.UsageError("name sessions to kill, or use --all or --idle-for")
+    idle_seconds = parse_duration(idle_for) if idle_for else None
+    with connect(ctx) as client:
+        targets = list(sessions)
+        if all_ or idle_seconds is not None:
+            now = time.time()
+            for r in client.sessions():
+                if all_ or (r["state"] == "idle" and now - r["last_activity"] >= idle_seconds):
+                    if r["key"] not in targets:
+                        targets.append(r["key"])
+        if not targets:
+            click.echo("no sessions to kill")
+            return
+        if purge and not yes:
+            if not sys.stdin.isatty():
+                raise click.ClickException("refusing to purge without --yes (no terminal to ask)")
+            click.confirm(
+                f"Delete the data of {len(targets)} session(s) (workspace, HERMES_HOME, logs)?",
+                abort=True,
+            )
+        # All at once: each kill returns when its processes are gone.
+        pending = {
+            client.submit(Kind.KILL, {"force": force, "purge": purge}, session=k): k
+            for k in targets
+        }
+        failed = 0
+        deadline = time.monotonic() + 120
+        while pending:
+            msg = client.next(timeout=max(1.0, deadline - time.monotonic()))
+            key = pending.pop(msg.re, None)
+            if key is None:
+                continue
+            if msg.kind is Kind.ERROR:
+                failed += 1
+                click.echo(f"{key}: {msg.body['message']}", err=True)
+            else:
+                pid = msg.body.get("pid")
+                click.echo(f"{key}: {msg.body['reason']}" + (f" (pid {pid})" if pid else ""))
+    if failed:
+        sys.exit(1)
+
+
+@cli.command()
+@SESSION
+@click.option("-n", "--lines", default=50, show_default=True, help="Lines to show from the end.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (across rotation).")
+@click.pass_context
+def logs(ctx: click.Context, session: str, lines: int, follow: bool) -> None:
+    """Print a session's worker log (its stdout and stderr).
+
+    \b
+    Examples:
+      hermes-sup logs alice -n 100
+      hermes-sup logs alice -f
+    """
+    with connect(ctx) as client:
+        req = client.submit(Kind.LOGS, {"lines": max(0, lines), "follow": follow}, session=session)
+        first = client._answer(req)
+        for line in first.body["lines"]:
+            click.echo(line)
+        if not follow:
+            return
+        try:
+            while True:
+                try:
+                    msg = client._answer(req, timeout=1.0)
+                except RequestTimeout:
+                    if not statedir.is_locked(client.state_dir):
+                        raise NotRunning("the supervisor went away") from None
+                    continue
+                if msg.body.get("type") == "log":
+                    click.echo(msg.body["data"])
+        except KeyboardInterrupt:
+            client.submit(Kind.UNWATCH, {"watch": req})
+
+
+@cli.command()
+@SESSION
+@click.option("--read-only", is_flag=True, help="Only watch; typed lines are not sent.")
+@click.option("--replay", default=50, show_default=True, help="Recent events to show first.")
+@click.pass_context
+def attach(ctx: click.Context, session: str, read_only: bool, replay: int) -> None:
+    """Watch SESSION live and talk to it, like tmux attach.
+
+    Shows the session's recent events, then everything it produces, including
+    turns sent by other clients. Each line you type is sent as a turn.
+
+    \b
+    Keys:
+      Ctrl-D      detach (the session keeps running); Ctrl-] then Enter too
+      Ctrl-C      cancel the running turn (never the session)
+
+    \b
+    Examples:
+      hermes-sup attach alice
+      hermes-sup attach alice --read-only
+    """
+    from .attach import Attached
+
+    key = session
+    with connect(ctx) as client:
+        client.sessions()  # fail now, with a clear message, if the supervisor is not there
+        code = Attached(client, key, read_only, use_color(ctx)).run(replay)
+    sys.exit(code)
 
 
 def main() -> None:

@@ -83,7 +83,7 @@ TICK = 0.25
 MIB = 1024 * 1024
 # Event data larger than this is not kept in a session's replay history.
 HISTORY_DATA_LIMIT = 8192
-MAX_LOG_TAIL = 10_000
+MAX_LOG_TAIL = 100_000
 
 
 def kv(event: str, **fields: Any) -> str:

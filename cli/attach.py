@@ -1,0 +1,176 @@
+"""`hermes-sup attach`: watch a session live and talk to it, like `tmux attach`.
+
+It replays the session's recent events, then shows everything the session
+produces (turns started by any client, output, tokens, replies, errors,
+state changes such as a worker restarting) and sends each line typed as a
+turn. Ctrl-D detaches and never touches the session; Ctrl-C cancels the
+running turn, never the session. Several clients may attach at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import click
+import zmq
+
+from hermes_sup.protocol import Kind, Message
+from hermes_sup.supervisor import statedir
+
+from .client import Client
+
+# How often to check that the supervisor still holds its lock.
+LIVENESS_EVERY = 1.0
+QUIET_STATUS = {"queued", "running", "duplicate"}
+
+
+class Attached:
+    """One attach session: a watch on the supervisor, a terminal on the other side."""
+
+    def __init__(self, client: Client, key: str, read_only: bool, color: bool) -> None:
+        self.client = client
+        self.key = key
+        self.read_only = read_only
+        self.color = color
+        self.watch_id = ""
+        self.mine: set[str] = set()  # turns this terminal sent
+        self.seen_turns: set[str] = set()
+        self.running: str | None = None
+        self.mid_line = False  # a token stream left the cursor mid-line
+
+    def say(self, text: str, fg: str | None = None, dim: bool = False) -> None:
+        """Print one line (ending any token stream first)."""
+        if self.mid_line:
+            click.echo()
+            self.mid_line = False
+        click.echo(click.style(text, fg=fg, dim=dim) if self.color else text)
+
+    def run(self, replay: int) -> int:
+        """Attach until detached; returns the exit status."""
+        self.watch_id = self.client.submit(Kind.WATCH, {"replay": replay}, session=self.key)
+        first = self.client._answer(self.watch_id)
+        assert first.body["type"] == "watching"
+        hint = "read-only; " if self.read_only else "type a message and press Enter; "
+        self.say(
+            f"attached to {self.key} ({hint}Ctrl-D detaches, Ctrl-C cancels a turn)", fg="cyan"
+        )
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            return self._loop()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            try:
+                self.client.submit(Kind.UNWATCH, {"watch": self.watch_id})
+            except zmq.ZMQError:
+                pass
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def _loop(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.client.sock, zmq.POLLIN)
+        stdin = sys.stdin.fileno()
+        poller.register(stdin, zmq.POLLIN)
+        next_check = time.monotonic() + LIVENESS_EVERY
+        while True:
+            try:
+                while self.client._early:
+                    self._show(self.client._early.pop(0))
+                ready = dict(poller.poll(200))
+                if self.client.sock in ready:
+                    while self.client.sock.poll(0):
+                        self._show(self.client.next(timeout=1))
+                if stdin in ready:
+                    data = os.read(stdin, 65536)
+                    if not data:
+                        self.say("detached; the session keeps running", fg="cyan")
+                        return 0
+                    for line in data.decode("utf-8", "replace").splitlines():
+                        self._typed(line)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + LIVENESS_EVERY
+                    if not statedir.is_locked(self.client.state_dir):
+                        self.say("the supervisor went away; detaching", fg="red")
+                        return 3
+            except KeyboardInterrupt:
+                self._interrupt()
+
+    def _interrupt(self) -> None:
+        if self.running is None:
+            self.say("no turn is running (Ctrl-D detaches)", fg="cyan")
+            return
+        self.client.submit(Kind.CANCEL, {"turn": self.running}, session=self.key)
+        self.say("cancelling the running turn (the session keeps running)", fg="yellow")
+
+    def _typed(self, line: str) -> None:
+        if "\x1d" in line:  # Ctrl-] typed then Enter: detach too, as documented
+            raise SystemExit(self._detach())
+        if not line.strip():
+            return
+        if self.read_only:
+            self.say("read-only: input ignored", fg="yellow")
+            return
+        self.mine.add(self.client.submit(Kind.SEND, {"text": line}, session=self.key))
+
+    def _detach(self) -> int:
+        self.say("detached; the session keeps running", fg="cyan")
+        return 0
+
+    def _show(self, msg: Message) -> None:
+        if msg.re in self.mine and msg.re not in self.seen_turns:
+            # The direct answer to our own send: only refusals matter here,
+            # everything else arrives through the watch.
+            if msg.kind is Kind.ERROR:
+                self.say(f"✗ {msg.body['message']} [{msg.body['code']}]", fg="red")
+            return
+        if msg.re != self.watch_id or msg.kind is not Kind.EVENT:
+            return
+        body = msg.body
+        kind, data, turn = body["type"], body.get("data"), body.get("turn")
+        dim = bool(body.get("replayed"))
+        if kind == "turn":
+            if turn is not None:
+                self.seen_turns.add(turn)
+                if not dim:
+                    self.running = turn
+            who = "you" if turn in self.mine else "turn"
+            self.say(f"» [{who}] {data['text']}", fg="blue", dim=dim)
+        elif kind == "output":
+            self.say(str(data), dim=dim)
+        elif kind == "token":
+            click.echo(str(data), nl=False)
+            self.mid_line = True
+        elif kind == "reply":
+            self._turn_over(turn)
+            self.say(f"◂ {data.get('text', '')}", fg="green", dim=dim)
+        elif kind == "error":
+            self._turn_over(turn)
+            self.say(f"✗ {data.get('message')} [{data.get('code')}]", fg="red", dim=dim)
+        elif kind == "state":
+            self._show_state(data, dim)
+        elif kind == "status":
+            if isinstance(data, dict) and data.get("state") not in QUIET_STATUS:
+                self.say(f"· {data}", dim=True)
+        elif kind == "approval":
+            self.say(f"? approval requested: {data}", fg="magenta", dim=dim)
+        else:
+            self.say(f"· {kind}: {data}", dim=True)
+
+    def _turn_over(self, turn: str | None) -> None:
+        if turn is not None and turn == self.running:
+            self.running = None
+
+    def _show_state(self, data: dict[str, Any], dim: bool) -> None:
+        state, previous, reason = data["state"], data["previous"], data.get("reason")
+        if state == "idle" and previous == "starting":
+            self.say(f"· worker ready (pid {data.get('pid')})", fg="cyan", dim=dim)
+        elif state == "exited" or state in ("backoff", "failed"):
+            why = f": {reason}" if reason else ""
+            self.say(f"· worker {state}{why}", fg="yellow", dim=dim)
+        elif state == "stopping":
+            self.say(f"· stopping: {reason}", fg="yellow", dim=dim)
