@@ -55,7 +55,12 @@ class NotRunningError(click.ClickException):
 )
 @click.pass_context
 def cli(ctx: click.Context, state_dir: Path | None, timeout: float) -> None:
-    """hermes-sup: one real process per agent session, routed over ZeroMQ."""
+    """hermes-sup: one real process per agent session, routed over ZeroMQ.
+
+    \b
+    Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running.
+    Completion: eval "$(_HERMES_SUP_COMPLETE=bash_source hermes-sup)"
+    """
     ctx.obj = {"state_dir": state_dir or default_state_dir(), "timeout": timeout}
 
 
