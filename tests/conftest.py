@@ -101,7 +101,7 @@ class Supervisor:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: bool = True) -> Supervisor:
+    def start(self, wait: bool = True, preexec_fn=None) -> Supervisor:  # noqa: ANN001
         """Start the supervisor and wait until it answers a ping."""
         env = dict(os.environ if self.env is None else self.env)
         cmd = [
@@ -116,7 +116,9 @@ class Supervisor:
             *self.args,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn
+        )
         if wait:
             self.wait_ready()
         return self

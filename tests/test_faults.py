@@ -238,22 +238,8 @@ def test_max_sessions_is_capped_by_the_fd_limit(supervisor_factory) -> None:
     def low_fds() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (340, 340))
 
-    sup = supervisor_factory(start=False)
-    sup.args += ["--max-sessions", "1000"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "hermes_sup.cli",
-        "--state-dir",
-        str(sup.state_dir),
-        "serve",
-        "--data-dir",
-        str(sup.data_dir),
-        *sup.args,
-    ]
-    sup._log = open(sup.log_path, "ab")  # noqa: SIM115
-    sup.proc = subprocess.Popen(cmd, stdout=sup._log, stderr=subprocess.STDOUT, preexec_fn=low_fds)
-    sup.wait_ready()
+    sup = supervisor_factory("--max-sessions", "1000", start=False)
+    sup.start(preexec_fn=low_fds)
     assert "max_sessions_lowered wanted=1000 allowed=28" in sup.log()
     with sup.client(timeout=30) as client:
         reqs = {
