@@ -150,6 +150,9 @@ class Supervisor:
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cull_pending = False
+        # Spawns between the request to the zygote and the registration of
+        # the new pid: the worker is already our child but not yet known.
+        self._spawning = 0
         self._scanning = False
         self._next_scan = 0.0
         self._front_handlers: dict[Kind, Callable[[bytes, Message], None]] = {
@@ -909,6 +912,14 @@ class Supervisor:
 
     async def _fork(self, session: Session, generation: int) -> None:
         assert self.zygote is not None and session.token is not None
+        self._spawning += 1
+        try:
+            await self._fork_and_register(session, generation)
+        finally:
+            self._spawning -= 1
+
+    async def _fork_and_register(self, session: Session, generation: int) -> None:
+        assert self.zygote is not None
         try:
             pid, out_fd = await self.zygote.spawn(self._spawn_request(session))
         except ZygoteError as exc:
@@ -1243,8 +1254,8 @@ class Supervisor:
         """Kill processes re-parented to us that are not workers: descendants
         left behind by a worker that died. Nothing a session started outlives it."""
         self._cull_pending = False
-        if self.zygote is not None and self.zygote.pending:
-            self._schedule_orphan_cull()  # a new worker may be mid-adoption
+        if self._spawning:
+            self._schedule_orphan_cull()  # a new worker may be adopted but not yet known
             return
         known = set(self.by_pid)
         if self.zygote is not None and self.zygote.pid is not None:

@@ -42,11 +42,6 @@ class Zygote:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, int | None]]] = {}
 
-    @property
-    def pending(self) -> int:
-        """Spawn requests sent and not yet answered."""
-        return len(self._pending)
-
     def start(self, timeout: float = 30.0) -> dict[str, Any]:
         """Start the zygote and wait (blocking) until its preload is done.
         Call before any zmq context or thread exists in this process."""

@@ -228,3 +228,28 @@ def test_cli_exit_codes_and_output(supervisor, workdir) -> None:
     assert missing.returncode == 3 and "hermes-sup --state-dir" in missing.stderr
     usage = run("send", "only-one-arg")
     assert usage.returncode == 2
+
+
+def test_new_workers_survive_the_orphan_culls_of_dying_ones(supervisor) -> None:
+    """Each worker exit triggers a sweep for orphans; a worker adopted by the
+    supervisor but not yet registered must never be taken for one."""
+    with supervisor.client(timeout=60) as client:
+        for round_ in range(3):
+            for i in range(20):
+                client.run(f"old{round_}-{i}", "pid")
+            kills = {
+                client.submit(Kind.KILL, {"force": True}, session=f"old{round_}-{i}")
+                for i in range(20)
+            }
+            sends = {
+                client.submit(Kind.SEND, {"text": "pid"}, session=f"new{round_}-{i}")
+                for i in range(20)
+            }
+            finals = {}
+            while len(finals) < 40:
+                msg = client.next()
+                if msg.kind is not Kind.EVENT:
+                    finals[msg.re] = msg
+            assert all(finals[k].kind is Kind.KILLED for k in kills)
+            died = [finals[s].body for s in sends if finals[s].kind is not Kind.REPLY]
+            assert died == []
