@@ -115,6 +115,13 @@ class Attached:
         if self.read_only:
             self.say("read-only: input ignored", fg="yellow")
             return
+        words = line.split()
+        if words[0] in ("/approve", "/deny"):
+            choice = "deny" if words[0] == "/deny" else (words[1] if len(words) > 1 else "once")
+            # Kept with our sends so that a refusal (nothing to approve) shows.
+            self.mine.add(self.client.submit(Kind.APPROVE, {"choice": choice}, session=self.key))
+            self.say(f"approval answer sent: {choice}", fg="magenta")
+            return
         self.mine.add(self.client.submit(Kind.SEND, {"text": line}, session=self.key))
 
     def _detach(self) -> int:
@@ -157,7 +164,16 @@ class Attached:
             if isinstance(data, dict) and data.get("state") not in QUIET_STATUS:
                 self.say(f"· {data}", dim=True)
         elif kind == "approval":
-            self.say(f"? approval requested: {data}", fg="magenta", dim=dim)
+            self.say(
+                f"? approval requested: {data.get('command')} ({data.get('description')})"
+                " - answer /approve once|session|always or /deny",
+                fg="magenta",
+                dim=dim,
+            )
+        elif kind == "approval_timeout":
+            self.say(f"? no answer in time: {data.get('outcome')}", fg="magenta", dim=dim)
+        elif kind in ("tool_start", "tool_complete", "tool_progress", "approval_answer"):
+            self.say(f"· {kind}: {str(data)[:200]}", dim=True)
         else:
             self.say(f"· {kind}: {data}", dim=True)
 

@@ -5,11 +5,13 @@ Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -101,6 +103,65 @@ def complete_sessions(ctx: click.Context, param: click.Parameter, incomplete: st
 
 
 SESSION = click.argument("session", shell_complete=complete_sessions)
+
+
+AGENT_CONFIG_KEYS = {
+    "model": str,
+    "base_url": str,
+    "provider": str,
+    "toolsets": list,
+    "max_iterations": int,
+    "template_home": str,
+    "api_key_env": str,
+    "api_key_file": str,
+}
+
+
+def load_agent_config(path: Path) -> dict[str, Any]:
+    """Read --agent-config (TOML or JSON), check it, and resolve the api key
+    from the named environment variable or file. Errors name file and key."""
+    try:
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"{path}: {exc}", param_hint="--agent-config") from None
+    config: dict[str, Any] = {}
+    for name, value in raw.items():
+        kind = AGENT_CONFIG_KEYS.get(name)
+        if kind is None:
+            raise click.BadParameter(
+                f"{path}: unknown key {name!r}; known keys: {', '.join(AGENT_CONFIG_KEYS)}",
+                param_hint="--agent-config",
+            )
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise click.BadParameter(
+                f"{path}: {name!r} must be a {kind.__name__}", param_hint="--agent-config"
+            )
+        config[name] = value
+    env_name = config.pop("api_key_env", None)
+    key_file = config.pop("api_key_file", None)
+    if env_name:
+        if env_name not in os.environ:
+            raise click.BadParameter(
+                f"{path}: api_key_env names {env_name}, which is not set",
+                param_hint="--agent-config",
+            )
+        config["api_key"] = os.environ[env_name]
+    elif key_file:
+        try:
+            config["api_key"] = Path(key_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise click.BadParameter(
+                f"{path}: api_key_file: {exc}", param_hint="--agent-config"
+            ) from None
+    if "template_home" in config:
+        template = Path(config["template_home"]).expanduser().absolute()
+        if not template.is_dir():
+            raise click.BadParameter(
+                f"{path}: template_home {template} is not a directory", param_hint="--agent-config"
+            )
+        config["template_home"] = str(template)
+    return config
 
 
 def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
@@ -198,6 +259,13 @@ def tunables(func: Any) -> Any:
     show_default=True,
     help="Agent runtime: a built-in name (probe) or module:factory.",
 )
+@click.option(
+    "--agent-config",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="TOML or JSON settings for the runtime (hermes: model, base_url, provider, "
+    "toolsets, template_home, api_key_env or api_key_file).",
+)
 @click.option("--preload", multiple=True, help="Module the zygote imports before forking (repeat).")
 @click.option(
     "--pass-env",
@@ -238,6 +306,7 @@ def serve(
     ctx: click.Context,
     data_dir: Path | None,
     runtime: str,
+    agent_config: Path | None,
     preload: tuple[str, ...],
     pass_env: tuple[str, ...],
     env_pairs: tuple[str, ...],
@@ -261,10 +330,16 @@ def serve(
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    runtime_config = load_agent_config(agent_config) if agent_config else {}
+    if runtime == "hermes" and not preload:
+        from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
+
+        preload = tuple(m for m in HERMES_SAFE_PRELOAD if importlib.util.find_spec(m))
     settings = Settings(
         state_dir=ctx.obj["state_dir"],
         data_dir=data_dir or default_data_dir(),
         runtime=runtime,
+        runtime_config=runtime_config,
         preload=preload,
         pass_env=DEFAULT_PASS_ENV + pass_env,
         env=_parse_pairs(env_pairs, "--env"),
@@ -639,6 +714,7 @@ def attach(ctx: click.Context, session: str, read_only: bool, replay: int) -> No
     Keys:
       Ctrl-D      detach (the session keeps running); Ctrl-] then Enter too
       Ctrl-C      cancel the running turn (never the session)
+      /approve once|session|always, /deny   answer an approval request
 
     \b
     Examples:

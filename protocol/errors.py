@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     SESSION_FAILED = "session_failed"
     OVERLOADED = "overloaded"
     TURN_TIMEOUT = "turn_timeout"
+    NOTHING_TO_APPROVE = "nothing_to_approve"
     WORKER_DIED = "worker_died"
     SESSION_KILLED = "session_killed"
     TURN_FAILED = "turn_failed"

@@ -39,6 +39,8 @@ class Kind(StrEnum):
     LOG_LINES = "log_lines"
     STATUS = "status"
     INFO = "info"
+    APPROVE = "approve"
+    APPROVED = "approved"
     ERROR = "error"
     # worker <-> supervisor
     HELLO = "hello"
@@ -85,6 +87,8 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.LOGS: {"lines": ((int,), False), "follow": ((bool,), False)},
     Kind.LOG_LINES: {"lines": ((list,), True)},
     Kind.STATUS: {},
+    Kind.APPROVE: {"choice": ((str,), True)},
+    Kind.APPROVED: {"choice": ((str,), True), "turn": ((str,), True)},
     Kind.INFO: {"supervisor": ((dict,), True)},
     Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},
     Kind.HELLO: {"pid": ((int,), True)},
@@ -94,7 +98,9 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 # Kinds whose envelope must name a session.
-SESSION_KINDS = frozenset({Kind.OPEN, Kind.SEND, Kind.CANCEL, Kind.KILL, Kind.HELLO, Kind.LOGS})
+SESSION_KINDS = frozenset(
+    {Kind.OPEN, Kind.SEND, Kind.CANCEL, Kind.KILL, Kind.HELLO, Kind.LOGS, Kind.APPROVE}
+)
 
 MAX_ID_LENGTH = 64
 

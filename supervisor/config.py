@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hermes_sup.protocol import DEFAULT_MAX_FRAME_SIZE
 
@@ -64,6 +65,9 @@ class Settings:
     state_dir: Path
     data_dir: Path
     runtime: str = "probe"
+    # Settings handed to the runtime (e.g. hermes: model, base_url, provider,
+    # toolsets, template_home, api_key resolved from api_key_env/api_key_file).
+    runtime_config: dict[str, Any] = field(default_factory=dict)
     # Modules the zygote imports before it forks workers (shared copy-on-write).
     preload: tuple[str, ...] = ()
     pass_env: tuple[str, ...] = DEFAULT_PASS_ENV

@@ -26,7 +26,16 @@ MAX_VALUE_LENGTH = 4096
 MAX_ENTRIES = 64
 # Set by the supervisor for each session; a front end may not override them.
 RESERVED = frozenset({"HERMES_HOME", "TERMINAL_CWD", "HERMES_SESSION_KEY"})
-OPTION_NAMES = ("session_env", "env")
+OPTION_NAMES = ("session_env", "env", "agent")
+# What a front end may choose per session for the agent runtime. Secrets
+# (api keys) are not among them: they come from the supervisor's config.
+AGENT_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "base_url": (str,),
+    "provider": (str,),
+    "toolsets": (list,),
+    "max_iterations": (int,),
+}
 
 
 @dataclass(frozen=True)
@@ -35,13 +44,18 @@ class SessionOptions:
 
     session_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    agent: dict[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         """The options as a plain map (for the worker and session.json)."""
-        return {"session_env": dict(self.session_env), "env": dict(self.env)}
+        return {
+            "session_env": dict(self.session_env),
+            "env": dict(self.env),
+            "agent": dict(self.agent),
+        }
 
     def __bool__(self) -> bool:
-        return bool(self.session_env or self.env)
+        return bool(self.session_env or self.env or self.agent)
 
 
 def _bad(message: str) -> RemoteProtocolError:
@@ -80,7 +94,29 @@ def parse_options(raw: object) -> SessionOptions:
     clash = sorted(RESERVED & env.keys())
     if clash:
         raise _bad(f"option env.{clash[0]} is set by the supervisor for each session")
-    return SessionOptions(session_env=session_env, env=env)
+    return SessionOptions(
+        session_env=session_env, env=env, agent=_check_agent(raw.get("agent", {}))
+    )
+
+
+def _check_agent(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad("option 'agent' must be a map")
+    out: dict[str, Any] = {}
+    for name, val in value.items():
+        types = AGENT_OPTION_TYPES.get(name)
+        if types is None:
+            raise _bad(
+                f"unknown agent option {str(name)[:40]!r}; known: {', '.join(AGENT_OPTION_TYPES)}"
+            )
+        if isinstance(val, bool) or not isinstance(val, types):
+            raise _bad(f"agent option {name!r} must be {types[0].__name__}")
+        if isinstance(val, str) and ("\0" in val or len(val) > MAX_VALUE_LENGTH):
+            raise _bad(f"agent option {name!r} holds a NUL or is too long")
+        if isinstance(val, list) and not all(isinstance(v, str) for v in val):
+            raise _bad(f"agent option {name!r} must be a list of strings")
+        out[name] = val
+    return out
 
 
 def allowlisted(environ: Mapping[str, str], patterns: tuple[str, ...]) -> dict[str, str]:

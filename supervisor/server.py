@@ -166,6 +166,7 @@ class Supervisor:
             Kind.UNWATCH: self._on_unwatch,
             Kind.LOGS: self._on_logs,
             Kind.STATUS: self._on_status,
+            Kind.APPROVE: self._on_approve,
         }
 
     # ------------------------------------------------------------------ start
@@ -758,6 +759,26 @@ class Supervisor:
             if not self._send_client(watcher.client, msg):
                 self.watchers.pop(watcher.id, None)
 
+    def _on_approve(self, client: bytes, msg: Message) -> None:
+        """An answer to an approval request of the running turn, for its worker."""
+        key = check_session_key(msg.session)
+        session = self._require(key)
+        choice = msg.body["choice"]
+        if choice not in ("once", "session", "always", "deny"):
+            raise RemoteProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"approval choice {choice[:20]!r} is not once, session, always or deny",
+            )
+        turn = session.current
+        if turn is None or not self._send_worker(
+            session, Message(Kind.APPROVE, {"choice": choice}, session=key)
+        ):
+            raise RemoteProtocolError(
+                ErrorCode.NOTHING_TO_APPROVE, f"session {key!r} has no running turn to approve"
+            )
+        self._publish(session, "approval_answer", {"choice": choice}, turn=turn.id)
+        self._send_client(client, msg.reply(Kind.APPROVED, {"choice": choice, "turn": turn.id}))
+
     def _require(self, key: str) -> Session:
         session = self.sessions.get(key)
         if session is None:
@@ -905,6 +926,7 @@ class Supervisor:
             "workspace": str(session.workspace),
             "home": str(session.home),
             "runtime": s.runtime,
+            "runtime_config": {**s.runtime_config, **session.options.agent},
             "options": session.options.to_wire(),
             "heartbeat": s.heartbeat_interval,
             "rlimits": rlimits,

@@ -41,20 +41,25 @@ def row(client, key: str) -> dict:
 
 
 def wait_running(client, req: str) -> int:
-    """Consume a turn's status events until it runs; return the worker pid."""
+    """Consume a turn's status events until it runs; return the worker pid.
+    Messages for other requests are kept for later."""
     while True:
-        msg = client.next()
-        assert msg.re == req, msg
+        msg = client._answer(req)
         assert msg.kind is Kind.EVENT, msg.body
-        if msg.body["data"].get("state") == "running":
-            return msg.body["data"]["pid"]
+        data = msg.body.get("data")
+        if isinstance(data, dict) and data.get("state") == "running":
+            return data["pid"]
 
 
 def final(client, req: str, timeout: float = 20.0) -> Message:
+    """The final answer (reply or error) of one request, keeping the rest."""
     deadline = time.monotonic() + timeout
     while True:
-        msg = client.next(timeout=max(0.1, deadline - time.monotonic()))
-        if msg.re == req and msg.kind is not Kind.EVENT:
+        try:
+            msg = client._answer(req, timeout=max(0.1, deadline - time.monotonic()))
+        except SupervisorError as exc:
+            return Message(Kind.ERROR, {"code": exc.code, "message": exc.message}, re=req)
+        if msg.kind is not Kind.EVENT:
             return msg
 
 

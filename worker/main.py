@@ -122,7 +122,11 @@ def _boot(req: dict[str, Any]) -> int:
     log.info("worker start session=%s pid=%d runtime=%s", req["key"], os.getpid(), req["runtime"])
 
     info = runtime_mod.SessionInfo(
-        key=req["key"], workspace=workspace, home=home, options=dict(req.get("options") or {})
+        key=req["key"],
+        workspace=workspace,
+        home=home,
+        options=dict(req.get("options") or {}),
+        config=dict(req.get("runtime_config") or {}),
     )
     try:
         agent = runtime_mod.load(req["runtime"], info)
@@ -282,6 +286,13 @@ class WorkerLoop:
         elif msg.kind is Kind.STOP:
             self.stopping = True
             self._cancel()
+        elif msg.kind is Kind.APPROVE:
+            answer = getattr(self.agent, "answer", None)
+            if callable(answer):
+                try:
+                    answer(msg.body["choice"])
+                except Exception:
+                    log.exception("approval answer failed")
         else:
             log.warning("ignored a %s message from the supervisor", msg.kind.value)
 

@@ -22,6 +22,7 @@ Emit = Callable[[str, Any], None]
 
 BUILTIN_RUNTIMES = {
     "probe": "hermes_sup.worker.probe:ProbeRuntime",
+    "hermes": "hermes_sup.worker.hermes:HermesRuntime",
 }
 
 
@@ -33,6 +34,9 @@ class SessionInfo:
     workspace: Path
     home: Path
     options: dict[str, Any] = field(default_factory=dict)
+    # The runtime's settings: the supervisor's --agent-config with this
+    # session's `agent` options on top (secrets resolved, never in os.environ).
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

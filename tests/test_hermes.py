@@ -1,0 +1,221 @@
+"""The real Hermes agent in each worker, against a fake model server on
+127.0.0.1. Needs hermes-agent installed (`make test` installs it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from hermes_sup.cli.client import SupervisorError
+from hermes_sup.protocol import Kind, session_dir_name
+
+from .fake_model import FakeModel
+from .test_faults import final, until, wait_running
+
+pytest.importorskip("run_agent", reason="hermes-agent is not installed")
+pytestmark = pytest.mark.e2e
+
+PROBE = (
+    "run: pwd; echo key=$HERMES_SESSION_KEY; echo home=$HERMES_HOME; "
+    "echo cwd=$TERMINAL_CWD; echo chat=$HERMES_SESSION_CHAT_ID"
+)
+
+
+@pytest.fixture
+def model():
+    fake = FakeModel()
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def hermes(supervisor_factory, model, workdir):
+    """A supervisor running the hermes runtime against the fake model, with
+    its own HOME (which must stay untouched) and a template HERMES_HOME."""
+    template = workdir / "template"
+    template.mkdir()
+    (template / "config.yaml").write_text("approvals:\n  timeout: 3\n")
+    config = workdir / "agent.toml"
+    config.write_text(
+        f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
+        f'toolsets = ["terminal"]\napi_key_env = "FAKE_MODEL_KEY"\n'
+        f'template_home = "{template}"\n'
+    )
+    home = workdir / "user-home"
+    home.mkdir()
+    env = dict(os.environ, FAKE_MODEL_KEY="sk-fake-secret", HOME=str(home))
+    sup = supervisor_factory("--agent", "hermes", "--agent-config", str(config), env=env)
+    sup.user_home = home
+    return sup
+
+
+def session_dir(sup, key: str) -> Path:
+    return sup.data_dir / "sessions" / session_dir_name(key)
+
+
+def collect(client, reqs: dict[str, str], timeout: float = 120) -> dict[str, tuple]:
+    """Run turns concurrently: {request id: key} -> {key: (final, events)}."""
+    events: dict[str, list] = {r: [] for r in reqs}
+    finals = {}
+    deadline = time.monotonic() + timeout
+    while len(finals) < len(reqs):
+        msg = client.next(timeout=max(1.0, deadline - time.monotonic()))
+        if msg.re not in reqs:
+            continue
+        if msg.kind is Kind.EVENT:
+            events[msg.re].append(msg)
+        else:
+            finals[msg.re] = msg
+    return {reqs[r]: (finals[r], events[r]) for r in reqs}
+
+
+def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> None:
+    keys = ["tg-alice", "dc-bob", "web-carol"]
+    with hermes.client(timeout=120) as client:
+        for i, key in enumerate(keys):
+            client.open(key, {"session_env": {"platform": "api", "chat_id": f"chat-{i}"}})
+        reqs = {client.submit(Kind.SEND, {"text": PROBE}, session=k): k for k in keys}
+        results = collect(client, reqs)
+
+    for i, key in enumerate(keys):
+        reply, events = results[key]
+        assert reply.kind is Kind.REPLY, reply.body
+        d = session_dir(hermes, key)
+        tool = next(e.body["data"] for e in events if e.body["type"] == "tool_complete")
+        out = tool["result"]
+        for expected in (
+            f"key={key}",
+            f"home={d / 'home'}",
+            f"cwd={d / 'workspace'}",
+            f"chat=chat-{i}",
+            str(d / "workspace"),
+        ):
+            assert expected in out and expected in reply.body["text"], (expected, out)
+        for other in keys:
+            if other != key:
+                assert other not in out and session_dir_name(other) not in out
+        assert any(e.body["type"] == "token" for e in events)
+        # The session's own state.db holds its own turn, and only its own.
+        db = sqlite3.connect(d / "home" / "state.db")
+        text = " ".join(str(row) for row in db.execute("SELECT * FROM messages"))
+        db.close()
+        assert f"key={key}" in text
+        assert not any(f"key={o}" in text for o in keys if o != key)
+    # The api key reached the model, not the workers' environments.
+    assert all(r.get("messages") for r in model.requests)
+
+    # Isolation audit: every file hermes wrote is under its own session's
+    # home or workspace; the zygote's HERMES_HOME and the user's HOME stay empty.
+    assert list((hermes.data_dir / "zygote-home").iterdir()) == []
+    assert list(hermes.user_home.iterdir()) == []
+    for key in keys:
+        d = session_dir(hermes, key)
+        for path in d.rglob("*"):
+            rel = path.relative_to(d)
+            assert rel.parts[0] in ("home", "workspace", "worker.log", "session.json"), rel
+            if path.is_file() and path.suffix in (".log", ".md", ".yaml", ".json", ".txt"):
+                content = path.read_text(errors="replace")
+                for other in keys:
+                    if other != key:
+                        assert session_dir_name(other) not in content, (path, other)
+        assert (d / "home" / "state.db").exists()
+        assert (d / "home" / "config.yaml").read_text().startswith("approvals")  # template
+    leftovers = [p for p in hermes.data_dir.iterdir() if p.name not in ("sessions", "zygote-home")]
+    assert leftovers == []
+
+
+def test_approval_deny_then_once(hermes) -> None:
+    with hermes.client(timeout=120) as client:
+        client.run("ops", "run: mkdir -p target && echo keep > target/file && echo made")
+        target = session_dir(hermes, "ops") / "workspace" / "target"
+        assert (target / "file").exists()
+
+        for choice in ("deny", "once"):
+            req = client.submit(Kind.SEND, {"text": "run: rm -rf target"}, session="ops")
+            while True:
+                msg = client.next()
+                assert msg.re == req and msg.kind is Kind.EVENT, msg.body
+                if msg.body["type"] == "approval":
+                    request = msg.body["data"]
+                    break
+            assert "rm -rf target" in request["command"] and request["description"]
+            assert (
+                client.request(Kind.APPROVE, {"choice": choice}, session="ops").body["choice"]
+                == choice
+            )
+            reply = final(client, req, timeout=60)
+            assert reply.kind is Kind.REPLY, reply.body
+            if choice == "deny":
+                assert "BLOCKED" in reply.body["text"] or "denied" in reply.body["text"].lower()
+                assert (target / "file").exists()
+            else:
+                assert not target.exists()
+        with pytest.raises(SupervisorError) as err:
+            client.request(Kind.APPROVE, {"choice": "once"}, session="ops")
+        assert err.value.code == "nothing_to_approve"
+
+
+def test_no_answer_to_an_approval_means_deny_and_the_front_end_is_told(hermes) -> None:
+    with hermes.client(timeout=120) as client:
+        client.run("quiet", "run: mkdir -p target && echo made")
+        target = session_dir(hermes, "quiet") / "workspace" / "target"
+        reply, events = client.run("quiet", "run: rm -rf target")
+        types = [e.body["type"] for e in events]
+        assert "approval" in types and "approval_timeout" in types
+        assert target.exists()
+
+
+def test_cancel_interrupts_a_running_hermes_turn(hermes) -> None:
+    with hermes.client(timeout=120) as client:
+        req = client.submit(Kind.SEND, {"text": "slow: 20"}, session="long")
+        while True:
+            msg = client.next()
+            if msg.kind is Kind.EVENT and msg.body["type"] == "token":
+                break
+        started = time.monotonic()
+        assert client.cancel("long") == req
+        reply = final(client, req, timeout=30)
+        assert time.monotonic() - started < 10
+        assert reply.kind is Kind.REPLY and reply.body["data"].get("interrupted")
+        assert client.run("long", "still there?")[0].body["text"].startswith("echo: still there?")
+
+
+def test_conversation_resumes_after_kill_and_after_a_crash(hermes) -> None:
+    with hermes.client(timeout=120) as client:
+        assert client.run("memo", "first")[0].body["text"] == "echo: first (turn 1)"
+        client.kill("memo")
+        assert client.run("memo", "second")[0].body["text"] == "echo: second (turn 2)"
+        req = client.submit(Kind.SEND, {"text": "slow: 20"}, session="memo")
+        pid = wait_running(client, req)
+        while client.next().body.get("type") != "token":
+            pass
+        os.kill(pid, signal.SIGKILL)
+        crashed = final(client, req)
+        assert crashed.kind is Kind.ERROR and crashed.body["code"] == "worker_died"
+        assert "SIGKILL" in crashed.body["message"]
+        until(lambda: client.sessions()[0]["state"] in ("exited", "backoff"), timeout=5)
+        reply = client.run("memo", "third")[0]
+        # The interrupted message is part of the resumed history (hermes folds
+        # it into the next user turn); the conversation went on from there.
+        assert reply.body["text"].startswith("echo: ") and "third" in reply.body["text"]
+        assert "(turn 3)" in reply.body["text"] or "slow: 20" in reply.body["text"]
+
+
+def test_bad_model_settings_fail_the_turn_not_the_session(hermes) -> None:
+    with hermes.client(timeout=180) as client:
+        client.open("nowhere", {"agent": {"base_url": "http://127.0.0.1:9/v1"}})
+        with pytest.raises(SupervisorError) as err:
+            client.run("nowhere", "hello")
+        assert err.value.code == "turn_failed" and err.value.message
+        pid = client.sessions()[0]["pid"]
+        with pytest.raises(SupervisorError):
+            client.run("nowhere", "hello again")
+        assert client.sessions()[0]["pid"] == pid  # same worker, still serving
+        with pytest.raises(SupervisorError) as err:
+            client.open("nowhere", {"agent": {"temperature": 2}})
+        assert err.value.code == "bad_field" and "unknown agent option" in err.value.message
