@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install run test test-fast lint typecheck clean
+.PHONY: install run test test-fast lint typecheck clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,8 @@ typecheck: $(BIN)/python
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# Benchmarks, never part of the tests: results in bench/results/latest.json,
+# summarised in BENCHMARKS.md.
+bench: install
+	$(BIN)/python bench/run.py

@@ -88,7 +88,7 @@ class Settings:
     # Workers heartbeat from their main loop (never from the turn thread), so
     # a long turn is busy, not hung. Silent this long: SIGABRT (a traceback
     # lands in the session log), then SIGKILL after abort_grace.
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 10.0
     abort_grace: float = 2.0
     # A turn running longer is cancelled and reported (None: no limit, the

@@ -553,6 +553,9 @@ class Supervisor:
         self._enqueue(session, turn)
         self._remember(msg.id, SentTurn(session=key, turn=turn))
         session.touch()
+        if session.state is State.IDLE and len(session.queue) == 1:
+            self._pump(session)  # runs now: its `running` status is the acknowledgement
+            return
         # Acknowledge at once, so a client can tell a slow turn from a dead supervisor.
         self._send_client(
             client,
@@ -928,7 +931,8 @@ class Supervisor:
             "runtime": s.runtime,
             "runtime_config": {**s.runtime_config, **session.options.agent},
             "options": session.options.to_wire(),
-            "heartbeat": s.heartbeat_interval,
+            # Several beats per timeout, so one late beat is never a hang.
+            "heartbeat": min(s.heartbeat_interval, s.heartbeat_timeout / 4),
             "rlimits": rlimits,
         }
 
@@ -1092,12 +1096,17 @@ class Supervisor:
         if not workers:
             return
         self._scanning = True
+        started = time.monotonic()
         try:
             usage: dict[int, TreeUsage] = await asyncio.get_running_loop().run_in_executor(
                 None, scan_trees, list(workers)
             )
         finally:
             self._scanning = False
+        # With thousands of processes a sample takes a while: space them so
+        # that sampling never costs more than about 5% of the time.
+        took = time.monotonic() - started
+        self._next_scan = max(self._next_scan, time.monotonic() + took * 20)
         for pid, use in usage.items():
             session = workers[pid]
             if session.proc is None or session.proc.pid != pid:

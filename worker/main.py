@@ -46,7 +46,9 @@ from . import runtime as runtime_mod
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-POLL_MS = 100
+# The longest the main loop sleeps. An idle worker wakes only to heartbeat;
+# the supervisor's death wakes it at once (parent-death signal -> wake pipe).
+MAX_POLL_MS = 1000
 # The signal the kernel sends us when the supervisor dies. It only wakes the
 # main loop, which checks getppid() and cleans up; it must not kill us first.
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -213,7 +215,8 @@ class WorkerLoop:
         poller.register(self._wake_r, zmq.POLLIN)
         code = WorkerExit.OK
         while True:
-            ready = dict(poller.poll(POLL_MS))
+            until_beat = max(0.0, self._next_beat - time.monotonic())
+            ready = dict(poller.poll(min(MAX_POLL_MS, int(until_beat * 1000) + 1)))
             if os.getppid() != self.supervisor_pid:
                 log.error("supervisor (pid %d) is gone; stopping", self.supervisor_pid)
                 code = WorkerExit.SUPERVISOR_GONE

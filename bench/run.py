@@ -1,0 +1,478 @@
+"""hermes-sup benchmarks, each measured next to its floor in the same run.
+
+    make bench                   # everything (a few minutes)
+    python bench/run.py --quick  # smaller counts, for a smoke run
+
+Prints a table and writes bench/results/latest.json. Machines here are
+shared and noisy: repeat, report p50 and p99, and judge by ratios to a floor
+measured side by side, never by absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+from hermes_sup.cli.client import Client
+from hermes_sup.protocol import Kind
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def pct(values: list[float], p: float) -> float:
+    """The p-th percentile (nearest rank) of values."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """p50/p99/mean of a list of seconds, in milliseconds."""
+    return {
+        "n": len(values),
+        "p50_ms": pct(values, 50) * 1000,
+        "p99_ms": pct(values, 99) * 1000,
+        "mean_ms": statistics.fmean(values) * 1000,
+    }
+
+
+# ---------------------------------------------------------------- supervisor
+
+
+class Sup:
+    """A real supervisor for the benchmark, on a private temp dir."""
+
+    def __init__(self, *args: str) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="hsb-", dir="/tmp"))
+        self.state = self.root / "s"
+        cmd = [
+            sys.executable,
+            "-m",
+            "hermes_sup.cli",
+            "--state-dir",
+            str(self.state),
+            "serve",
+            "--data-dir",
+            str(self.root / "d"),
+            "--log-level",
+            "warning",
+            *args,
+        ]
+        self.proc = subprocess.Popen(cmd, stderr=open(self.root / "log", "wb"))  # noqa: SIM115
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with Client(self.state, timeout=1) as c:
+                    c.ping()
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError((self.root / "log").read_text())
+
+    def client(self) -> Client:
+        return Client(self.state, timeout=60)
+
+    def worker_pids(self) -> list[int]:
+        with self.client() as c:
+            return [r["pid"] for r in c.sessions() if r["pid"]]
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def spawn_hermes_sup(sup: Sup, count: int, prefix: str) -> list[float]:
+    """First message to a new key -> its reply, one key at a time."""
+    times = []
+    with sup.client() as c:
+        for i in range(count):
+            started = time.perf_counter()
+            reply, _ = c.run(f"{prefix}{i}", "pid")
+            times.append(time.perf_counter() - started)
+            assert reply.kind is Kind.REPLY
+    return times
+
+
+# ---------------------------------------------------------------- floors
+
+
+def _child_answer(endpoint: str) -> None:
+    """What every floor's child does: connect, say hello, answer one ping."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 1000)
+    s.connect(endpoint)
+    s.send(b"hello")
+    s.send(s.recv())  # echo the ping
+    s.close()
+    ctx.term()
+
+
+FORKER = r"""
+import gc, os, sys, zmq, msgpack  # preloaded like our zygote; no context yet
+gc.collect(); gc.freeze()
+endpoint = sys.argv[1]
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 1000)
+        s.connect(endpoint); s.send(b"hello"); s.send(s.recv()); s.close(); ctx.term()
+        os._exit(0)
+    os.waitpid(pid, os.WNOHANG)
+    sys.stdout.write("%d\n" % pid); sys.stdout.flush()
+"""
+
+
+def _answer_ping(router: zmq.Socket) -> None:
+    ident, hello = router.recv_multipart()
+    router.send_multipart([ident, b"ping"])
+    router.recv_multipart()
+
+
+def spawn_bare_fork(count: int) -> list[float]:
+    """Floor: a preloaded, gc-frozen process forks a child that answers over zmq."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    forker = subprocess.Popen(
+        [sys.executable, "-c", FORKER, endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    times = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            forker.stdin.write("go\n")
+            forker.stdin.flush()
+            _answer_ping(router)
+            times.append(time.perf_counter() - started)
+            forker.stdout.readline()
+    finally:
+        forker.stdin.close()
+        forker.wait()
+        router.close(0)
+        ctx.term()
+    return times
+
+
+def spawn_multiprocessing(method: str, count: int) -> list[float]:
+    """Peer: multiprocessing's `spawn` or (warm) `forkserver` start method."""
+    mpctx = mp.get_context(method)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    if method == "forkserver":
+        mpctx.set_forkserver_preload(["zmq"])
+        warm = mpctx.Process(target=_child_answer, args=(endpoint,))
+        warm.start()
+        _answer_ping(router)
+        warm.join()
+    times = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            p = mpctx.Process(target=_child_answer, args=(endpoint,))
+            p.start()
+            _answer_ping(router)
+            times.append(time.perf_counter() - started)
+            p.join()
+    finally:
+        router.close(0)
+        ctx.term()
+    return times
+
+
+# ---------------------------------------------------------------- round trips
+
+
+PROXY = r"""
+import sys, zmq
+ctx = zmq.Context()
+front = ctx.socket(zmq.ROUTER); front.bind(sys.argv[1])
+back = ctx.socket(zmq.ROUTER); back.bind(sys.argv[2])
+poller = zmq.Poller(); poller.register(front, zmq.POLLIN); poller.register(back, zmq.POLLIN)
+while True:
+    for sock, _ in poller.poll():
+        if sock is front:   # [client, worker, payload] -> [worker, client, payload]
+            client, worker, payload = front.recv_multipart()
+            back.send_multipart([worker, client, payload])
+        else:               # [worker, client, payload] -> [client, worker, payload]
+            worker, client, payload = back.recv_multipart()
+            front.send_multipart([client, worker, payload])
+"""
+
+ECHO = r"""
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.ROUTING_ID, sys.argv[2].encode()); s.connect(sys.argv[1])
+s.send_multipart([b"", b"ready"])
+while True:
+    client, payload = s.recv_multipart()
+    s.send_multipart([client, payload])
+"""
+
+
+def proxy_floor(sessions: int, count: int, window: int) -> dict[str, Any]:
+    """Floor: a bare ROUTER-to-ROUTER proxy forwarding frames to echo workers."""
+    tmp = Path(tempfile.mkdtemp(prefix="hsp-", dir="/tmp"))
+    front_ep, back_ep = f"ipc://{tmp}/front", f"ipc://{tmp}/back"
+    procs = [subprocess.Popen([sys.executable, "-c", PROXY, front_ep, back_ep])]
+    time.sleep(0.3)
+    names = [f"w{i}" for i in range(sessions)]
+    procs += [subprocess.Popen([sys.executable, "-c", ECHO, back_ep, n]) for n in names]
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(front_ep)
+    try:
+        time.sleep(0.5 + sessions * 0.02)  # let the echo workers connect
+        for n in names:  # one warm-up each
+            s.send_multipart([n.encode(), b"x"])
+            s.recv_multipart()
+        return _drive(
+            lambda i: s.send_multipart([names[i % sessions].encode(), b"x"]),
+            lambda: s.recv_multipart(),
+            count,
+            window,
+        )
+    finally:
+        s.close(0)
+        ctx.term()
+        for p in procs:
+            p.kill()
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def routed(sup: Sup, sessions: int, count: int, window: int) -> dict[str, Any]:
+    """hermes-sup: client -> supervisor -> probe worker (echo) -> client."""
+    keys = [f"rt{sessions}-{i}" for i in range(sessions)]
+    with sup.client() as c:
+        for k in keys:
+            c.run(k, "x")
+
+        def send(i: int) -> None:
+            c.submit(Kind.SEND, {"text": "x"}, session=keys[i % sessions])
+
+        def recv() -> None:
+            while c.next().kind is Kind.EVENT:
+                pass
+
+        return _drive(send, recv, count, window)
+
+
+def _drive(send: Any, recv: Any, count: int, window: int) -> dict[str, Any]:
+    """Latency with one request in flight, then throughput with `window` in flight."""
+    lat = []
+    for i in range(count):
+        started = time.perf_counter()
+        send(i)
+        recv()
+        lat.append(time.perf_counter() - started)
+    total = count * 4
+    started = time.perf_counter()
+    sent = done = 0
+    while done < total:
+        while sent < total and sent - done < window:
+            send(sent)
+            sent += 1
+        recv()
+        done += 1
+    rate = total / (time.perf_counter() - started)
+    return {"latency": summary(lat), "throughput_per_s": rate}
+
+
+# ---------------------------------------------------------------- memory
+
+
+def memory_of(pids: list[int]) -> dict[str, float]:
+    """Median USS and PSS (MiB) of the given processes."""
+    uss, pss = [], []
+    for pid in pids:
+        try:
+            info = psutil.Process(pid).memory_full_info()
+        except psutil.Error:
+            continue
+        uss.append(info.uss / 2**20)
+        pss.append(info.pss / 2**20)
+    return {
+        "n": len(uss),
+        "uss_mib_p50": statistics.median(uss),
+        "pss_mib_p50": statistics.median(pss),
+        "uss_mib_max": max(uss),
+    }
+
+
+def supervisor_usage(sup: Sup) -> dict[str, float]:
+    p = psutil.Process(sup.proc.pid)
+    return {"rss_mib": p.memory_info().rss / 2**20, "fds": p.num_fds()}
+
+
+# ---------------------------------------------------------------- hermes
+
+
+def hermes_bench(count: int) -> dict[str, Any] | None:
+    """Ready time and idle memory of hermes sessions (no model call needed)."""
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("run_agent") is None:
+            return None
+    except Exception:
+        return None
+    sup = Sup("--agent", "hermes")
+    try:
+        times = []
+        with sup.client() as c:
+            for i in range(count):
+                started = time.perf_counter()
+                c.open(f"h{i}")
+                while c.sessions(prefix=f"h{i}")[0]["state"] != "idle":
+                    time.sleep(0.002)
+                times.append(time.perf_counter() - started)
+        time.sleep(1)
+        return {"ready": summary(times), "memory": memory_of(sup.worker_pids())}
+    finally:
+        sup.close()
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small counts (smoke run)")
+    parser.add_argument("--skip-scale", action="store_true")
+    args = parser.parse_args()
+    q = args.quick
+    n_spawn = 50 if q else 200
+    n_rt = 500 if q else 2000
+    out: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+            "load": os.getloadavg(),
+        },
+    }
+    gc.collect()
+
+    print("spawn ...", flush=True)
+    floor = spawn_bare_fork(n_spawn)
+    sup = Sup()
+    try:
+        ours = spawn_hermes_sup(sup, n_spawn, "sp")
+        out["spawn"] = {
+            "bare_fork_floor": summary(floor),
+            "hermes_sup": summary(ours),
+            "forkserver_warm": summary(spawn_multiprocessing("forkserver", n_spawn)),
+            "mp_spawn": summary(spawn_multiprocessing("spawn", max(10, n_spawn // 4))),
+        }
+        out["spawn"]["ratio_p50_to_floor"] = (
+            out["spawn"]["hermes_sup"]["p50_ms"] / out["spawn"]["bare_fork_floor"]["p50_ms"]
+        )
+
+        print("round trips ...", flush=True)
+        rt = {}
+        for sessions in (1, 64):
+            rt[f"floor_{sessions}"] = proxy_floor(sessions, n_rt, 256)
+            rt[f"hermes_sup_{sessions}"] = routed(sup, sessions, n_rt, 256)
+            rt[f"ratio_p50_{sessions}"] = (
+                rt[f"hermes_sup_{sessions}"]["latency"]["p50_ms"]
+                / rt[f"floor_{sessions}"]["latency"]["p50_ms"]
+            )
+            rt[f"ratio_throughput_{sessions}"] = (
+                rt[f"hermes_sup_{sessions}"]["throughput_per_s"]
+                / rt[f"floor_{sessions}"]["throughput_per_s"]
+            )
+        out["round_trip"] = rt
+
+        print("memory ...", flush=True)
+        time.sleep(1)
+        pids = sup.worker_pids()[:50]
+        out["memory"] = {"probe_idle_50": memory_of(pids)}
+    finally:
+        sup.close()
+
+    if not args.skip_scale:
+        print("scale ...", flush=True)
+        out["scale"] = scale(200 if q else 2000, n_rt // 10)
+        out["memory"]["probe_idle_1000"] = out["scale"].pop("memory_at_1000", None)
+
+    print("hermes ...", flush=True)
+    out["hermes"] = hermes_bench(5 if q else 20)
+
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def scale(total: int, pings: int) -> dict[str, Any]:
+    """Spawn up to `total` idle sessions; at checkpoints measure spawn p99 of
+    the last 100, round-trip p99 to random sessions, supervisor fds and RSS."""
+    import random
+
+    sup = Sup()
+    result: dict[str, Any] = {}
+    try:
+        with sup.client() as c:
+            done = 0
+            for checkpoint in (100, 1000, 2000):
+                if checkpoint > total:
+                    break
+                spawn = []
+                for i in range(done, checkpoint):
+                    started = time.perf_counter()
+                    c.run(f"sc{i}", "x")
+                    spawn.append(time.perf_counter() - started)
+                done = checkpoint
+                rtt = []
+                for _ in range(pings):
+                    key = f"sc{random.randrange(done)}"
+                    started = time.perf_counter()
+                    c.run(key, "x")
+                    rtt.append(time.perf_counter() - started)
+                result[str(checkpoint)] = {
+                    "spawn_last_batch": summary(spawn[-100:]),
+                    "round_trip": summary(rtt),
+                    "supervisor": supervisor_usage(sup),
+                }
+                if checkpoint == 1000:
+                    time.sleep(1)
+                    result["memory_at_1000"] = memory_of(sup.worker_pids())
+    finally:
+        sup.close()
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
