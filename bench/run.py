@@ -432,8 +432,78 @@ def main() -> int:
 
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(out, indent=2))
-    print(json.dumps(out, indent=2))
+    print_table(out)
+    print(f"\nfull results: {RESULTS / 'latest.json'}")
     return 0
+
+
+def print_table(out: dict[str, Any]) -> None:
+    """The figures that matter, with their floors and the ratio between."""
+    rows: list[tuple[str, str, str, str]] = [("figure", "hermes-sup", "floor/peer", "ratio")]
+    s = out["spawn"]
+    rows.append(
+        (
+            "spawn p50 ms",
+            f"{s['hermes_sup']['p50_ms']:.2f}",
+            f"{s['bare_fork_floor']['p50_ms']:.2f} bare fork",
+            f"{s['ratio_p50_to_floor']:.2f}x",
+        )
+    )
+    rows.append(
+        (
+            "spawn p99 ms",
+            f"{s['hermes_sup']['p99_ms']:.2f}",
+            f"{s['bare_fork_floor']['p99_ms']:.2f} bare fork",
+            "",
+        )
+    )
+    rows.append(("", "", f"{s['forkserver_warm']['p50_ms']:.2f} warm forkserver", ""))
+    rows.append(("", "", f"{s['mp_spawn']['p50_ms']:.2f} mp spawn", ""))
+    r = out["round_trip"]
+    for n in (1, 64):
+        ours, floor = r[f"hermes_sup_{n}"], r[f"floor_{n}"]
+        rows.append(
+            (
+                f"round trip p50 ms, {n} sess",
+                f"{ours['latency']['p50_ms']:.3f}",
+                f"{floor['latency']['p50_ms']:.3f} bare proxy",
+                f"{r[f'ratio_p50_{n}']:.2f}x",
+            )
+        )
+        rows.append(
+            (
+                f"throughput msg/s, {n} sess",
+                f"{ours['throughput_per_s']:.0f}",
+                f"{floor['throughput_per_s']:.0f} bare proxy",
+                f"{r[f'ratio_throughput_{n}']:.2f}x",
+            )
+        )
+    for name, mem in out.get("memory", {}).items():
+        if mem:
+            rows.append(
+                (
+                    f"USS MiB, {name}",
+                    f"{mem['uss_mib_p50']:.2f}",
+                    f"PSS {mem['pss_mib_p50']:.2f}",
+                    "",
+                )
+            )
+    for size, sc in out.get("scale", {}).items():
+        rows.append(
+            (
+                f"at {size}: spawn p99 / rtt p99 ms",
+                f"{sc['spawn_last_batch']['p99_ms']:.1f} / {sc['round_trip']['p99_ms']:.1f}",
+                f"sup {sc['supervisor']['rss_mib']:.0f} MiB, {sc['supervisor']['fds']} fds",
+                "",
+            )
+        )
+    h = out.get("hermes")
+    if h:
+        rows.append(("hermes ready p50 ms", f"{h['ready']['p50_ms']:.0f}", "", ""))
+        rows.append(("hermes idle USS MiB", f"{h['memory']['uss_mib_p50']:.1f}", "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
 
 
 def scale(total: int, pings: int) -> dict[str, Any]:
