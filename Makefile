@@ -30,7 +30,8 @@ lint: $(BIN)/python
 
 typecheck: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/mypy protocol
+	$(BIN)/mypy --strict protocol
+	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -171,7 +171,7 @@ class Client:
     def cancel(self, session: str, turn: str | None = None) -> str | None:
         """Cancel the running turn (or a queued one by id)."""
         body = {"turn": turn} if turn else {}
-        return self.request(Kind.CANCEL, body, session=session).body["turn"]  # type: ignore[no-any-return]
+        return self.request(Kind.CANCEL, body, session=session).body["turn"]
 
     def send(
         self,

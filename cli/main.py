@@ -216,8 +216,8 @@ OPTIONAL = {
 }
 
 
-def _tunable_type(field: str, kind: Any) -> click.ParamType:
-    class Tunable(click.ParamType):
+def _tunable_type(field: str, kind: Any) -> Any:
+    class Tunable(click.ParamType):  # type: ignore[type-arg]
         name = kind.__name__
 
         def convert(self, value: Any, param: Any, ctx: Any) -> Any:
@@ -301,7 +301,7 @@ def tunables(func: Any) -> Any:
     show_default=True,
 )
 @tunables
-@click.pass_context
+@click.pass_context  # type: ignore[arg-type]
 def serve(
     ctx: click.Context,
     data_dir: Path | None,

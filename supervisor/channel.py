@@ -38,7 +38,7 @@ class Channel:
         self.handler = handler
         self.loop = loop
         self._scheduled = False
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd: int = int(sock.getsockopt(zmq.FD))
         loop.add_reader(self._fd, self._drain)
         self._schedule()  # input may have arrived before we were watching
 
@@ -52,7 +52,7 @@ class Channel:
         if self.sock.closed:
             return
         for _ in range(BATCH):
-            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -70,7 +70,8 @@ class Channel:
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK)
         finally:
-            if not self.sock.closed and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            events = 0 if self.sock.closed else int(self.sock.getsockopt(zmq.EVENTS))
+            if events & zmq.POLLIN:
                 self._schedule()
 
     def close(self) -> None:

@@ -47,7 +47,7 @@ class ProbeRuntime:
         handler = getattr(self, f"_do_{command}", None)
         if handler is None or command.startswith("_"):
             return TurnReply(text)
-        return handler(rest, emit)  # type: ignore[no-any-return]
+        return handler(rest, emit)
 
     def cancel(self) -> None:
         """Interrupt a running `sleep` or `sh` (from the worker's main thread)."""

@@ -87,7 +87,7 @@ def resolve(spec: str) -> Callable[[SessionInfo], Runtime]:
         raise RuntimeLoadError(f"{module_name!r} has no attribute {attr!r}") from None
     if not callable(factory):
         raise RuntimeLoadError(f"{target!r} is not callable")
-    return factory  # type: ignore[no-any-return]
+    return factory
 
 
 def load(spec: str, session: SessionInfo) -> Runtime:
