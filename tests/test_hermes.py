@@ -219,3 +219,34 @@ def test_bad_model_settings_fail_the_turn_not_the_session(hermes) -> None:
         with pytest.raises(SupervisorError) as err:
             client.open("nowhere", {"agent": {"temperature": 2}})
         assert err.value.code == "bad_field" and "unknown agent option" in err.value.message
+
+
+def test_an_operator_answers_an_approval_in_attach(hermes) -> None:
+    import sys
+
+    import pexpect
+
+    with hermes.client(timeout=120) as client:
+        client.run("guarded", "run: mkdir -p target && echo made")
+        target = session_dir(hermes, "guarded") / "workspace" / "target"
+        cmd = f"{sys.executable} -m hermes_sup.cli --state-dir {hermes.state_dir} attach guarded"
+        child = pexpect.spawn(
+            cmd,
+            encoding="utf-8",
+            timeout=60,
+            env=dict(os.environ, NO_COLOR="1"),
+            dimensions=(40, 160),
+        )
+        try:
+            child.expect("attached to guarded")
+            req = client.submit(Kind.SEND, {"text": "run: rm -rf target"}, session="guarded")
+            child.expect(r"\? approval requested: rm -rf target")
+            child.sendline("/deny")
+            child.expect("approval answer sent: deny")
+            reply = final(client, req, timeout=60)
+            assert reply.kind is Kind.REPLY
+            assert target.exists()
+            child.sendeof()
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
