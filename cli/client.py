@@ -33,6 +33,10 @@ class NotRunning(ClientError):
     """No supervisor is serving the state directory."""
 
 
+class AccessDenied(ClientError):
+    """The state directory exists but this user may not use it."""
+
+
 class RequestTimeout(ClientError):
     """The supervisor did not answer in time."""
 
@@ -53,6 +57,15 @@ class Client:
         self.state_dir = state_dir
         self.timeout = timeout
         sock_path = state_dir / statedir.CONTROL_SOCKET
+        try:
+            sock_path.stat()
+        except PermissionError:
+            raise AccessDenied(
+                f"permission denied on {state_dir}: it is private to the user the supervisor "
+                "runs as; run this command as that user"
+            ) from None
+        except FileNotFoundError:
+            pass
         if not sock_path.exists() or not statedir.is_locked(state_dir):
             raise NotRunning(f"no hermes-sup supervisor is running on {state_dir}")
         try:

@@ -44,7 +44,7 @@ class NotRunningError(click.ClickException):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(file_okay=False, readable=False, path_type=Path),
     envvar=STATE_DIR_ENV,
     help=f"Sockets, key and lock [env {STATE_DIR_ENV}; default per user, /run/hermes-sup as root].",
 )
@@ -728,6 +728,49 @@ def attach(ctx: click.Context, session: str, read_only: bool, replay: int) -> No
         client.sessions()  # fail now, with a clear message, if the supervisor is not there
         code = Attached(client, key, read_only, use_color(ctx)).run(replay)
     sys.exit(code)
+
+
+@cli.command(name="install-service")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("/etc/systemd/system/hermes-sup.service"),
+    show_default=True,
+    help="Where to write the unit file.",
+)
+@click.option(
+    "--user",
+    default="hermes-sup",
+    show_default=True,
+    help="The dedicated user the service runs as.",
+)
+def install_service(output: Path, user: str) -> None:
+    """Write a systemd unit (Type=notify, hardened) for this install.
+
+    It runs `hermes-sup serve` as a dedicated user, with sockets in
+    /run/hermes-sup and sessions in /var/lib/hermes-sup (both 0700), and
+    KillMode=control-group so no worker outlives the service.
+
+    \b
+    Example:
+      sudo hermes-sup install-service
+      sudo useradd --system --no-create-home hermes-sup
+      sudo systemctl daemon-reload && sudo systemctl enable --now hermes-sup
+    """
+    from .service import render
+
+    exe = Path(sys.argv[0]).resolve() if Path(sys.argv[0]).name == "hermes-sup" else None
+    exec_start = str(exe) if exe else f"{Path(sys.executable).resolve()} -m hermes_sup.cli"
+    try:
+        output.write_text(render(exec_start, user))
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc}") from None
+    click.echo(
+        f"wrote {output}\nnext:\n"
+        f"  useradd --system --no-create-home --shell /usr/sbin/nologin {user}\n"
+        "  systemctl daemon-reload\n  systemctl enable --now hermes-sup\n"
+        "  HERMES_SUP_STATE_DIR=/run/hermes-sup hermes-sup status"
+    )
 
 
 def main() -> None:

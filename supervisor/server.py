@@ -66,6 +66,7 @@ from .config import Settings
 from .environment import SessionOptions, allowlisted, parse_options, worker_env
 from .limits import TreeUsage, safe_max_sessions, scan_trees
 from .logs import PipeReader, SessionLog, tail
+from .notify import Notifier
 from .process import WorkerProcess, become_subreaper, kill_processes
 from .records import WorkerRecords
 from .session import Session, Turn, open_session_dir, save_session_meta
@@ -129,6 +130,10 @@ class Supervisor:
     def __init__(self, settings: Settings, environ: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.environ = dict(os.environ if environ is None else environ)
+        # Taken out of the environment, so nothing we start can notify systemd.
+        self.notifier = Notifier(os.environ if environ is None else self.environ)
+        self.environ.pop("NOTIFY_SOCKET", None)
+        self._next_watchdog = 0.0
         self.limits = Limits(max_frame_size=settings.max_frame_size)
         self.guard = ReplayGuard()
         self.sessions: dict[str, Session] = {}
@@ -264,6 +269,7 @@ class Supervisor:
             )
         )
         self._reap()  # anything that died before the handler was installed
+        self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
         try:
             await self._main_loop()
@@ -273,6 +279,7 @@ class Supervisor:
             self.front.close()
             self.back.close()
             self.ctx.term()
+            self.notifier.close()
         log.info(kv("stopped", pid=os.getpid()))
         return 0
 
@@ -320,6 +327,7 @@ class Supervisor:
                 name = signal.Signals(arg).name
                 if shutdown is None:
                     log.info(kv("shutdown", signal=name))
+                    self.notifier.send("STOPPING=1", f"STATUS=shutting down ({name})")
                     shutdown = asyncio.create_task(self._shutdown())
                 elif arg == signal.SIGINT and not self.forced:
                     log.warning(kv("shutdown_forced", signal=name))
@@ -338,6 +346,8 @@ class Supervisor:
         now = time.monotonic()
         wall = time.time()
         s = self.settings
+        if self.notifier.enabled:
+            self._notify_systemd(now)
         for session in list(self.sessions.values()):
             if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
                 silent = now - session.last_heartbeat
@@ -357,6 +367,21 @@ class Supervisor:
         if (s.memory_limit_mb or s.max_procs) and now >= self._next_scan and not self._scanning:
             self._next_scan = now + s.limits_interval
             self._spawn_task(self._check_limits())
+
+    def _notify_systemd(self, now: float) -> None:
+        """WATCHDOG=1 from the main loop (so a stuck loop is caught) and a
+        STATUS= line with session counts."""
+        watchdog = self.notifier.watchdog
+        if watchdog is not None and now >= self._next_watchdog:
+            self.notifier.send("WATCHDOG=1")
+            self._next_watchdog = now + watchdog / 2
+        counts: dict[str, int] = {}
+        for session in self.sessions.values():
+            counts[session.state.value] = counts.get(session.state.value, 0) + 1
+        by_state = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+        self.notifier.status(
+            f"{len(self.sessions)} sessions" + (f": {by_state}" if by_state else "")
+        )
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
