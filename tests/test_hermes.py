@@ -127,6 +127,11 @@ def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> 
         assert (d / "home" / "config.yaml").read_text().startswith("approvals")  # template
     leftovers = [p for p in hermes.data_dir.iterdir() if p.name not in ("sessions", "zygote-home")]
     assert leftovers == []
+    # The api key is in no log and no file of any session.
+    assert "sk-fake-secret" not in hermes.log()
+    for path in hermes.data_dir.rglob("*"):
+        if path.is_file():
+            assert b"sk-fake-secret" not in path.read_bytes(), path
 
 
 def test_approval_deny_then_once(hermes) -> None:

@@ -160,3 +160,19 @@ def test_bad_options_name_what_is_wrong(raw: object, words: str) -> None:
 def test_options_compare_by_value() -> None:
     assert parse_options({"env": {"A": "1"}}) == SessionOptions(env={"A": "1"})
     assert not parse_options(None)
+
+
+def test_log_lines_mask_secrets() -> None:
+    from hermes_sup.supervisor.server import kv
+
+    line = kv(
+        "spawned",
+        session="alice",
+        api_key="sk-abcdef1234567890",
+        note="uses sk-live1234567890xyz",
+        token="t0ps3cret",
+        pid=42,
+    )
+    assert "abcdef1234567890" not in line and "live1234567890xyz" not in line
+    assert "t0ps3cret" not in line
+    assert "session=alice" in line and "pid=42" in line and "api_key=[redacted]" in line
