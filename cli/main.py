@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 import time
-import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,7 +62,11 @@ def cli(ctx: click.Context, state_dir: Path | None, timeout: float) -> None:
     Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running.
     Completion: eval "$(_HERMES_SUP_COMPLETE=bash_source hermes-sup)"
     """
-    ctx.obj = {"state_dir": state_dir or default_state_dir(), "timeout": timeout}
+    ctx.obj = {
+        "state_dir": state_dir or default_state_dir(),
+        "state_dir_given": state_dir is not None,
+        "timeout": timeout,
+    }
 
 
 @contextmanager
@@ -103,65 +106,6 @@ def complete_sessions(ctx: click.Context, param: click.Parameter, incomplete: st
 
 
 SESSION = click.argument("session", shell_complete=complete_sessions)
-
-
-AGENT_CONFIG_KEYS = {
-    "model": str,
-    "base_url": str,
-    "provider": str,
-    "toolsets": list,
-    "max_iterations": int,
-    "template_home": str,
-    "api_key_env": str,
-    "api_key_file": str,
-}
-
-
-def load_agent_config(path: Path) -> dict[str, Any]:
-    """Read --agent-config (TOML or JSON), check it, and resolve the api key
-    from the named environment variable or file. Errors name file and key."""
-    try:
-        text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"{path}: {exc}", param_hint="--agent-config") from None
-    config: dict[str, Any] = {}
-    for name, value in raw.items():
-        kind = AGENT_CONFIG_KEYS.get(name)
-        if kind is None:
-            raise click.BadParameter(
-                f"{path}: unknown key {name!r}; known keys: {', '.join(AGENT_CONFIG_KEYS)}",
-                param_hint="--agent-config",
-            )
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise click.BadParameter(
-                f"{path}: {name!r} must be a {kind.__name__}", param_hint="--agent-config"
-            )
-        config[name] = value
-    env_name = config.pop("api_key_env", None)
-    key_file = config.pop("api_key_file", None)
-    if env_name:
-        if env_name not in os.environ:
-            raise click.BadParameter(
-                f"{path}: api_key_env names {env_name}, which is not set",
-                param_hint="--agent-config",
-            )
-        config["api_key"] = os.environ[env_name]
-    elif key_file:
-        try:
-            config["api_key"] = Path(key_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise click.BadParameter(
-                f"{path}: api_key_file: {exc}", param_hint="--agent-config"
-            ) from None
-    if "template_home" in config:
-        template = Path(config["template_home"]).expanduser().absolute()
-        if not template.is_dir():
-            raise click.BadParameter(
-                f"{path}: template_home {template} is not a directory", param_hint="--agent-config"
-            )
-        config["template_home"] = str(template)
-    return config
 
 
 def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
@@ -260,6 +204,13 @@ def tunables(func: Any) -> Any:
     help="Agent runtime: a built-in name (probe) or module:factory.",
 )
 @click.option(
+    "--config",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    envvar="HERMES_SUP_CONFIG",
+    default=None,
+    help="TOML file with any of these settings (flags override it) [env HERMES_SUP_CONFIG].",
+)
+@click.option(
     "--agent-config",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
@@ -307,6 +258,7 @@ def serve(
     data_dir: Path | None,
     runtime: str,
     agent_config: Path | None,
+    config: Path | None,
     preload: tuple[str, ...],
     pass_env: tuple[str, ...],
     env_pairs: tuple[str, ...],
@@ -322,38 +274,58 @@ def serve(
     Example:
       hermes-sup --state-dir /tmp/hs serve --data-dir /tmp/hs-data
     """
+    from hermes_sup.supervisor import configfile
     from hermes_sup.supervisor.server import Supervisor
     from hermes_sup.supervisor.statedir import StateDirError
 
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (
+            click.core.ParameterSource.COMMANDLINE,
+            click.core.ParameterSource.ENVIRONMENT,
+        )
+
+    # What the command line (or its environment variables) set wins over the file.
+    overrides: dict[str, Any] = {}
+    if ctx.obj["state_dir_given"]:
+        overrides["state_dir"] = ctx.obj["state_dir"]
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    if agent_config is not None:
+        try:
+            overrides["runtime_config"] = configfile.load_agent_config(agent_config)
+        except configfile.ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--agent-config") from None
+    if preload:
+        overrides["preload"] = preload
+    if pass_env:
+        overrides["pass_env"] = DEFAULT_PASS_ENV + pass_env
+    if env_pairs:
+        overrides["env"] = _parse_pairs(env_pairs, "--env")
+    plain = {
+        "runtime": runtime,
+        "max_frame_size": max_frame_size,
+        "stop_timeout": stop_timeout,
+        "max_queue": max_queue,
+        "log_level": log_level,
+        **tuned,
+    }
+    overrides.update({name: value for name, value in plain.items() if given(name)})
+    base = Settings(state_dir=default_state_dir(), data_dir=default_data_dir())
+    try:
+        settings = configfile.build(base, config, overrides)
+    except configfile.ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    settings.config_file = config
+    settings.overrides = overrides
+    if settings.runtime == "hermes" and not settings.preload:
+        from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
+
+        settings.preload = tuple(m for m in HERMES_SAFE_PRELOAD if importlib.util.find_spec(m))
     logging.basicConfig(
-        level=log_level.upper(),
+        level=settings.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    runtime_config = load_agent_config(agent_config) if agent_config else {}
-    if runtime == "hermes" and not preload:
-        from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
-
-        preload = tuple(m for m in HERMES_SAFE_PRELOAD if importlib.util.find_spec(m))
-    settings = Settings(
-        state_dir=ctx.obj["state_dir"],
-        data_dir=data_dir or default_data_dir(),
-        runtime=runtime,
-        runtime_config=runtime_config,
-        preload=preload,
-        pass_env=DEFAULT_PASS_ENV + pass_env,
-        env=_parse_pairs(env_pairs, "--env"),
-        max_frame_size=max_frame_size,
-        stop_timeout=stop_timeout,
-        max_queue=max_queue,
-        log_level=log_level,
-    )
-    for field, value in tuned.items():
-        if (
-            value is not None
-            or ctx.get_parameter_source(field) is click.core.ParameterSource.COMMANDLINE
-        ):
-            setattr(settings, field, value)
     try:
         code = Supervisor(settings).run()
     except StateDirError as exc:
@@ -728,6 +700,29 @@ def attach(ctx: click.Context, session: str, read_only: bool, replay: int) -> No
         client.sessions()  # fail now, with a clear message, if the supervisor is not there
         code = Attached(client, key, read_only, use_color(ctx)).run(replay)
     sys.exit(code)
+
+
+@cli.group()
+def config() -> None:
+    """Check configuration files."""
+
+
+@config.command(name="check")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+def config_check(file: Path) -> None:
+    """Check FILE as `serve --config` would, without starting anything.
+
+    \b
+    Example:
+      hermes-sup config check /etc/hermes-sup/config.toml
+    """
+    from hermes_sup.supervisor import configfile
+
+    try:
+        values = configfile.load(file)
+    except configfile.ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{file}: ok ({len(values)} setting(s))")
 
 
 @cli.command(name="install-service")

@@ -124,3 +124,9 @@ class Settings:
     # Recent turns and events kept per session, replayed to `attach`.
     history: int = 200
     log_level: str = "info"
+    # Options a new session gets when its front end passes none (wire form).
+    session_defaults: dict[str, Any] = field(default_factory=dict)
+    # Where these settings came from, for reload: the file and what the
+    # command line set over it.
+    config_file: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)

@@ -64,7 +64,7 @@ from hermes_sup.protocol import (
 from . import statedir
 from .channel import Channel
 from .config import Settings
-from .environment import SessionOptions, allowlisted, parse_options, worker_env
+from .environment import allowlisted, parse_options, worker_env
 from .limits import TreeUsage, safe_max_sessions, scan_trees
 from .logs import PipeReader, SessionLog, tail
 from .notify import Notifier
@@ -499,7 +499,8 @@ class Supervisor:
         session = self.sessions.get(key)
         if session is None:
             path, stored = open_session_dir(self.settings.data_dir, key)
-            session = Session(key=key, dir=path, options=options or stored or SessionOptions())
+            defaults = parse_options(self.settings.session_defaults or None)
+            session = Session(key=key, dir=path, options=options or stored or defaults)
             s = self.settings
             session.log = SessionLog(session.log_path, s.log_max_bytes, s.log_backups)
             session.history = deque(maxlen=s.history)

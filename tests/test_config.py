@@ -1,0 +1,118 @@
+"""The TOML configuration file: checked with messages that name the file and
+the key, overridden by flags, and used by a real supervisor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hermes_sup.supervisor import configfile
+from hermes_sup.supervisor.config import Settings
+
+
+def check(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+GOOD = """
+log_level = "warning"
+max_sessions = 100
+idle_timeout = 0
+memory_limit_mb = 512
+pass_env = ["OPENAI_*"]
+env = { TZ = "UTC" }
+heartbeat_timeout = 20
+
+[agent]
+model = "m"
+base_url = "http://127.0.0.1:1/v1"
+
+[session_defaults]
+session_env = { platform = "api" }
+"""
+
+
+def test_a_good_file_loads_with_every_kind_of_value(tmp_path: Path) -> None:
+    path = tmp_path / "hermes-sup.toml"
+    path.write_text(GOOD)
+    values = configfile.load(path)
+    assert values["max_sessions"] == 100 and values["idle_timeout"] is None
+    assert values["memory_limit_mb"] == 512 and values["heartbeat_timeout"] == 20.0
+    assert "PATH" in values["pass_env"] and "OPENAI_*" in values["pass_env"]
+    assert values["runtime_config"] == {"model": "m", "base_url": "http://127.0.0.1:1/v1"}
+    assert values["session_defaults"]["session_env"] == {"PLATFORM": "api"}
+    result = check(path)
+    assert result.returncode == 0 and "ok" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("max_sesions = 5", "unknown key 'max_sesions'; did you mean 'max_sessions'?"),
+        ("max_sessions = 'many'", "max_sessions must be a whole number (0 = off)"),
+        ("stop_timeout = -1", "stop_timeout must not be negative"),
+        ("log_level = 'loud'", "log_level must be one of debug, info, warning, error"),
+        ("pass_env = 'PATH'", "pass_env must be a list of strings"),
+        ("env = { A = 1 }", "env must be a table of strings"),
+        ("[agent]\nmodle = 'x'", "[agent]: unknown key 'modle'"),
+        ("[agent]\napi_key_env = 'HSUP_TEST_UNSET_VAR'", "api_key_env names HSUP_TEST_UNSET_VAR"),
+        ("[session_defaults]\nenv = { HERMES_HOME = '/x' }", "set by the supervisor"),
+        ("max_sessions = ", "not valid TOML"),
+    ],
+)
+def test_bad_files_name_the_file_the_key_and_the_problem(
+    tmp_path: Path, text: str, words: str
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(configfile.ConfigError) as err:
+        configfile.load(path, environ={})
+    assert str(err.value).startswith(str(path)) and words in str(err.value)
+    result = check(path)
+    assert result.returncode == 1 and words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("max_queue = 7\nstop_timeout = 9\n")
+    base = Settings(state_dir=tmp_path / "s", data_dir=tmp_path / "d")
+    settings = configfile.build(base, path, {"max_queue": 3})
+    assert settings.max_queue == 3 and settings.stop_timeout == 9.0
+
+
+@pytest.mark.e2e
+def test_a_supervisor_runs_from_a_config_file(supervisor_factory, workdir) -> None:
+    path = workdir / "hermes-sup.toml"
+    path.write_text(
+        'env = { FROM_FILE = "yes" }\npass_env = ["HSUP_ALLOWED"]\nmax_queue = 5\n'
+        '[session_defaults]\nsession_env = { platform = "file-default" }\n'
+    )
+    env = dict(os.environ, HSUP_ALLOWED="passed", HSUP_HIDDEN="hidden")
+    sup = supervisor_factory("--config", str(path), "--max-queue", "2", env=env)
+    with sup.client() as client:
+        assert client.run("a", "env FROM_FILE")[0].body["text"] == "yes"
+        assert client.run("a", "env HSUP_ALLOWED")[0].body["text"] == "passed"
+        assert client.run("a", "env HSUP_HIDDEN")[0].body["text"] == ""
+        assert client.run("a", "env HERMES_SESSION_PLATFORM")[0].body["text"] == "file-default"
+    # The flag's --max-queue 2 won over the file's 5.
+    from hermes_sup.protocol import Kind
+
+    with sup.client() as client:
+        reqs = [client.submit(Kind.SEND, {"text": "sleep 0.5"}, session="q") for _ in range(5)]
+        finals = []
+        while len(finals) < 5:
+            msg = client.next()
+            if msg.kind is not Kind.EVENT:
+                finals.append(msg)
+        busy = [m for m in finals if m.kind is Kind.ERROR and m.body["code"] == "busy"]
+        assert busy and "limit 2" in busy[0].body["message"]
+        del reqs
