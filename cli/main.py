@@ -702,6 +702,25 @@ def attach(ctx: click.Context, session: str, read_only: bool, replay: int) -> No
     sys.exit(code)
 
 
+@cli.command()
+@click.pass_context
+def reload(ctx: click.Context) -> None:
+    """Re-read the supervisor's --config file (as SIGHUP does).
+
+    New sessions get the new settings; running ones keep theirs until they
+    restart. An invalid file is refused and the old settings stay in force.
+
+    \b
+    Example:
+      hermes-sup reload
+    """
+    with connect(ctx) as client:
+        body = client.request(Kind.RELOAD).body
+    click.echo("reloaded; changed: " + (", ".join(body["changed"]) or "nothing"))
+    if body["restart_needed"]:
+        click.echo("needs a restart to change: " + ", ".join(body["restart_needed"]))
+
+
 @cli.group()
 def config() -> None:
     """Check configuration files."""

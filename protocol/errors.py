@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     OVERLOADED = "overloaded"
     TURN_TIMEOUT = "turn_timeout"
     NOTHING_TO_APPROVE = "nothing_to_approve"
+    BAD_CONFIG = "bad_config"
     WORKER_DIED = "worker_died"
     SESSION_KILLED = "session_killed"
     TURN_FAILED = "turn_failed"

@@ -41,6 +41,8 @@ class Kind(StrEnum):
     INFO = "info"
     APPROVE = "approve"
     APPROVED = "approved"
+    RELOAD = "reload"
+    RELOADED = "reloaded"
     ERROR = "error"
     # worker <-> supervisor
     HELLO = "hello"
@@ -88,6 +90,8 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.LOG_LINES: {"lines": ((list,), True)},
     Kind.STATUS: {},
     Kind.APPROVE: {"choice": ((str,), True)},
+    Kind.RELOAD: {},
+    Kind.RELOADED: {"changed": ((list,), True), "restart_needed": ((list,), True)},
     Kind.APPROVED: {"choice": ((str,), True), "turn": ((str,), True)},
     Kind.INFO: {"supervisor": ((dict,), True)},
     Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},

@@ -52,6 +52,8 @@ OPTIONAL_FIELDS = {
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Only a restart can change these: sockets, directories, the zygote's imports.
 RESTART_FIELDS = ("state_dir", "data_dir", "runtime", "preload", "max_frame_size")
+# Bookkeeping, not settings: never reported as changed.
+META_FIELDS = ("config_file", "overrides")
 _FIELD_TYPES = typing.get_type_hints(Settings)
 _FIELDS = [f.name for f in dataclasses.fields(Settings)]
 _FILE_KEYS = [f for f in _FIELDS if f not in ("runtime_config", "session_defaults")]

@@ -27,6 +27,7 @@ one reply or error to its client, whatever happens to its worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -61,7 +62,7 @@ from hermes_sup.protocol import (
     error_message,
 )
 
-from . import statedir
+from . import configfile, statedir
 from .channel import Channel
 from .config import Settings
 from .environment import allowlisted, parse_options, worker_env
@@ -183,6 +184,7 @@ class Supervisor:
             Kind.LOGS: self._on_logs,
             Kind.STATUS: self._on_status,
             Kind.APPROVE: self._on_approve,
+            Kind.RELOAD: self._on_reload,
         }
 
     # ------------------------------------------------------------------ start
@@ -268,7 +270,7 @@ class Supervisor:
         self.back = Channel(self._bind(self.worker_endpoint), self._on_back, loop)
         assert self.zygote is not None
         self.zygote.attach(loop)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))
         log.info(
             kv(
@@ -334,6 +336,11 @@ class Supervisor:
             kind, arg = get.result()
             if kind == "signal" and arg == signal.SIGCHLD:
                 self._reap()
+            elif kind == "signal" and arg == signal.SIGHUP:
+                try:
+                    self._reload()
+                except RemoteProtocolError:
+                    pass  # refused and logged; the old settings stay in force
             elif kind == "signal":
                 name = signal.Signals(arg).name
                 if shutdown is None:
@@ -360,22 +367,30 @@ class Supervisor:
         if self.notifier.enabled:
             self._notify_systemd(now)
         for session in list(self.sessions.values()):
+            own = session.settings or s
             if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
                 silent = now - session.last_heartbeat
-                if silent > s.heartbeat_timeout and not session.hang_signalled:
+                if silent > own.heartbeat_timeout and not session.hang_signalled:
                     self._on_hang(session, silent)
             if (
-                s.idle_timeout is not None
+                own.idle_timeout is not None
                 and self.accepting
                 and session.state is State.IDLE
                 and not session.queue
-                and wall - session.last_activity > s.idle_timeout
+                and wall - session.last_activity > own.idle_timeout
             ):
                 idle = wall - session.last_activity
                 self._spawn_task(
                     self._kill_session(session, force=False, reason=f"idle for {idle:.0f}s")
                 )
-        if (s.memory_limit_mb or s.max_procs) and now >= self._next_scan and not self._scanning:
+        if (
+            now >= self._next_scan
+            and not self._scanning
+            and any(
+                x.memory_limit_mb or x.max_procs
+                for x in [s, *(v.settings for v in self.sessions.values() if v.settings)]
+            )
+        ):
             self._next_scan = now + s.limits_interval
             self._spawn_task(self._check_limits())
 
@@ -819,6 +834,52 @@ class Supervisor:
         self._publish(session, "approval_answer", {"choice": choice}, turn=turn.id)
         self._send_client(client, msg.reply(Kind.APPROVED, {"choice": choice, "turn": turn.id}))
 
+    def _on_reload(self, client: bytes, msg: Message) -> None:
+        changed, restart = self._reload()
+        self._send_client(
+            client, msg.reply(Kind.RELOADED, {"changed": changed, "restart_needed": restart})
+        )
+
+    def _reload(self) -> tuple[list[str], list[str]]:
+        """Re-read the configuration file. New sessions get the new settings,
+        running ones keep theirs until they restart; an invalid file is
+        refused (RemoteProtocolError) and the old settings stay in force."""
+        old = self.settings
+        if old.config_file is None:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_CONFIG,
+                "the supervisor was started without --config; nothing to reload",
+            )
+        base = Settings(state_dir=old.state_dir, data_dir=old.data_dir)
+        try:
+            new = configfile.build(base, old.config_file, old.overrides)
+        except configfile.ConfigError as exc:
+            log.error(kv("reload_refused", error=str(exc)))
+            raise RemoteProtocolError(ErrorCode.BAD_CONFIG, f"reload refused: {exc}") from None
+        new.config_file, new.overrides = old.config_file, old.overrides
+        if "preload" not in old.overrides and new.preload == ():
+            new.preload = old.preload  # computed at start (e.g. for hermes), not from the file
+        restart = [f for f in configfile.RESTART_FIELDS if getattr(new, f) != getattr(old, f)]
+        for name in restart:
+            setattr(new, name, getattr(old, name))
+        changed = [
+            f.name
+            for f in dataclasses.fields(Settings)
+            if f.name not in configfile.META_FIELDS and getattr(new, f.name) != getattr(old, f.name)
+        ]
+        self.settings = new
+        self.base_env = allowlisted(self.environ, new.pass_env)
+        self._size_for_fd_limit()
+        log.info(
+            kv(
+                "reloaded",
+                file=old.config_file,
+                changed=",".join(changed) or "nothing",
+                restart_needed=",".join(restart) or "nothing",
+            )
+        )
+        return changed, restart
+
     def _require(self, key: str) -> Session:
         session = self.sessions.get(key)
         if session is None:
@@ -891,15 +952,17 @@ class Supervisor:
         self._send_worker(
             session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
         )
-        if self.settings.turn_timeout is not None:
+        own = session.settings or self.settings
+        if own.turn_timeout is not None:
             asyncio.get_running_loop().call_later(
-                self.settings.turn_timeout, self._on_turn_timeout, session, turn
+                own.turn_timeout, self._on_turn_timeout, session, turn
             )
 
     def _on_turn_timeout(self, session: Session, turn: Turn) -> None:
         if session.current is not turn or turn.abandoned:
             return
-        limit = self.settings.turn_timeout
+        own = session.settings or self.settings
+        limit = own.turn_timeout
         turn.abandoned = True
         self._finish(
             turn,
@@ -915,14 +978,15 @@ class Supervisor:
         generation = session.generation
         # A runtime that ignores the cancel loses its worker.
         asyncio.get_running_loop().call_later(
-            self.settings.cancel_grace, self._check_cancelled, session, turn, generation
+            own.cancel_grace, self._check_cancelled, session, turn, generation
         )
 
     def _check_cancelled(self, session: Session, turn: Turn, generation: int) -> None:
         if session.current is turn and session.generation == generation:
             self._terminate(
                 session,
-                f"its turn ran over the {self.settings.turn_timeout:g}s turn timeout "
+                f"its turn ran over the {(session.settings or self.settings).turn_timeout:g}s "
+                "turn timeout "
                 "and did not stop when cancelled",
             )
 
@@ -941,6 +1005,7 @@ class Supervisor:
         session.spawned_mono = session.last_heartbeat = time.monotonic()
         session.hang_signalled = False
         session.kill_reason = session.kill_code = None
+        session.settings = self.settings
         self._transition(session, Event.SPAWN)
         self.by_worker_id[session.worker_id] = session
         self._spawn_task(self._fork(session, session.generation))
@@ -1099,7 +1164,10 @@ class Supervisor:
         )
         session.proc.send_signal(signal.SIGABRT)
         asyncio.get_running_loop().call_later(
-            self.settings.abort_grace, self._kill_now, session, session.generation
+            (session.settings or self.settings).abort_grace,
+            self._kill_now,
+            session,
+            session.generation,
         )
 
     def _terminate(self, session: Session, reason: str) -> None:
@@ -1148,6 +1216,7 @@ class Supervisor:
             session = workers[pid]
             if session.proc is None or session.proc.pid != pid:
                 continue
+            s = session.settings or self.settings
             if s.memory_limit_mb and use.rss > s.memory_limit_mb * MIB:
                 self._terminate(
                     session,
@@ -1213,7 +1282,7 @@ class Supervisor:
     def _worker_gone(self, session: Session, reason: str, exit_code: int | None) -> None:
         """The session's worker is no more: decide the session's next state
         and answer whoever was waiting on it."""
-        s = self.settings
+        s = session.settings or self.settings
         was = session.state
         pid = session.proc.pid if session.proc is not None else None
         if session.worker_id is not None:
@@ -1370,7 +1439,7 @@ class Supervisor:
         session.kill_code = code.value
         self._transition(session, Event.KILL, reason)
         self._fail_queue(session, code, f"the session was stopped before this turn ran: {reason}")
-        s = self.settings
+        s = session.settings or self.settings
         # A worker still being forked has no pid yet; wait for it (bounded).
         deadline = time.monotonic() + s.start_timeout
         while session.proc is None and not session.exited.is_set():

@@ -13,6 +13,7 @@ from typing import Any
 
 from hermes_sup.protocol import session_dir_name
 
+from .config import Settings
 from .environment import SessionOptions, parse_options
 from .logs import PipeReader, SessionLog
 from .process import WorkerProcess
@@ -67,6 +68,9 @@ class Session:
     # bare exit status in errors and `list`), and the code the turn gets.
     kill_reason: str | None = None
     kill_code: str | None = None
+    # The settings its worker was started with: a reload changes new
+    # sessions, not running ones (until they restart).
+    settings: Settings | None = None
     # Output of the worker (stdout/stderr) and who follows it.
     log: SessionLog | None = None
     pipe: PipeReader | None = None

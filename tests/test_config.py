@@ -116,3 +116,42 @@ def test_a_supervisor_runs_from_a_config_file(supervisor_factory, workdir) -> No
         busy = [m for m in finals if m.kind is Kind.ERROR and m.body["code"] == "busy"]
         assert busy and "limit 2" in busy[0].body["message"]
         del reqs
+
+
+@pytest.mark.e2e
+def test_reload_changes_new_sessions_not_running_ones(supervisor_factory, workdir) -> None:
+    import signal
+    import time
+
+    path = workdir / "hermes-sup.toml"
+    path.write_text('env = { FLAVOUR = "old" }\n')
+    sup = supervisor_factory("--config", str(path))
+    hs = [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(sup.state_dir)]
+    with sup.client() as client:
+        assert client.run("running", "env FLAVOUR")[0].body["text"] == "old"
+
+        path.write_text('env = { FLAVOUR = "new" }\nmax_queue = 9\nmax_frame_size = 65536\n')
+        result = subprocess.run([*hs, "reload"], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert "changed: env, max_queue" in result.stdout
+        assert "needs a restart to change: max_frame_size" in result.stdout
+        assert client.run("running", "env FLAVOUR")[0].body["text"] == "old"  # keeps its own
+        assert client.run("fresh", "env FLAVOUR")[0].body["text"] == "new"
+
+        # An invalid file is refused; the settings in force stay.
+        path.write_text('env = { FLAVOUR = "broken" }\nmax_queue = "lots"\n')
+        bad = subprocess.run([*hs, "reload"], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 1 and "max_queue must be a whole number" in bad.stderr
+        assert client.run("another", "env FLAVOUR")[0].body["text"] == "new"
+        assert "reload_refused" in sup.log()
+
+        # SIGHUP does the same.
+        path.write_text('env = { FLAVOUR = "hup" }\n')
+        sup.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "FLAVOUR" not in sup.log().split("reloaded", 2)[-1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.run("after-hup", "env FLAVOUR")[0].body["text"] == "hup"
+        # A running session picks the new settings up when it restarts.
+        client.kill("running")
+        assert client.run("running", "env FLAVOUR")[0].body["text"] == "hup"
