@@ -13,7 +13,7 @@ $(BIN)/python:
 
 # Install (or refresh) the package and its test tools into the venv.
 install: $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,hermes]'
+	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics]'
 
 run: install
 	$(BIN)/hermes-sup serve

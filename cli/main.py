@@ -204,6 +204,12 @@ def tunables(func: Any) -> Any:
     help="Agent runtime: a built-in name (probe) or module:factory.",
 )
 @click.option(
+    "--metrics",
+    default=None,
+    metavar="[HOST:]PORT",
+    help="Serve Prometheus metrics on 127.0.0.1:PORT (or HOST:PORT) [needs the metrics extra].",
+)
+@click.option(
     "--config",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     envvar="HERMES_SUP_CONFIG",
@@ -258,6 +264,7 @@ def serve(
     data_dir: Path | None,
     runtime: str,
     agent_config: Path | None,
+    metrics: str | None,
     config: Path | None,
     preload: tuple[str, ...],
     pass_env: tuple[str, ...],
@@ -303,6 +310,7 @@ def serve(
         overrides["env"] = _parse_pairs(env_pairs, "--env")
     plain = {
         "runtime": runtime,
+        "metrics": metrics,
         "max_frame_size": max_frame_size,
         "stop_timeout": stop_timeout,
         "max_queue": max_queue,
@@ -317,6 +325,17 @@ def serve(
         raise click.ClickException(str(exc)) from None
     settings.config_file = config
     settings.overrides = overrides
+    if settings.metrics:
+        from hermes_sup.supervisor.metrics import parse_address
+
+        try:
+            parse_address(settings.metrics)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--metrics") from None
+        if importlib.util.find_spec("prometheus_client") is None:
+            raise click.ClickException(
+                "metrics need prometheus-client: pip install 'hermes-sup[metrics]'"
+            )
     if settings.runtime == "hermes" and not settings.preload:
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
 

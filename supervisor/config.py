@@ -123,6 +123,8 @@ class Settings:
     log_backups: int = 3
     # Recent turns and events kept per session, replayed to `attach`.
     history: int = 200
+    # Prometheus endpoint, "PORT" (127.0.0.1) or "HOST:PORT"; "" is off.
+    metrics: str = ""
     log_level: str = "info"
     # Options a new session gets when its front end passes none (wire form).
     session_defaults: dict[str, Any] = field(default_factory=dict)

@@ -68,6 +68,7 @@ from .config import Settings
 from .environment import allowlisted, parse_options, worker_env
 from .limits import TreeUsage, safe_max_sessions, scan_trees
 from .logs import PipeReader, SessionLog, tail
+from .metrics import Metrics, exit_category
 from .notify import Notifier
 from .process import WorkerProcess, become_subreaper, kill_processes
 from .records import WorkerRecords
@@ -146,6 +147,7 @@ class Supervisor:
         self.notifier = Notifier(os.environ if environ is None else self.environ)
         self.environ.pop("NOTIFY_SOCKET", None)
         self._next_watchdog = 0.0
+        self.metrics: Metrics | None = None
         self.limits = Limits(max_frame_size=settings.max_frame_size)
         self.guard = ReplayGuard()
         self.sessions: dict[str, Session] = {}
@@ -282,6 +284,7 @@ class Supervisor:
             )
         )
         self._reap()  # anything that died before the handler was installed
+        self.metrics = self._start_metrics()
         self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
         try:
@@ -293,6 +296,8 @@ class Supervisor:
             self.back.close()
             self.ctx.term()
             self.notifier.close()
+            if self.metrics is not None:
+                self.metrics.close()
         log.info(kv("stopped", pid=os.getpid()))
         return 0
 
@@ -393,6 +398,28 @@ class Supervisor:
         ):
             self._next_scan = now + s.limits_interval
             self._spawn_task(self._check_limits())
+
+    def _start_metrics(self) -> Metrics | None:
+        if not self.settings.metrics:
+            return None
+        metrics = Metrics(self._metrics_snapshot)
+        url = metrics.serve(self.settings.metrics)
+        log.info(kv("metrics", url=url))
+        return metrics
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        """Read at scrape time, from the metrics thread: copies only."""
+        counts = {state.value: 0 for state in State}
+        for session in list(self.sessions.values()):
+            counts[session.state.value] += 1
+        me = psutil.Process()
+        return {
+            "sessions": counts,
+            "queued_turns": self.queued_total,
+            "max_sessions": self.max_sessions,
+            "supervisor_rss_bytes": me.memory_info().rss,
+            "supervisor_open_fds": me.num_fds(),
+        }
 
     def _notify_systemd(self, now: float) -> None:
         """WATCHDOG=1 from the main loop (so a stuck loop is caught) and a
@@ -922,6 +949,11 @@ class Supervisor:
         self._publish(
             session, "reply" if final.kind is Kind.REPLY else "error", final.body, turn=turn.id
         )
+        if self.metrics is not None:
+            outcome = "reply" if final.kind is Kind.REPLY else str(final.body.get("code"))
+            self.metrics.turns.labels(outcome).inc()
+            if turn.started_at is not None:
+                self.metrics.turn_seconds.observe(time.monotonic() - turn.started_at)
 
     def _fail_queue(self, session: Session, code: ErrorCode, text: str) -> None:
         while session.queue:
@@ -938,6 +970,9 @@ class Supervisor:
         turn = session.queue.popleft()
         self.queued_total -= 1
         session.current = turn
+        turn.started_at = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self._transition(session, Event.TURN)
         self._publish(session, "turn", {"text": turn.text}, turn=turn.id)
         self._send_client(
@@ -1066,6 +1101,8 @@ class Supervisor:
         if self.records is not None:
             self.records.add(pid, session.key, proc.create_time)
         log.info(kv("spawned", session=session.key, pid=pid))
+        if self.metrics is not None:
+            self.metrics.spawns.inc()
         status = self.unclaimed_exits.pop(pid, None)
         if status is not None:
             self._on_exit(pid, status)
@@ -1305,6 +1342,11 @@ class Supervisor:
             session.fast_failures = 0
             event = Event.EXIT
         self._transition(session, event, reason)
+        if self.metrics is not None:
+            signal_name = session.proc.exit_signal if session.proc is not None else None
+            self.metrics.exits.labels(
+                exit_category(reason, exit_code, signal_name, was is State.STOPPING)
+            ).inc()
         level = logging.INFO if was is State.STOPPING else logging.WARNING
         log.log(
             level,

@@ -33,6 +33,7 @@ class Turn:
     # Set when the supervisor gave up on the turn (timeout): its late answer
     # from the worker is dropped, the client already had an error.
     abandoned: bool = False
+    started_at: float | None = None  # monotonic, when handed to the worker
 
 
 @dataclass

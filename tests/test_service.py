@@ -222,3 +222,36 @@ def test_a_non_root_service_keeps_its_sockets_and_data_private(workdir, service_
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_metrics_endpoint_is_scraped(supervisor_factory) -> None:
+    import urllib.request
+
+    from hermes_sup.protocol import Kind
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    sup = supervisor_factory("--metrics", str(port))
+    with sup.client() as client:
+        client.run("m1", "pid")
+        client.run("m2", "sleep 0.1")
+        client.kill("m2")
+        req = client.submit(Kind.SEND, {"text": "x"}, session="../bad")
+        while client.next().re != req:
+            pass
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    lines = set(text.splitlines())
+    assert 'hermes_sup_sessions{state="idle"} 1.0' in lines
+    assert 'hermes_sup_sessions{state="exited"} 1.0' in lines
+    assert "hermes_sup_spawns_total 2.0" in lines
+    assert 'hermes_sup_exits_total{reason="stopped"} 1.0' in lines
+    assert 'hermes_sup_turns_total{outcome="reply"} 2.0' in lines
+    assert "hermes_sup_turn_seconds_count 2.0" in lines
+    assert "hermes_sup_routing_seconds_count 2.0" in lines
+    assert any(x.startswith("hermes_sup_supervisor_open_fds ") for x in lines)
+    assert any(x.startswith("hermes_sup_supervisor_rss_bytes ") for x in lines)
+    # Bound to loopback only.
+    assert f"metrics url=http://127.0.0.1:{port}/metrics" in sup.log()

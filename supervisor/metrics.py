@@ -1,0 +1,117 @@
+"""An optional Prometheus endpoint (prometheus-client), on 127.0.0.1 by default.
+
+Counters and histograms are updated as things happen; gauges (sessions by
+state, queued turns, the supervisor's own memory and descriptors) are read
+when Prometheus scrapes, never by a background loop. The HTTP server runs
+in prometheus-client's own thread and only reads the supervisor's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """'9464' or 'HOST:PORT' -> (host, port); a bare port binds 127.0.0.1."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"metrics address {text!r} is not PORT or HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+def exit_category(
+    reason: str, exit_code: int | None, signal_name: str | None, stopped: bool
+) -> str:
+    """A low-cardinality label for why a worker ended."""
+    if stopped:
+        return "stopped"
+    for words, label in (
+        ("hung", "hung"),
+        ("memory limit", "memory_limit"),
+        ("process limit", "process_limit"),
+        ("turn timeout", "turn_timeout"),
+    ):
+        if words in reason:
+            return label
+    if signal_name is not None:
+        return f"signal_{signal_name.lower()}"
+    if exit_code == 71:
+        return "runtime_load_failed"
+    if exit_code == 0:
+        return "exited"
+    return "crashed"
+
+
+class Metrics:
+    """The supervisor's metrics; `snapshot` is called at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.spawns = Counter("hermes_sup_spawns", "Workers spawned", registry=self.registry)
+        self.exits = Counter(
+            "hermes_sup_exits", "Workers ended, by reason", ["reason"], registry=self.registry
+        )
+        self.turns = Counter(
+            "hermes_sup_turns", "Turns finished, by outcome", ["outcome"], registry=self.registry
+        )
+        self.turn_seconds = Histogram(
+            "hermes_sup_turn_seconds",
+            "Turn duration, from dispatch to final answer",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        self.routing_seconds = Histogram(
+            "hermes_sup_routing_seconds",
+            "From a turn's arrival to its dispatch to a worker (queueing and spawn included)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=self.registry,
+        )
+        self.registry.register(_Gauges(snapshot))
+        self.server: Any = None
+
+    def serve(self, address: str) -> str:
+        """Start the HTTP endpoint; returns its URL."""
+        from prometheus_client import start_http_server
+
+        host, port = parse_address(address)
+        self.server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = self.server.server_address[1]
+        return f"http://{host}:{bound}/metrics"
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+class _Gauges:
+    """Gauges computed at scrape time from the supervisor's own snapshot."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        snap = self.snapshot()
+        states = GaugeMetricFamily("hermes_sup_sessions", "Sessions by state", labels=["state"])
+        for state, count in snap["sessions"].items():
+            states.add_metric([state], count)
+        yield states
+        for name, help_text in (
+            ("queued_turns", "Turns waiting for a worker, all sessions"),
+            ("max_sessions", "Live workers allowed"),
+            ("supervisor_rss_bytes", "Resident memory of the supervisor"),
+            ("supervisor_open_fds", "Open file descriptors of the supervisor"),
+        ):
+            yield GaugeMetricFamily(f"hermes_sup_{name}", help_text, value=snap[name])
