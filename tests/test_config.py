@@ -155,3 +155,17 @@ def test_reload_changes_new_sessions_not_running_ones(supervisor_factory, workdi
         # A running session picks the new settings up when it restarts.
         client.kill("running")
         assert client.run("running", "env FLAVOUR")[0].body["text"] == "hup"
+
+
+def test_the_readme_documents_every_configuration_key() -> None:
+    import dataclasses
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("## Configuration") :]
+    for field in dataclasses.fields(Settings):
+        if field.name in configfile.META_FIELDS or field.name in (
+            "runtime_config",
+            "session_defaults",
+        ):
+            continue
+        assert f"| `{field.name}` |" in table, field.name
