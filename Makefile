@@ -15,7 +15,9 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics]'
 
-run: install
+# Running needs only the package; the test extras (hermes-agent among them) are for tests.
+run: $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
 	$(BIN)/hermes-sup serve
 
 test: install
