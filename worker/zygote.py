@@ -112,12 +112,15 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> tuple[int, int
     return int.from_bytes(data, "little"), out_r
 
 
-class SupervisorGone(Exception):
-    """Raised from the parent-death signal handler to leave the serve loop."""
+_parent_gone = False
 
 
 def _on_parent_death(signum: int, frame: object) -> None:
-    raise SupervisorGone
+    # Only note it. The supervisor's death also closes its end of our socket,
+    # so recv returns EOF right after; raising here instead could abort the
+    # clean-up below when the signal lands while it runs (seen in CI).
+    global _parent_gone
+    _parent_gone = True
 
 
 def _create_time(pid: int) -> float | None:
@@ -165,8 +168,8 @@ def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
             continue
         except OSError:
             return 0
-        if not data:
-            return 0
+        if not data or _parent_gone:
+            return 0  # the supervisor is gone: fork nothing more
         request = msgpack.unpackb(data, raw=False)
         reply: dict[str, Any] = {"id": request.get("id")}
         out_fd: int | None = None
@@ -235,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     workers: dict[int, float | None] = {}
     try:
         return serve(sock, workers)
-    except SupervisorGone:
-        return 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         killed = kill_workers(workers)
         if killed:
             print(
