@@ -28,6 +28,7 @@ from hermes_sup.supervisor.config import (
     default_data_dir,
     default_state_dir,
 )
+from hermes_sup.supervisor.configfile import OPTIONAL_FIELDS
 
 from .client import Client, ClientError, NotRunning, RequestTimeout, SupervisorError
 
@@ -149,15 +150,8 @@ TUNABLES: list[tuple[str, str, Any, str]] = [
     ("--log-max-bytes", "log_max_bytes", int, "Rotate a session log at this size [10 MiB]."),
     ("--history", "history", int, "Recent events per session replayed to attach [200]."),
 ]
-OPTIONAL = {
-    "max_sessions",
-    "idle_timeout",
-    "turn_timeout",
-    "memory_limit_mb",
-    "max_procs",
-    "max_open_files",
-    "cpu_seconds",
-}
+# Settings where 0 (or "none") turns the limit off: the same set as the file's.
+OPTIONAL = OPTIONAL_FIELDS
 
 
 def _tunable_type(field: str, kind: Any) -> Any:
