@@ -17,7 +17,6 @@ class WorkerExit(IntEnum):
     BOOT_FAILED = 70  # could not set up its environment, directories or sockets
     RUNTIME_LOAD_FAILED = 71  # the agent runtime failed to import or construct
     SUPERVISOR_GONE = 72  # the supervisor died; the worker cleaned up and left
-    REJECTED = 73  # the supervisor refused its hello (bad token)
 
 
 def describe_exit(code: int | None, signal_name: str | None) -> str:
@@ -39,5 +38,4 @@ def describe_exit(code: int | None, signal_name: str | None) -> str:
         WorkerExit.BOOT_FAILED: "failed to boot (status 70, see the session log)",
         WorkerExit.RUNTIME_LOAD_FAILED: "could not load its agent runtime (status 71, see the session log)",
         WorkerExit.SUPERVISOR_GONE: "exited because the supervisor went away",
-        WorkerExit.REJECTED: "was refused by the supervisor (bad token)",
     }[named]

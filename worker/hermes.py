@@ -33,17 +33,6 @@ log = logging.getLogger("hermes_sup.worker.hermes")
 HERMES_SAFE_PRELOAD = ("openai", "httpx", "pydantic", "yaml", "jinja2", "anyio", "requests")
 
 APPROVAL_CHOICES = ("once", "session", "always", "deny")
-# Settings the agent config may hold; api keys come from api_key_env or
-# api_key_file, resolved by the supervisor and never put in os.environ.
-CONFIG_KEYS = (
-    "model",
-    "base_url",
-    "provider",
-    "api_key",
-    "toolsets",
-    "max_iterations",
-    "template_home",
-)
 
 
 class HermesTurnError(Exception):
