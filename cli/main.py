@@ -150,8 +150,6 @@ TUNABLES: list[tuple[str, str, Any, str]] = [
     ("--log-max-bytes", "log_max_bytes", int, "Rotate a session log at this size [10 MiB]."),
     ("--history", "history", int, "Recent events per session replayed to attach [200]."),
 ]
-# Settings where 0 (or "none") turns the limit off: the same set as the file's.
-OPTIONAL = OPTIONAL_FIELDS
 
 
 def _tunable_type(field: str, kind: Any) -> Any:
@@ -159,7 +157,7 @@ def _tunable_type(field: str, kind: Any) -> Any:
         name = kind.__name__
 
         def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-            if isinstance(value, str) and value.lower() == "none" and field in OPTIONAL:
+            if isinstance(value, str) and value.lower() == "none" and field in OPTIONAL_FIELDS:
                 return None
             try:
                 number = kind(value)
@@ -167,7 +165,7 @@ def _tunable_type(field: str, kind: Any) -> Any:
                 self.fail(f"{value!r} is not a number", param, ctx)
             if number < 0:
                 self.fail(f"{value!r} is negative", param, ctx)
-            if number == 0 and field in OPTIONAL:
+            if number == 0 and field in OPTIONAL_FIELDS:
                 return None
             return number
 

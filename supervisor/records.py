@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from .process import kill_processes
+
 RECORDS_DIR = "workers"
 
 
@@ -68,11 +70,7 @@ class WorkerRecords:
                     os.killpg(pid, signal.SIGKILL)
                 except OSError:
                     pass
-                for p in [proc, *tree]:
-                    try:
-                        p.kill()
-                    except psutil.Error:
-                        pass
+                kill_processes([proc, *tree])
                 report.append(
                     f"stopped leftover worker of session {key!r} pid {pid} and "
                     f"{len(tree)} descendant(s) from a previous supervisor "

@@ -36,7 +36,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -410,8 +410,7 @@ class Supervisor:
     def _metrics_snapshot(self) -> dict[str, Any]:
         """Read at scrape time, from the metrics thread: copies only."""
         counts = {state.value: 0 for state in State}
-        for session in list(self.sessions.values()):
-            counts[session.state.value] += 1
+        counts.update(self._counts_by_state())
         me = psutil.Process()
         return {
             "sessions": counts,
@@ -428,13 +427,16 @@ class Supervisor:
         if watchdog is not None and now >= self._next_watchdog:
             self.notifier.send("WATCHDOG=1")
             self._next_watchdog = now + watchdog / 2
-        counts: dict[str, int] = {}
-        for session in self.sessions.values():
-            counts[session.state.value] = counts.get(session.state.value, 0) + 1
+        counts = self._counts_by_state()
         by_state = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
         self.notifier.status(
             f"{len(self.sessions)} sessions" + (f": {by_state}" if by_state else "")
         )
+
+    def _counts_by_state(self) -> dict[str, int]:
+        """How many sessions are in each state (only states that occur).
+        Copies the session list first: the metrics thread calls this too."""
+        return dict(Counter(session.state.value for session in list(self.sessions.values())))
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -619,8 +621,8 @@ class Supervisor:
         key = check_session_key(msg.session)
         self._check_accepting()
         session = self._session_for(key, msg.body.get("options"))
-        self._check_runnable(session)
         s = self.settings
+        # Refuse a full queue before making room: that may evict another session.
         if len(session.queue) >= s.max_queue or self.queued_total >= s.max_queued_total:
             raise RemoteProtocolError(
                 ErrorCode.BUSY,
@@ -628,6 +630,7 @@ class Supervisor:
                 f"(limit {s.max_queue}; {self.queued_total} waiting in all, limit "
                 f"{s.max_queued_total}); try again when it catches up",
             )
+        self._check_runnable(session)
         turn = Turn(id=msg.id, client=client, text=msg.body["text"])
         self._enqueue(session, turn)
         self._remember(msg.id, SentTurn(session=key, turn=turn))
@@ -718,9 +721,7 @@ class Supervisor:
         self._send_client(client, msg.reply(Kind.SESSIONS, {"sessions": rows}))
 
     def _on_status(self, client: bytes, msg: Message) -> None:
-        counts: dict[str, int] = {}
-        for s in self.sessions.values():
-            counts[s.state.value] = counts.get(s.state.value, 0) + 1
+        counts = self._counts_by_state()
         me = psutil.Process()
         with me.oneshot():
             rss, fds = me.memory_info().rss, me.num_fds()
@@ -1040,6 +1041,7 @@ class Supervisor:
         session.spawned_mono = session.last_heartbeat = time.monotonic()
         session.hang_signalled = False
         session.kill_reason = session.kill_code = None
+        session.cpu_sample = None  # CPU% is per worker: start from this one
         session.settings = self.settings
         self._transition(session, Event.SPAWN)
         self.by_worker_id[session.worker_id] = session

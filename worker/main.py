@@ -14,7 +14,6 @@ stays responsive for cancel and stop while an agent thinks.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
 import os
@@ -43,9 +42,8 @@ from hermes_sup.protocol import (
 )
 
 from . import runtime as runtime_mod
+from .prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
 MAX_POLL_MS = 1000
@@ -54,13 +52,6 @@ MAX_POLL_MS = 1000
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
 
 log = logging.getLogger("hermes_sup.worker")
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
 
 
 def boot(request: dict[str, Any], out_fd: int) -> NoReturn:
@@ -85,7 +76,7 @@ def _boot(req: dict[str, Any]) -> int:
     os.setsid()
     # Orphans of our children re-parent to us, so our process tree is always
     # the whole of what this session started (setsid or not).
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     # The intermediate fork exits right away; wait to be adopted by the
     # supervisor before asking for a parent-death signal (else it fires now).
     deadline = time.monotonic() + 5.0
@@ -94,7 +85,7 @@ def _boot(req: dict[str, Any]) -> int:
             return WorkerExit.SUPERVISOR_GONE
         time.sleep(0.0002)
     signal.signal(PARENT_DEATH_SIGNAL, lambda *_: None)
-    _prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
+    prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
     if os.getppid() != supervisor_pid:
         return WorkerExit.SUPERVISOR_GONE
 
@@ -202,7 +193,6 @@ class WorkerLoop:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.turn: threading.Thread | None = None
-        self.turn_id: str | None = None
         self.stopping = False
         self.heartbeat = float(req.get("heartbeat", 1.0))
         self._next_beat = 0.0
@@ -279,7 +269,6 @@ class WorkerLoop:
                     )
                 )
                 return
-            self.turn_id = msg.id
             self.turn = threading.Thread(
                 target=self._run_turn, args=(msg.id, msg.body["text"]), name="turn", daemon=True
             )
@@ -359,7 +348,6 @@ class WorkerLoop:
                 # over before the supervisor, seeing it, sends the next one.
                 self.turn.join()
                 self.turn = None
-                self.turn_id = None
             try:
                 self._send(msg)
             except Exception as exc:  # e.g. an event whose data msgpack cannot carry

@@ -21,7 +21,6 @@ cannot; this catches it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import importlib
 import os
@@ -34,7 +33,8 @@ from typing import Any
 
 import msgpack
 
-PR_SET_PDEATHSIG = 1
+from hermes_sup.worker.prctl import PR_SET_PDEATHSIG, prctl
+
 # Imported before the freeze so every worker shares them copy-on-write.
 # (Everything a worker imports after the fork costs it both time and private
 # memory: the built-in runtimes and the stdlib they use are preloaded too.)
@@ -52,12 +52,6 @@ BASE_PRELOAD = (
     "hermes_sup.worker.runtime",
     "hermes_sup.worker.probe",
 )
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl failed")
 
 
 def _preload(modules: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -204,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     # Hear of the supervisor's death (as SIGTERM, or as EOF on the socket);
     # and if it is already gone, do not start.
     signal.signal(signal.SIGTERM, _on_parent_death)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != args.supervisor_pid:
         return 1
     # Ctrl-C in a terminal reaches the whole foreground group; the supervisor
