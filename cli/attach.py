@@ -18,10 +18,8 @@ from typing import Any
 import click
 import zmq
 
+from hermes_sup.client import Client, NotRunning, Timeout
 from hermes_sup.protocol import Kind, Message
-from hermes_sup.supervisor import statedir
-
-from .client import Client
 
 # How often to check that the supervisor still holds its lock.
 LIVENESS_EVERY = 1.0
@@ -52,7 +50,7 @@ class Attached:
     def run(self, replay: int) -> int:
         """Attach until detached; returns the exit status."""
         self.watch_id = self.client.submit(Kind.WATCH, {"replay": replay}, session=self.key)
-        first = self.client._answer(self.watch_id)
+        first = self.client.answer(self.watch_id)
         assert first.body["type"] == "watching"
         hint = "read-only; " if self.read_only else "type a message and press Enter; "
         self.say(
@@ -73,18 +71,14 @@ class Attached:
 
     def _loop(self) -> int:
         poller = zmq.Poller()
-        poller.register(self.client.sock, zmq.POLLIN)
+        poller.register(self.client.socket, zmq.POLLIN)
         stdin = sys.stdin.fileno()
         poller.register(stdin, zmq.POLLIN)
         next_check = time.monotonic() + LIVENESS_EVERY
         while True:
             try:
-                while self.client._early:
-                    self._show(self.client._early.pop(0))
                 ready = dict(poller.poll(200))
-                if self.client.sock in ready:
-                    while self.client.sock.poll(0):
-                        self._show(self.client.next(timeout=1))
+                self._show_waiting()
                 if stdin in ready:
                     data = os.read(stdin, 65536)
                     if not data:
@@ -94,11 +88,23 @@ class Attached:
                         self._typed(line)
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + LIVENESS_EVERY
-                    if not statedir.is_locked(self.client.state_dir):
+                    if self.client.connection.alive() is False:
                         self.say("the supervisor went away; detaching", fg="red")
                         return 3
             except KeyboardInterrupt:
                 self._interrupt()
+            except NotRunning:
+                self.say("the supervisor went away; detaching", fg="red")
+                return 3
+
+    def _show_waiting(self) -> None:
+        """Show every answer that has arrived, without waiting."""
+        while True:
+            try:
+                msg = self.client.next(timeout=0)
+            except Timeout:
+                return
+            self._show(msg)
 
     def _interrupt(self) -> None:
         if self.running is None:

@@ -18,8 +18,17 @@ from typing import Any
 
 import click
 
+from hermes_sup.client import (
+    Client,
+    ClientError,
+    NotRunning,
+    Output,
+    Reply,
+    SupervisorError,
+    Timeout,
+    Token,
+)
 from hermes_sup.protocol import Kind
-from hermes_sup.supervisor import statedir
 from hermes_sup.supervisor.config import (
     DATA_DIR_ENV,
     DEFAULT_PASS_ENV,
@@ -29,8 +38,6 @@ from hermes_sup.supervisor.config import (
     default_state_dir,
 )
 from hermes_sup.supervisor.configfile import OPTIONAL_FIELDS
-
-from .client import Client, ClientError, NotRunning, RequestTimeout, SupervisorError
 
 EXIT_NOT_RUNNING = 3
 
@@ -358,7 +365,7 @@ def ping(ctx: click.Context) -> None:
         info = client.ping()
         took = (time.perf_counter() - started) * 1000
     click.echo(
-        f"hermes-sup {info['version']} pid {info['pid']} up {info['uptime']:.1f}s "
+        f"hermes-sup {info.version} pid {info.pid} up {info.uptime:.1f}s "
         f"(answered in {took:.1f} ms)"
     )
 
@@ -392,19 +399,13 @@ def send(
     if session_env:
         options = {"session_env": _parse_pairs(session_env, "--session-env")}
     with connect(ctx) as client:
-        for msg in client.send(session, text, options=options, turn_timeout=turn_timeout):
-            if msg.kind is Kind.EVENT:
-                _print_event(msg.body)
-            elif msg.kind is Kind.REPLY:
-                click.echo(msg.body["text"])
-
-
-def _print_event(body: dict[str, Any]) -> None:
-    kind, data = body.get("type"), body.get("data")
-    if kind == "output":
-        click.echo(str(data))
-    elif kind == "token":
-        click.echo(str(data), nl=False)
+        for event in client.send(session, text, options=options, turn_timeout=turn_timeout):
+            if isinstance(event, Output):
+                click.echo(event.line)
+            elif isinstance(event, Token):
+                click.echo(event.text, nl=False)
+            elif isinstance(event, Reply):
+                click.echo(event.text)
 
 
 STATE_ORDER = ["busy", "starting", "idle", "stopping", "backoff", "failed", "exited"]
@@ -663,7 +664,7 @@ def logs(ctx: click.Context, session: str, lines: int, follow: bool) -> None:
     """
     with connect(ctx) as client:
         req = client.submit(Kind.LOGS, {"lines": max(0, lines), "follow": follow}, session=session)
-        first = client._answer(req)
+        first = client.answer(req)
         for line in first.body["lines"]:
             click.echo(line)
         if not follow:
@@ -671,11 +672,9 @@ def logs(ctx: click.Context, session: str, lines: int, follow: bool) -> None:
         try:
             while True:
                 try:
-                    msg = client._answer(req, timeout=1.0)
-                except RequestTimeout:
-                    if not statedir.is_locked(client.state_dir):
-                        raise NotRunning("the supervisor went away") from None
-                    continue
+                    msg = client.answer(req, timeout=1.0)
+                except Timeout:
+                    continue  # a supervisor that went away raises NotRunning instead
                 if msg.body.get("type") == "log":
                     click.echo(msg.body["data"])
         except KeyboardInterrupt:

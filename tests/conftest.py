@@ -24,7 +24,7 @@ import psutil
 import pytest
 import zmq
 
-from hermes_sup.cli.client import Client, NotRunning, RequestTimeout
+from hermes_sup.client import Client, NotRunning, Timeout
 
 
 def processes_mentioning(marker: str) -> list[psutil.Process]:
@@ -134,7 +134,7 @@ class Supervisor:
                 with Client(self.state_dir, timeout=1.0) as c:
                     c.ping()
                 return
-            except (NotRunning, RequestTimeout):
+            except (NotRunning, Timeout):
                 time.sleep(0.02)
         raise AssertionError(f"supervisor did not get ready:\n{self.log()}")
 

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import zmq
 
-from hermes_sup.cli.client import SupervisorError
+from hermes_sup.client import SupervisorError
 from hermes_sup.protocol import MAGIC, Kind, Message, decode, encode, sign
 from hermes_sup.supervisor import statedir
 
@@ -46,7 +46,7 @@ def test_bad_session_keys_get_an_error_and_create_nothing(supervisor, key: str) 
         with pytest.raises(SupervisorError):
             client.open(key)
         # Everyone else is still served.
-        assert client.run("good", "env HERMES_SESSION_KEY")[0].body["text"] == "good"
+        assert client.run("good", "env HERMES_SESSION_KEY").text == "good"
     sessions = supervisor.data_dir / "sessions"
     assert [p.name for p in sessions.iterdir()] == [
         __import__("hermes_sup.protocol").protocol.session_dir_name("good")
@@ -88,7 +88,7 @@ def test_bad_frames_each_get_a_coded_error_and_service_continues(supervisor, raw
             assert reply.body["code"] == code, reply.body
             assert reply.body["message"]
             # Another client's session keeps working after every bad frame.
-            assert client.run("steady", "pid")[0].kind is Kind.REPLY
+            assert client.run("steady", "pid").ok
 
         # A replayed copy of a signed request is refused the second time.
         sock.send_multipart(good)
@@ -118,7 +118,7 @@ def test_oversized_frames(supervisor_factory, zmq_context) -> None:
     finally:
         sock.close(0)
     with sup.client() as client:
-        assert client.run("after", "pid")[0].kind is Kind.REPLY
+        assert client.run("after", "pid").ok
     assert "too_large" in sup.log()
 
 
@@ -130,14 +130,14 @@ def test_a_runtime_that_cannot_load_fails_clearly(supervisor_factory) -> None:
         # A runtime that cannot load will never start: failed at once, no retry loop.
         assert err.value.code == "session_failed"
         assert "could not load its agent runtime" in err.value.message
-        assert client.ping()["pid"] == sup.pid
+        assert client.ping().pid == sup.pid
         (row,) = client.sessions()
         assert row["state"] == "failed" and "status 71" in row["last_exit"]
         assert row["exits"] == 1
         with pytest.raises(SupervisorError) as err:
             client.run("a", "again")
         assert err.value.code == "session_failed" and "Kill it to retry" in err.value.message
-        assert client.kill("a")["reason"] == "cleared"
+        assert client.kill("a").reason == "cleared"
         assert client.sessions()[0]["state"] == "exited"
     log = (sup.data_dir / "sessions").glob("*/worker.log")
     assert any("no_such_module_anywhere" in p.read_text() for p in log)
@@ -149,18 +149,18 @@ def test_a_turn_that_raises_is_an_error_and_the_session_stays_usable(supervisor)
             client.run("a", "sleep forever")
         assert err.value.code == "turn_failed"
         assert "usage: sleep SECONDS" in err.value.message
-        assert client.run("a", "cwd")[0].kind is Kind.REPLY
+        assert client.run("a", "cwd").ok
 
 
 def test_conflicting_options_on_a_running_session(supervisor) -> None:
     with supervisor.client() as client:
-        client.open("c", {"session_env": {"platform": "slack"}})
-        client.open("c", {"session_env": {"platform": "slack"}})  # same: fine
+        client.open("c", options={"session_env": {"platform": "slack"}})
+        client.open("c", options={"session_env": {"platform": "slack"}})  # same: fine
         with pytest.raises(SupervisorError) as err:
-            client.open("c", {"session_env": {"platform": "discord"}})
+            client.open("c", options={"session_env": {"platform": "discord"}})
         assert err.value.code == "session_conflict"
         with pytest.raises(SupervisorError) as err:
-            client.open("d", {"env": {"HERMES_HOME": "/etc"}})
+            client.open("d", options={"env": {"HERMES_HOME": "/etc"}})
         assert err.value.code == "bad_field" and "HERMES_HOME" in err.value.message
 
 
@@ -182,4 +182,4 @@ def test_a_full_queue_refuses_with_busy_and_loses_nothing(supervisor_factory) ->
         # busy error, the rest their replies, in order.
         assert all(b.body["code"] == "busy" and "limit 3" in b.body["message"] for b in busy)
         assert len(busy) >= 2 and kinds.count(Kind.REPLY) + len(busy) == len(reqs)
-        assert client.run("other", "pid")[0].kind is Kind.REPLY
+        assert client.run("other", "pid").ok

@@ -270,7 +270,7 @@ def test_attach_shows_everything_and_sends_turns(supervisor) -> None:
             first.expect("cancelling the running turn")
             first.expect("◂ cancelled")
             # The worker dies and comes back: attach says so and keeps watching.
-            pid = int(client.run("room", "pid")[0].body["text"])
+            pid = int(client.run("room", "pid").text)
             os.kill(pid, signal.SIGKILL)
             first.expect("worker (exited|backoff): killed by SIGKILL")
             until(lambda: client.sessions()[0]["state"] in ("exited",), timeout=5)

@@ -99,10 +99,10 @@ def test_a_supervisor_runs_from_a_config_file(supervisor_factory, workdir) -> No
     env = dict(os.environ, HSUP_ALLOWED="passed", HSUP_HIDDEN="hidden")
     sup = supervisor_factory("--config", str(path), "--max-queue", "2", env=env)
     with sup.client() as client:
-        assert client.run("a", "env FROM_FILE")[0].body["text"] == "yes"
-        assert client.run("a", "env HSUP_ALLOWED")[0].body["text"] == "passed"
-        assert client.run("a", "env HSUP_HIDDEN")[0].body["text"] == ""
-        assert client.run("a", "env HERMES_SESSION_PLATFORM")[0].body["text"] == "file-default"
+        assert client.run("a", "env FROM_FILE").text == "yes"
+        assert client.run("a", "env HSUP_ALLOWED").text == "passed"
+        assert client.run("a", "env HSUP_HIDDEN").text == ""
+        assert client.run("a", "env HERMES_SESSION_PLATFORM").text == "file-default"
     # The flag's --max-queue 2 won over the file's 5.
     from hermes_sup.protocol import Kind
 
@@ -128,21 +128,21 @@ def test_reload_changes_new_sessions_not_running_ones(supervisor_factory, workdi
     sup = supervisor_factory("--config", str(path))
     hs = [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(sup.state_dir)]
     with sup.client() as client:
-        assert client.run("running", "env FLAVOUR")[0].body["text"] == "old"
+        assert client.run("running", "env FLAVOUR").text == "old"
 
         path.write_text('env = { FLAVOUR = "new" }\nmax_queue = 9\nmax_frame_size = 65536\n')
         result = subprocess.run([*hs, "reload"], capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, result.stderr
         assert "changed: env, max_queue" in result.stdout
         assert "needs a restart to change: max_frame_size" in result.stdout
-        assert client.run("running", "env FLAVOUR")[0].body["text"] == "old"  # keeps its own
-        assert client.run("fresh", "env FLAVOUR")[0].body["text"] == "new"
+        assert client.run("running", "env FLAVOUR").text == "old"  # keeps its own
+        assert client.run("fresh", "env FLAVOUR").text == "new"
 
         # An invalid file is refused; the settings in force stay.
         path.write_text('env = { FLAVOUR = "broken" }\nmax_queue = "lots"\n')
         bad = subprocess.run([*hs, "reload"], capture_output=True, text=True, timeout=30)
         assert bad.returncode == 1 and "max_queue must be a whole number" in bad.stderr
-        assert client.run("another", "env FLAVOUR")[0].body["text"] == "new"
+        assert client.run("another", "env FLAVOUR").text == "new"
         assert "reload_refused" in sup.log()
 
         # SIGHUP does the same.
@@ -151,10 +151,10 @@ def test_reload_changes_new_sessions_not_running_ones(supervisor_factory, workdi
         deadline = time.monotonic() + 10
         while "FLAVOUR" not in sup.log().split("reloaded", 2)[-1] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.run("after-hup", "env FLAVOUR")[0].body["text"] == "hup"
+        assert client.run("after-hup", "env FLAVOUR").text == "hup"
         # A running session picks the new settings up when it restarts.
         client.kill("running")
-        assert client.run("running", "env FLAVOUR")[0].body["text"] == "hup"
+        assert client.run("running", "env FLAVOUR").text == "hup"
 
 
 def test_the_readme_documents_every_configuration_key() -> None:

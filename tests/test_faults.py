@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hermes_sup.cli.client import SupervisorError
+from hermes_sup.client import SupervisorError
 from hermes_sup.protocol import Kind, Message, encode, session_dir_name
 
 from .conftest import wait_gone
@@ -44,7 +44,7 @@ def wait_running(client, req: str) -> int:
     """Consume a turn's status events until it runs; return the worker pid.
     Messages for other requests are kept for later."""
     while True:
-        msg = client._answer(req)
+        msg = client.answer(req)
         assert msg.kind is Kind.EVENT, msg.body
         data = msg.body.get("data")
         if isinstance(data, dict) and data.get("state") == "running":
@@ -56,7 +56,7 @@ def final(client, req: str, timeout: float = 20.0) -> Message:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            msg = client._answer(req, timeout=max(0.1, deadline - time.monotonic()))
+            msg = client.answer(req, timeout=max(0.1, deadline - time.monotonic()))
         except SupervisorError as exc:
             return Message(Kind.ERROR, {"code": exc.code, "message": exc.message}, re=req)
         if msg.kind is not Kind.EVENT:
@@ -67,7 +67,7 @@ def test_a_stopped_worker_is_hung_not_busy(supervisor_factory) -> None:
     sup = supervisor_factory("--heartbeat-timeout", "1.5")
     with sup.client() as client:
         # A long turn keeps heartbeating: busy, not hung.
-        assert client.run("long", "sleep 2.5")[0].body["text"] == "slept 2.5"
+        assert client.run("long", "sleep 2.5").text == "slept 2.5"
         req = client.submit(Kind.SEND, {"text": "sleep 60"}, session="frozen")
         pid = wait_running(client, req)
         os.kill(pid, signal.SIGSTOP)
@@ -77,7 +77,7 @@ def test_a_stopped_worker_is_hung_not_busy(supervisor_factory) -> None:
         assert "hung" in msg.body["message"] and "no heartbeat" in msg.body["message"]
         assert time.monotonic() - started < 8
         assert "hung" in row(client, "frozen")["last_exit"]
-        assert client.run("long", "pid")[0].kind is Kind.REPLY
+        assert client.run("long", "pid").ok
     assert "hung" in sup.log()
 
 
@@ -95,17 +95,17 @@ def test_memory_limit_recycles_the_session(supervisor_factory) -> None:
         r = row(client, "hog")
         assert r["state"] in ("exited", "backoff") and "memory limit" in r["last_exit"]
         # It comes back on the next message.
-        assert client.run("hog", "env HERMES_SESSION_KEY")[0].body["text"] == "hog"
+        assert client.run("hog", "env HERMES_SESSION_KEY").text == "hog"
 
 
 def test_process_limit_recycles_a_session_that_forks_too_much(supervisor_factory) -> None:
     sup = supervisor_factory("--max-procs", "10", "--min-uptime", "0")
     with sup.client() as client:
-        pid = int(client.run("forky", "pid")[0].body["text"])
-        reply, _ = client.run(
+        pid = int(client.run("forky", "pid").text)
+        reply = client.run(
             "forky", "sh for i in $(seq 30); do sleep 100 >/dev/null 2>&1 & done; echo spawned"
         )
-        assert reply.body["text"] == "exit 0"
+        assert reply.text == "exit 0"
         r = until(lambda: (x := row(client, "forky"))["state"] == "exited" and x, timeout=10)
         assert r and "process limit" in r["last_exit"] and "> 10" in r["last_exit"]
         assert until(
@@ -114,29 +114,29 @@ def test_process_limit_recycles_a_session_that_forks_too_much(supervisor_factory
             ),
             timeout=5,
         )
-        assert client.run("calm", "pid")[0].kind is Kind.REPLY
+        assert client.run("calm", "pid").ok
 
 
 def test_rlimits_are_applied_to_workers(supervisor_factory) -> None:
     sup = supervisor_factory("--max-open-files", "64", "--cpu-seconds", "1")
     with sup.client() as client:
-        _, events = client.run("fds", "sh ulimit -n; ulimit -t")
-        assert [e.body["data"] for e in events if e.body["type"] == "output"] == ["64", "1"]
+        events = client.run("fds", "sh ulimit -n; ulimit -t").events
+        assert [e.data for e in events if e.type == "output"] == ["64", "1"]
         # A command that burns CPU past the limit is killed by the kernel.
-        reply, _ = client.run("fds", "sh while :; do :; done")
-        assert reply.body["data"]["exit"] in (-24, 152, 137)  # SIGXCPU (or its shell status)
-        assert client.run("fds", "pid")[0].kind is Kind.REPLY
+        reply = client.run("fds", "sh while :; do :; done")
+        assert reply.data["exit"] in (-24, 152, 137)  # SIGXCPU (or its shell status)
+        assert client.run("fds", "pid").ok
 
 
 def test_a_hung_worker_leaves_a_traceback_in_its_log(supervisor_factory) -> None:
     env = dict(os.environ, PYTHONPATH=RUNTIMES)
     sup = supervisor_factory("--agent", "hs_gil_hog:make", "--heartbeat-timeout", "1", env=env)
     with sup.client() as client:
-        assert client.run("stuck", "hello")[0].body["text"] == "hello"
+        assert client.run("stuck", "hello").text == "hello"
         with pytest.raises(SupervisorError) as err:
             client.run("stuck", "hang")
         assert err.value.code == "worker_died" and "hung" in err.value.message
-        assert client.run("other", "fine")[0].body["text"] == "fine"
+        assert client.run("other", "fine").text == "fine"
     text = (sup.data_dir / "sessions" / session_dir_name("stuck") / "worker.log").read_text()
     assert "Fatal Python error: Aborted" in text
     assert "hs_gil_hog.py" in text and "run_turn" in text
@@ -180,7 +180,7 @@ def test_crash_at_import_backs_off_then_fails(supervisor_factory) -> None:
         with pytest.raises(SupervisorError) as err:
             client.run("crashy", "again")
         assert err.value.code == "session_failed"
-        assert client.ping()["pid"] == sup.pid
+        assert client.ping().pid == sup.pid
         # Every transition was published to the watcher.
         states = []
         while True:
@@ -191,7 +191,7 @@ def test_crash_at_import_backs_off_then_fails(supervisor_factory) -> None:
             if ev.body["type"] == "state":
                 states.append(ev.body["data"]["state"])
         assert states == ["starting", "backoff", "starting", "backoff", "starting", "failed"]
-        assert client.kill("crashy")["reason"] == "cleared"
+        assert client.kill("crashy").reason == "cleared"
         assert row(client, "crashy")["state"] == "exited"
 
 
@@ -209,7 +209,7 @@ def test_idle_sessions_are_culled_but_busy_ones_are_not(supervisor_factory) -> N
         assert row(client, "busy")["state"] == "idle"
         assert until(lambda: row(client, "busy")["state"] == "exited", timeout=5)
         # Data stays; it comes back transparently.
-        assert client.run("idle", "env HERMES_SESSION_KEY")[0].body["text"] == "idle"
+        assert client.run("idle", "env HERMES_SESSION_KEY").text == "idle"
 
 
 def test_lru_eviction_at_max_sessions_and_overloaded_when_all_busy(supervisor_factory) -> None:
@@ -223,7 +223,7 @@ def test_lru_eviction_at_max_sessions_and_overloaded_when_all_busy(supervisor_fa
         assert "evicted" in row(client, "second")["last_exit"]
         assert row(client, "first")["state"] == "idle"
         # The evicted session returns on its next message (evicting "first" now).
-        assert client.run("second", "env HERMES_SESSION_KEY")[0].body["text"] == "second"
+        assert client.run("second", "env HERMES_SESSION_KEY").text == "second"
         # All slots busy: a new session is refused, nothing is evicted.
         reqs = [
             client.submit(Kind.SEND, {"text": "sleep 2"}, session=k) for k in ("second", "third")
@@ -236,7 +236,7 @@ def test_lru_eviction_at_max_sessions_and_overloaded_when_all_busy(supervisor_fa
         for r in reqs:
             assert final(client, r).kind is Kind.REPLY
         # "first" lost its worker, not its data.
-        assert client.run("first", "sh cat f.txt")[1][-1].body["data"] == "one"
+        assert client.run("first", "sh cat f.txt").events[-1].data == "one"
 
 
 def test_max_sessions_is_capped_by_the_fd_limit(supervisor_factory) -> None:
@@ -257,20 +257,20 @@ def test_max_sessions_is_capped_by_the_fd_limit(supervisor_factory) -> None:
                 results[reqs[msg.re]] = msg
         refused = [m for m in results.values() if m.kind is Kind.ERROR]
         assert len(refused) == 1 and refused[0].body["code"] == "overloaded"
-        assert client.ping()["pid"] == sup.pid  # a refusal, never an abort
+        assert client.ping().pid == sup.pid  # a refusal, never an abort
 
 
 def test_turn_timeout_cancels_and_reports(supervisor_factory) -> None:
     sup = supervisor_factory("--turn-timeout", "0.5")
     with sup.client() as client:
-        pid = int(client.run("t", "pid")[0].body["text"])
+        pid = int(client.run("t", "pid").text)
         started = time.monotonic()
         with pytest.raises(SupervisorError) as err:
             client.run("t", "sleep 30")
         assert err.value.code == "turn_timeout" and "0.5s" in err.value.message
         assert time.monotonic() - started < 3
         # The runtime honoured the cancel: same worker, still usable.
-        assert int(client.run("t", "pid")[0].body["text"]) == pid
+        assert int(client.run("t", "pid").text) == pid
 
 
 def test_shutdown_gives_in_flight_turns_a_shutting_down_error(supervisor_factory, workdir) -> None:
@@ -303,18 +303,13 @@ def test_a_second_sigint_forces_shutdown(supervisor_factory, workdir) -> None:
 
 
 def test_resending_a_send_never_runs_the_turn_twice(supervisor) -> None:
+    body = {"text": "sh echo ran >> count.txt; sleep 0.3; wc -l < count.txt"}
     with supervisor.client() as client:
-        msg = Message(
-            Kind.SEND,
-            {"text": "sh echo ran >> count.txt; sleep 0.3; wc -l < count.txt"},
-            session="once",
-        )
-        frames = encode(msg, client.key)
-        client.sock.send_multipart(frames)
+        req = client.submit(Kind.SEND, body, session="once")
         first_event = client.next()
-        assert first_event.re == msg.id
-        # The client "timed out" and resends the very same request.
-        client.sock.send_multipart(frames)
+        assert first_event.re == req
+        # The client "timed out" and resends the same request (same id).
+        client.submit(Kind.SEND, body, session="once", msg_id=req)
         answers = []
         while not answers or answers[-1].kind is Kind.EVENT:
             answers.append(client.next())
@@ -325,17 +320,17 @@ def test_resending_a_send_never_runs_the_turn_twice(supervisor) -> None:
         )
         assert answers[-1].body["text"] == "exit 0"
         # A resend after the end gets the same final answer again, no new run.
-        client.sock.send_multipart(frames)
+        client.submit(Kind.SEND, body, session="once", msg_id=req)
         again = client.next()
         assert again.kind is Kind.REPLY and again.body == answers[-1].body
-        _, events = client.run("once", "sh wc -l < count.txt")
-        assert events[-1].body["data"].strip() == "1"
+        events = client.run("once", "sh wc -l < count.txt").events
+        assert events[-1].data.strip() == "1"
 
 
 def test_supervisor_sigkill_with_a_stopped_worker(supervisor_factory, workdir) -> None:
     sup = supervisor_factory()
     with sup.client() as client:
-        pid = int(client.run("stopped", "pid")[0].body["text"])
+        pid = int(client.run("stopped", "pid").text)
         client.run("stopped", "sh sleep 1000 >/dev/null 2>&1 & echo ok")
         client.run("running", "pid")
     os.kill(pid, signal.SIGSTOP)
@@ -351,7 +346,7 @@ def test_a_restarted_supervisor_stops_leftover_workers_by_pid_and_create_time(
 ) -> None:
     sup = supervisor_factory()
     with sup.client() as client:
-        pid = int(client.run("left", "pid")[0].body["text"])
+        pid = int(client.run("left", "pid").text)
         zygote = next(p for p in psutil.Process(sup.pid).children() if p.pid != pid)
     # Kill the supervisor and its zygote together while the worker is stopped:
     # nothing is left to clean up after it, so it survives.
@@ -378,7 +373,7 @@ def test_a_restarted_supervisor_stops_leftover_workers_by_pid_and_create_time(
         )
         assert bystander.poll() is None
         with second.client() as client:
-            assert client.run("left", "env HERMES_SESSION_KEY")[0].body["text"] == "left"
+            assert client.run("left", "env HERMES_SESSION_KEY").text == "left"
     finally:
         bystander.kill()
         bystander.wait()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_sup.cli.client import SupervisorError
+from hermes_sup.client import SupervisorError
 from hermes_sup.protocol import Kind, session_dir_name
 
 from .fake_model import FakeModel
@@ -78,7 +78,7 @@ def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> 
     keys = ["tg-alice", "dc-bob", "web-carol"]
     with hermes.client(timeout=120) as client:
         for i, key in enumerate(keys):
-            client.open(key, {"session_env": {"platform": "api", "chat_id": f"chat-{i}"}})
+            client.open(key, options={"session_env": {"platform": "api", "chat_id": f"chat-{i}"}})
         reqs = {client.submit(Kind.SEND, {"text": PROBE}, session=k): k for k in keys}
         results = collect(client, reqs)
 
@@ -169,8 +169,9 @@ def test_no_answer_to_an_approval_means_deny_and_the_front_end_is_told(hermes) -
     with hermes.client(timeout=120) as client:
         client.run("quiet", "run: mkdir -p target && echo made")
         target = session_dir(hermes, "quiet") / "workspace" / "target"
-        reply, events = client.run("quiet", "run: rm -rf target")
-        types = [e.body["type"] for e in events]
+        reply = client.run("quiet", "run: rm -rf target")
+        events = reply.events
+        types = [e.type for e in events]
         assert "approval" in types and "approval_timeout" in types
         assert target.exists()
 
@@ -187,14 +188,14 @@ def test_cancel_interrupts_a_running_hermes_turn(hermes) -> None:
         reply = final(client, req, timeout=30)
         assert time.monotonic() - started < 10
         assert reply.kind is Kind.REPLY and reply.body["data"].get("interrupted")
-        assert client.run("long", "still there?")[0].body["text"].startswith("echo: still there?")
+        assert client.run("long", "still there?").text.startswith("echo: still there?")
 
 
 def test_conversation_resumes_after_kill_and_after_a_crash(hermes) -> None:
     with hermes.client(timeout=120) as client:
-        assert client.run("memo", "first")[0].body["text"] == "echo: first (turn 1)"
+        assert client.run("memo", "first").text == "echo: first (turn 1)"
         client.kill("memo")
-        assert client.run("memo", "second")[0].body["text"] == "echo: second (turn 2)"
+        assert client.run("memo", "second").text == "echo: second (turn 2)"
         req = client.submit(Kind.SEND, {"text": "slow: 20"}, session="memo")
         pid = wait_running(client, req)
         while client.next().body.get("type") != "token":
@@ -204,16 +205,16 @@ def test_conversation_resumes_after_kill_and_after_a_crash(hermes) -> None:
         assert crashed.kind is Kind.ERROR and crashed.body["code"] == "worker_died"
         assert "SIGKILL" in crashed.body["message"]
         until(lambda: client.sessions()[0]["state"] in ("exited", "backoff"), timeout=5)
-        reply = client.run("memo", "third")[0]
+        reply = client.run("memo", "third")
         # The interrupted message is part of the resumed history (hermes folds
         # it into the next user turn); the conversation went on from there.
-        assert reply.body["text"].startswith("echo: ") and "third" in reply.body["text"]
-        assert "(turn 3)" in reply.body["text"] or "slow: 20" in reply.body["text"]
+        assert reply.text.startswith("echo: ") and "third" in reply.text
+        assert "(turn 3)" in reply.text or "slow: 20" in reply.text
 
 
 def test_bad_model_settings_fail_the_turn_not_the_session(hermes) -> None:
     with hermes.client(timeout=180) as client:
-        client.open("nowhere", {"agent": {"base_url": "http://127.0.0.1:9/v1"}})
+        client.open("nowhere", options={"agent": {"base_url": "http://127.0.0.1:9/v1"}})
         with pytest.raises(SupervisorError) as err:
             client.run("nowhere", "hello")
         assert err.value.code == "turn_failed" and err.value.message
@@ -222,7 +223,7 @@ def test_bad_model_settings_fail_the_turn_not_the_session(hermes) -> None:
             client.run("nowhere", "hello again")
         assert client.sessions()[0]["pid"] == pid  # same worker, still serving
         with pytest.raises(SupervisorError) as err:
-            client.open("nowhere", {"agent": {"temperature": 2}})
+            client.open("nowhere", options={"agent": {"temperature": 2}})
         assert err.value.code == "bad_field" and "unknown agent option" in err.value.message
 
 

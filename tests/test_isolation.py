@@ -157,16 +157,17 @@ def test_supervisor_secrets_stay_out_of_workers_unless_allowlisted(supervisor_fa
     )
     sup = supervisor_factory("--pass-env", "OPERATOR_ALLOWED", "--env", "FIXED=configured", env=env)
     with sup.client() as client:
-        assert client.run("a", "env SUPERVISOR_ONLY_SECRET")[0].body["text"] == ""
-        assert client.run("a", "env OPENAI_API_KEY")[0].body["text"] == ""
-        assert client.run("a", "env OPERATOR_ALLOWED")[0].body["text"] == "visible"
-        assert client.run("a", "env FIXED")[0].body["text"] == "configured"
+        assert client.run("a", "env SUPERVISOR_ONLY_SECRET").text == ""
+        assert client.run("a", "env OPENAI_API_KEY").text == ""
+        assert client.run("a", "env OPERATOR_ALLOWED").text == "visible"
+        assert client.run("a", "env FIXED").text == "configured"
         # Not even a child process of the worker sees it.
-        reply, events = client.run("a", "sh env")
-        output = "\n".join(e.body["data"] for e in events if e.body["type"] == "output")
+        reply = client.run("a", "sh env")
+        events = reply.events
+        output = "\n".join(e.data for e in events if e.type == "output")
         assert "hunter2" not in output and "sk-not-for-workers" not in output
         assert "OPERATOR_ALLOWED=visible" in output
-        pid = int(client.run("a", "pid")[0].body["text"])
+        pid = int(client.run("a", "pid").text)
     # The worker's initial environment block (from the zygote's exec) holds no secret either.
     with open(f"/proc/{pid}/environ", "rb") as f:
         block = f.read()
@@ -175,19 +176,19 @@ def test_supervisor_secrets_stay_out_of_workers_unless_allowlisted(supervisor_fa
 
 def test_session_values_from_the_front_end_reach_only_their_worker(supervisor) -> None:
     with supervisor.client() as client:
-        client.open("tg-1", {"session_env": {"platform": "telegram", "chat_id": "111"}})
-        client.open("dc-2", {"session_env": {"platform": "discord", "chat_id": "222"}})
+        client.open("tg-1", options={"session_env": {"platform": "telegram", "chat_id": "111"}})
+        client.open("dc-2", options={"session_env": {"platform": "discord", "chat_id": "222"}})
         got = {
-            key: client.run(key, "sh echo $HERMES_SESSION_PLATFORM:$HERMES_SESSION_CHAT_ID")[1]
+            key: client.run(key, "sh echo $HERMES_SESSION_PLATFORM:$HERMES_SESSION_CHAT_ID").events
             for key in ("tg-1", "dc-2")
         }
-        assert got["tg-1"][-1].body["data"] == "telegram:111"
-        assert got["dc-2"][-1].body["data"] == "discord:222"
+        assert got["tg-1"][-1].data == "telegram:111"
+        assert got["dc-2"][-1].data == "discord:222"
 
 
 def test_directories_are_private(supervisor) -> None:
     with supervisor.client() as client:
-        reply, _ = client.run("priv", "write notes.txt secret")
+        reply = client.run("priv", "write notes.txt secret")
     session_dir = supervisor.data_dir / "sessions" / session_dir_name("priv")
     for path in (
         supervisor.state_dir,

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from hermes_sup.cli.client import SupervisorError
+from hermes_sup.client import SupervisorError
 from hermes_sup.protocol import Kind
 
 from .conftest import processes_mentioning, wait_gone
@@ -30,7 +30,7 @@ GRANDCHILDREN = (
 
 
 def worker_pid(client, key: str) -> int:
-    return int(client.run(key, "pid")[0].body["text"])
+    return int(client.run(key, "pid").text)
 
 
 def tree_of(pid: int, expect: int) -> list[psutil.Process]:
@@ -53,15 +53,15 @@ def all_gone(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.P
 def test_kill_leaves_no_descendant_behind(supervisor, force: bool) -> None:
     with supervisor.client() as client:
         pid = worker_pid(client, "victim")
-        assert client.run("victim", "write keep.txt data")[0].kind is Kind.REPLY
-        assert client.run("victim", GRANDCHILDREN)[0].body["text"] == "exit 0"
+        assert client.run("victim", "write keep.txt data").ok
+        assert client.run("victim", GRANDCHILDREN).text == "exit 0"
         procs = tree_of(pid, expect=3)
         assert len([p for p in procs if p.name() == "sleep"]) == 3
         other = worker_pid(client, "bystander")
 
         result = client.kill("victim", force=force)
-        assert result["pid"] == pid
-        assert result["reason"] == ("killed" if force else "stopped")
+        assert result.pid == pid
+        assert result.reason == ("killed" if force else "stopped")
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         assert all_gone(procs, timeout=3) == []
 
@@ -70,8 +70,9 @@ def test_kill_leaves_no_descendant_behind(supervisor, force: bool) -> None:
         assert rows["bystander"]["state"] == "idle" and rows["bystander"]["pid"] == other
 
         # Data stays; the next message starts a fresh worker on it.
-        reply, events = client.run("victim", "sh cat keep.txt")
-        assert events[-1].body["data"] == "data"
+        reply = client.run("victim", "sh cat keep.txt")
+        events = reply.events
+        assert events[-1].data == "data"
         assert worker_pid(client, "victim") != pid
 
 
@@ -100,7 +101,7 @@ def test_worker_killed_mid_turn_is_reported_and_others_keep_working(supervisor_f
         assert msg.body["code"] == "worker_died"
         assert "SIGKILL" in msg.body["message"] and str(running_pid) in msg.body["message"]
         assert took < 2.0  # prompt: reaped on SIGCHLD, not by polling
-        assert client.run("steady", "env HERMES_SESSION_KEY")[0].body["text"] == "steady"
+        assert client.run("steady", "env HERMES_SESSION_KEY").text == "steady"
         row = next(r for r in client.sessions() if r["key"] == "doomed")
         assert row["state"] == "exited" and "SIGKILL" in row["last_exit"]
         # Lazy restart on the next message.
@@ -114,7 +115,7 @@ def test_orphans_of_a_crashed_worker_are_killed(supervisor) -> None:
         procs = tree_of(pid, expect=3)
         os.kill(pid, signal.SIGKILL)
         assert all_gone(procs, timeout=5) == []
-        assert client.ping()["pid"] == supervisor.pid
+        assert client.ping().pid == supervisor.pid
 
 
 def test_supervisor_sigkill_leaves_nothing_running(supervisor_factory, workdir) -> None:
@@ -148,7 +149,7 @@ def test_a_second_supervisor_refuses_and_a_stale_socket_does_not_block(
     wait_gone(str(workdir), timeout=3.0)
     third = supervisor_factory()
     with third.client() as client:
-        assert client.run("x", "pid")[0].kind is Kind.REPLY
+        assert client.run("x", "pid").ok
 
 
 def test_sigterm_lets_the_running_turn_finish_then_stops_everything(
@@ -197,9 +198,9 @@ def test_cancel_interrupts_the_running_turn(supervisor) -> None:
                 break
         started = time.monotonic()
         assert client.cancel("c") == req
-        reply = client._answer(req)
+        reply = client.answer(req)
         while reply.kind is Kind.EVENT:
-            reply = client._answer(req)
+            reply = client.answer(req)
         assert reply.body["text"] == "cancelled"
         assert time.monotonic() - started < 5
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_sup.cli.client import Client
+from hermes_sup.client import Client
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +51,7 @@ def test_sd_notify_ready_status_watchdog_stopping(supervisor_factory, workdir) -
         assert "STATUS=1 sessions: 1 idle" in seen
         # Workers never see the notify socket.
         with Client(sup.state_dir, timeout=5) as client:
-            assert client.run("alice", "env NOTIFY_SOCKET")[0].body["text"] == ""
+            assert client.run("alice", "env NOTIFY_SOCKET").text == ""
         sup.proc.send_signal(signal.SIGTERM)
         while True:
             fields = receive()

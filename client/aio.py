@@ -1,0 +1,301 @@
+"""The asyncio client: the same calls as `Client`, awaited.
+
+One socket per client; one reader task hands each incoming message to the
+request it answers, so any number of tasks may use one client at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from hermes_sup.protocol import Kind, Message
+
+from . import core
+from .blocking import HANDSHAKE_FAILURES, LIVENESS_SLICE, refused
+from .connection import Connection, session_options
+from .core import ClientCore, Killed, Opened, Pending, Pong
+from .errors import AccessDenied, ClientError, NotRunning, Timeout
+from .events import Event, Reply, to_event
+
+
+class AsyncClient:
+    """Talks to one supervisor from asyncio. Use `async with AsyncClient() as c`."""
+
+    def __init__(
+        self,
+        state_dir: Path | str | None = None,
+        *,
+        connection: Connection | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.connection = connection or Connection.local(state_dir)
+        self.state_dir = self.connection.state_dir
+        self.timeout = timeout
+        self.ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: Any = None
+        self._core: ClientCore | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._wakers: dict[str, asyncio.Event] = {}
+        self._fresh = True
+
+    @classmethod
+    def from_connection_file(cls, path: Path | str, timeout: float = 10.0) -> AsyncClient:
+        """A client of a remote supervisor (file from `hermes-sup keys generate`)."""
+        return cls(connection=Connection.from_file(path), timeout=timeout)
+
+    async def close(self) -> None:
+        """Stop the reader, close the socket and the context."""
+        await self._drop()
+        self.ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ connection
+
+    def _connect(self) -> tuple[zmq.asyncio.Socket, ClientCore]:
+        if self._sock is not None and self._core is not None:
+            return self._sock, self._core
+        if self.connection.alive() is False:
+            raise NotRunning(f"no hermes-sup supervisor is running on {self.state_dir}")
+        if not self._fresh and self.connection.state_dir is not None:
+            self.connection = self.connection.refreshed()  # a restart may bring a new key
+        self._fresh = False
+        conn = self.connection
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if conn.curve is not None:
+            sock.curve_serverkey = conn.curve.server_public.encode()
+            sock.curve_publickey = conn.curve.public.encode()
+            sock.curve_secretkey = conn.curve.secret.encode()
+            # A plain (not asyncio) monitor socket, polled without waiting.
+            self._monitor = zmq.Socket.shadow(sock.underlying).get_monitor_socket(
+                HANDSHAKE_FAILURES
+            )
+        sock.connect(conn.endpoint)
+        self._sock, self._core = sock, ClientCore(conn.key)
+        self._reader = asyncio.create_task(self._read(sock, self._core))
+        return sock, self._core
+
+    async def _read(self, sock: zmq.asyncio.Socket, core_: ClientCore) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            pending = core_.receive(frames)
+            if pending is not None and pending.id in self._wakers:
+                self._wakers[pending.id].set()
+
+    async def _drop(self) -> None:
+        """Forget the connection; waiting requests fail, the next one reconnects."""
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, zmq.ZMQError):
+                pass
+        if self._monitor is not None:
+            self._monitor.close(0)
+        if self._sock is not None:
+            self._sock.close(0)
+        self._sock = self._core = self._reader = self._monitor = None
+        for waker in self._wakers.values():
+            waker.set()
+
+    def _lost(self, why: str) -> ClientError:
+        asyncio.get_running_loop().create_task(self._drop())
+        return NotRunning(why)
+
+    # ------------------------------------------------------------- the calls
+
+    async def _start(self, kind: Kind, body: dict[str, Any], session: str | None) -> Pending:
+        if self.connection.alive() is False:
+            await self._drop()
+            raise NotRunning(f"no hermes-sup supervisor is running on {self.state_dir}")
+        sock, core_ = self._connect()
+        pending, frames = core_.request(kind, body, session)
+        self._wakers[pending.id] = asyncio.Event()
+        await sock.send_multipart(frames)
+        return pending
+
+    def _end(self, pending: Pending) -> None:
+        self._wakers.pop(pending.id, None)
+        if self._core is not None:
+            self._core.forget(pending)
+
+    async def _wait(self, pending: Pending, timeout: float | None) -> Message:
+        """The next answer to `pending` (errors raise); None waits for ever,
+        checking that the supervisor is still there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waker = self._wakers[pending.id]
+        while True:
+            msg = pending.pop()
+            if msg is not None:
+                if pending.done and not pending.inbox:
+                    self._wakers.pop(pending.id, None)
+                return core.check(msg)
+            if self._core is None or pending.id not in self._core.pending and not pending.done:
+                self._end(pending)
+                raise NotRunning("the connection to the supervisor was lost")
+            left = LIVENESS_SLICE if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                self._end(pending)
+                raise self._timed_out(timeout or 0.0)
+            waker.clear()
+            try:
+                await asyncio.wait_for(waker.wait(), min(left, LIVENESS_SLICE))
+            except TimeoutError:
+                reason = refused(self._monitor)
+                if reason:
+                    self._end(pending)
+                    raise AccessDenied(reason) from None
+                if self.connection.alive() is False:
+                    self._end(pending)
+                    raise self._lost("the supervisor went away before it answered") from None
+
+    def _timed_out(self, waited: float) -> ClientError:
+        reason = refused(self._monitor)
+        if reason:
+            return AccessDenied(reason)
+        if self.connection.alive() is False:
+            return self._lost("the supervisor went away before it answered")
+        return Timeout(f"the supervisor did not answer within {waited:g}s")
+
+    async def _call(self, call: core.Call, timeout: float | None) -> Any:
+        pending = await self._start(call.kind, call.body, call.session)
+        try:
+            msg = await self._wait(pending, self.timeout if timeout is None else timeout)
+        finally:
+            self._end(pending)
+        return call.read(msg)
+
+    async def ping(self, timeout: float | None = None) -> Pong:
+        """The supervisor's version, pid and uptime."""
+        return await self._call(core.ping(), timeout)
+
+    async def open(
+        self,
+        session: str,
+        *,
+        workspace: str | Path | None = None,
+        session_env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        runtime: str | None = None,
+        agent: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Opened:
+        """Open (and start) a session with its options (see `Client.open`)."""
+        opts = options or session_options(
+            workspace=workspace, session_env=session_env, env=env, runtime=runtime, agent=agent
+        )
+        return await self._call(core.open_session(session, opts), timeout)
+
+    async def send(
+        self,
+        session: str,
+        text: str,
+        *,
+        options: dict[str, Any] | None = None,
+        turn_timeout: float | None = None,
+    ) -> AsyncTurn:
+        """Send a turn; `async for` the result for its events as they stream."""
+        pending = await self._start(Kind.SEND, core.send_body(text, options), session)
+        return AsyncTurn(self, pending, turn_timeout)
+
+    async def run(self, session: str, text: str, **kw: Any) -> Reply:
+        """Send a turn and wait for it: its `Reply`, with `.events` streamed."""
+        return await (await self.send(session, text, **kw)).collect()
+
+    async def approve(self, session: str, choice: str, timeout: float | None = None) -> str:
+        """Answer the session's pending approval: once, session, always, deny."""
+        return await self._call(core.approve(session, choice), timeout)
+
+    async def cancel(
+        self, session: str, turn: str | None = None, timeout: float | None = None
+    ) -> Any:
+        """Cancel the running turn, or a queued one by its id."""
+        return await self._call(core.cancel(session, turn), timeout)
+
+    async def sessions(self, prefix: str = "", state: str | None = None) -> list[dict[str, Any]]:
+        """Every session the supervisor knows (fields in PROTOCOL.md)."""
+        return await self._call(core.sessions(prefix, state), None)
+
+    async def kill(
+        self, session: str, force: bool = False, purge: bool = False, timeout: float = 30.0
+    ) -> Killed:
+        """Kill a session's worker and everything it started; waits until gone."""
+        return await self._call(core.kill(session, force, purge), timeout)
+
+    async def status(self) -> dict[str, Any]:
+        """The supervisor's own pid, uptime, endpoints, session counts, memory."""
+        return await self._call(core.status(), None)
+
+    async def logs(self, session: str, lines: int = 50) -> list[str]:
+        """The last `lines` lines of a session's log."""
+        return await self._call(core.logs(session, lines), None)
+
+    async def watch(self, session: str | None = None, replay: int = 0) -> AsyncIterator[Event]:
+        """Every event of one session (or of all) until the iterator is closed."""
+        pending = await self._start(Kind.WATCH, {"replay": replay}, session)
+        try:
+            await self._wait(pending, self.timeout)  # the `watching` acknowledgement
+            while True:
+                yield to_event(await self._wait(pending, None))
+        finally:
+            self._end(pending)
+            if self._sock is not None and self._core is not None:
+                await self._sock.send_multipart(
+                    self._core.notice(Kind.UNWATCH, {"watch": pending.id})
+                )
+
+
+class AsyncTurn:
+    """A running turn: `async for` its events; `reply` is set at the end."""
+
+    def __init__(self, client: AsyncClient, pending: Pending, turn_timeout: float | None) -> None:
+        self.client = client
+        self.id = pending.id
+        self.session = pending.session or ""
+        self.reply: Reply | None = None
+        self._pending = pending
+        self._turn_timeout = turn_timeout
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        deadline = None if self._turn_timeout is None else time.monotonic() + self._turn_timeout
+        try:
+            msg = await self.client._wait(self._pending, self.client.timeout)
+            while True:
+                event = to_event(msg)
+                if isinstance(event, Reply):
+                    self.reply = event
+                    yield event
+                    return
+                yield event
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise Timeout(f"the turn did not finish within {self._turn_timeout:g}s")
+                msg = await self.client._wait(self._pending, left)
+        finally:
+            self.client._end(self._pending)
+
+    async def collect(self) -> Reply:
+        """Wait for the end: the reply, with every event it streamed."""
+        events = [event async for event in self if not isinstance(event, Reply)]
+        assert self.reply is not None
+        self.reply = dataclasses.replace(self.reply, events=events)
+        return self.reply
+
+    async def cancel(self) -> Any:
+        """Cancel this turn (running or queued)."""
+        return await self.client.cancel(self.session, self.id)

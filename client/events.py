@@ -1,0 +1,209 @@
+"""Typed events: what a turn streams, and what a watch sees.
+
+Every event keeps its wire `type` and raw `data`, so nothing the supervisor
+sends is lost; the common types get their own class with named fields. An
+event type this client does not know arrives as a plain `Event`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hermes_sup.protocol import Kind, Message
+
+
+@dataclass(frozen=True)
+class Event:
+    """One streamed event. `session` and `turn` are set where known."""
+
+    type: str
+    data: Any = None
+    session: str | None = None
+    turn: str | None = None
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class Queued(Event):
+    """The turn waits behind others of its session."""
+
+    position: int = 0
+
+
+@dataclass(frozen=True)
+class Running(Event):
+    """The turn started in the worker with this pid."""
+
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class Duplicate(Event):
+    """A resent `send`: the same turn continues, it does not run twice."""
+
+
+@dataclass(frozen=True)
+class Backoff(Event):
+    """The session's worker keeps dying; the turn waits for the next try."""
+
+    retry_in: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Token(Event):
+    """A piece of streamed text."""
+
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Output(Event):
+    """One line of a command's output."""
+
+    line: str = ""
+
+
+@dataclass(frozen=True)
+class ToolStart(Event):
+    """The agent started a tool."""
+
+    id: str = ""
+    name: str = ""
+    args: Any = None
+
+
+@dataclass(frozen=True)
+class ToolComplete(Event):
+    """A tool finished."""
+
+    id: str = ""
+    name: str = ""
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class ApprovalRequest(Event):
+    """The agent waits for a person to allow a command: answer with
+    `approve(session, choice)`, one of `choices`."""
+
+    command: str = ""
+    description: str = ""
+    choices: tuple[str, ...] = ()
+    allow_permanent: bool = False
+
+
+@dataclass(frozen=True)
+class ApprovalTimeout(Event):
+    """Nobody answered an approval in time: the command was denied."""
+
+    command: str = ""
+    outcome: str = ""
+
+
+@dataclass(frozen=True)
+class StateChange(Event):
+    """(watch) The session changed state."""
+
+    state: str = ""
+    previous: str | None = None
+    pid: int | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnStarted(Event):
+    """(watch) A turn started, sent by any client."""
+
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Reply(Event):
+    """The final answer of a turn. `events` holds what the turn streamed,
+    when it was collected with `run`."""
+
+    text: str = ""
+    ok: bool = True
+    events: list[Event] = field(default_factory=list)
+
+
+def _status(base: dict[str, Any], data: dict[str, Any]) -> Event:
+    state = data.get("state")
+    if state == "queued":
+        return Queued(**base, position=int(data.get("position", 0)))
+    if state == "running":
+        return Running(**base, pid=data.get("pid"))
+    if state == "duplicate":
+        return Duplicate(**base)
+    if state == "backoff":
+        return Backoff(
+            **base, retry_in=float(data.get("retry_in", 0.0)), reason=str(data.get("reason", ""))
+        )
+    return Event(**base)
+
+
+def to_event(msg: Message) -> Event:
+    """The typed form of an `event` or `reply` message."""
+    body = msg.body
+    if msg.kind is Kind.REPLY:
+        return Reply(
+            type="reply",
+            data=body.get("data"),
+            session=msg.session,
+            turn=msg.re,
+            text=body["text"],
+            ok=body["ok"],
+        )
+    etype = str(body.get("type", ""))
+    data = body.get("data")
+    base: dict[str, Any] = {
+        "type": etype,
+        "data": data,
+        "session": msg.session,
+        "turn": body.get("turn", msg.re),
+        "replayed": bool(body.get("replayed", False)),
+    }
+    d = data if isinstance(data, dict) else {}
+    if etype == "status":
+        return _status(base, d)
+    if etype == "token":
+        return Token(**base, text=data if isinstance(data, str) else str(d.get("text", "")))
+    if etype == "output":
+        return Output(**base, line=data if isinstance(data, str) else str(data))
+    if etype == "tool_start":
+        return ToolStart(
+            **base, id=str(d.get("id", "")), name=str(d.get("name", "")), args=d.get("args")
+        )
+    if etype == "tool_complete":
+        return ToolComplete(
+            **base, id=str(d.get("id", "")), name=str(d.get("name", "")), result=d.get("result")
+        )
+    if etype == "approval":
+        return ApprovalRequest(
+            **base,
+            command=str(d.get("command", "")),
+            description=str(d.get("description", "")),
+            choices=tuple(d.get("choices") or ("once", "session", "deny")),
+            allow_permanent=bool(d.get("allow_permanent", False)),
+        )
+    if etype == "approval_timeout":
+        return ApprovalTimeout(
+            **base, command=str(d.get("command", "")), outcome=str(d.get("outcome", ""))
+        )
+    if etype == "state":
+        return StateChange(
+            **base,
+            state=str(d.get("state", "")),
+            previous=d.get("previous"),
+            pid=d.get("pid"),
+            reason=d.get("reason"),
+        )
+    if etype == "turn":
+        return TurnStarted(**base, text=str(d.get("text", "")))
+    if etype == "reply":  # (watch) a turn's final answer, as its event
+        return Reply(
+            **{**base, "data": d.get("data")}, text=str(d.get("text", "")), ok=bool(d.get("ok"))
+        )
+    return Event(**base)
