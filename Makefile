@@ -33,7 +33,7 @@ lint: $(BIN)/python
 typecheck: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/mypy --strict protocol
-	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli
+	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli client
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -222,6 +222,24 @@ def tunables(func: Any) -> Any:
     help="TOML or JSON settings for the runtime (hermes: model, base_url, provider, "
     "toolsets, template_home, api_key_env or api_key_file).",
 )
+@click.option(
+    "--tcp",
+    default=None,
+    help="Also serve remote front ends on TCP with CURVE: PORT (127.0.0.1) or HOST:PORT; "
+    "0.0.0.0:PORT listens on every interface. Clients need `hermes-sup keys generate`.",
+)
+@click.option(
+    "--workspace-root",
+    "workspace_roots",
+    multiple=True,
+    help="A directory under which front ends may choose a session's workspace (repeat).",
+)
+@click.option(
+    "--allow-runtime",
+    "runtimes",
+    multiple=True,
+    help="A runtime front ends may choose per session besides --agent (repeat).",
+)
 @click.option("--preload", multiple=True, help="Module the zygote imports before forking (repeat).")
 @click.option(
     "--pass-env",
@@ -265,6 +283,9 @@ def serve(
     agent_config: Path | None,
     metrics: str | None,
     config: Path | None,
+    tcp: str | None,
+    workspace_roots: tuple[str, ...],
+    runtimes: tuple[str, ...],
     preload: tuple[str, ...],
     pass_env: tuple[str, ...],
     env_pairs: tuple[str, ...],
@@ -281,6 +302,7 @@ def serve(
       hermes-sup --state-dir /tmp/hs serve --data-dir /tmp/hs-data
     """
     from hermes_sup.supervisor import configfile
+    from hermes_sup.supervisor.remote import RemoteError
     from hermes_sup.supervisor.server import Supervisor
     from hermes_sup.supervisor.statedir import StateDirError
 
@@ -303,6 +325,10 @@ def serve(
             raise click.BadParameter(str(exc), param_hint="--agent-config") from None
     if preload:
         overrides["preload"] = preload
+    if workspace_roots:
+        overrides["workspace_roots"] = tuple(str(Path(r).absolute()) for r in workspace_roots)
+    if runtimes:
+        overrides["runtimes"] = runtimes
     if pass_env:
         overrides["pass_env"] = DEFAULT_PASS_ENV + pass_env
     if env_pairs:
@@ -310,6 +336,7 @@ def serve(
     plain = {
         "runtime": runtime,
         "metrics": metrics,
+        "tcp": tcp,
         "max_frame_size": max_frame_size,
         "stop_timeout": stop_timeout,
         "max_queue": max_queue,
@@ -335,6 +362,13 @@ def serve(
             raise click.ClickException(
                 "metrics need prometheus-client: pip install 'hermes-sup[metrics]'"
             )
+    if settings.tcp:
+        from hermes_sup.supervisor.remote import RemoteError, parse_tcp
+
+        try:
+            parse_tcp(settings.tcp)
+        except RemoteError as exc:
+            raise click.BadParameter(str(exc), param_hint="--tcp") from None
     if settings.runtime == "hermes" and not settings.preload:
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
 
@@ -346,7 +380,7 @@ def serve(
     )
     try:
         code = Supervisor(settings).run()
-    except StateDirError as exc:
+    except (StateDirError, RemoteError) as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
 
@@ -752,6 +786,103 @@ def config_check(file: Path) -> None:
     except configfile.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{file}: ok ({len(values)} setting(s))")
+
+
+DATA_DIR = click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar=DATA_DIR_ENV,
+    default=None,
+    help=f"The supervisor's data directory [env {DATA_DIR_ENV}; default as for serve].",
+)
+
+
+@cli.group()
+def keys() -> None:
+    """CURVE keys of remote front ends (serve --tcp).
+
+    The allowlist is read at every connection: changes need no restart.
+    """
+
+
+@keys.command(name="generate")
+@click.argument("name")
+@click.option(
+    "--endpoint",
+    required=True,
+    help="HOST:PORT the front end will connect to (the address of serve --tcp).",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the connection file [default: NAME.json here].",
+)
+@DATA_DIR
+def keys_generate(name: str, endpoint: str, output: Path | None, data_dir: Path | None) -> None:
+    """Make a key pair for the front end NAME, allow it, and write its
+    connection file (0600: it holds secrets; copy it to the front end's host).
+
+    \b
+    Example:
+      hermes-sup keys generate web-eu --endpoint hs.internal:7788
+      # on the front end: Client.from_connection_file("web-eu.json")
+    """
+    import zmq
+
+    from hermes_sup.client.connection import write_connection_file
+    from hermes_sup.supervisor import remote
+
+    data = data_dir or default_data_dir()
+    output = output or Path(f"{name}.json")
+    try:
+        host, port = remote.parse_tcp(endpoint)
+        server_public, _ = remote.server_keys(data)
+        public, secret = zmq.curve_keypair()
+        if output.exists():
+            raise remote.RemoteError(f"{output} exists; choose another --output")
+        remote.allow(data, name, public)
+        write_connection_file(
+            output,
+            remote.tcp_endpoint(host, port),
+            remote.remote_hmac_key(data),
+            server_public.decode(),
+            public.decode(),
+            secret.decode(),
+        )
+    except (remote.RemoteError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"allowed {name} ({public.decode()})\nwrote {output}")
+
+
+@keys.command(name="list")
+@DATA_DIR
+def keys_list(data_dir: Path | None) -> None:
+    """The allowed front ends and their public keys."""
+    from hermes_sup.supervisor import remote
+
+    clients = remote.allowed(data_dir or default_data_dir())
+    if not clients:
+        click.echo("no remote front ends are allowed")
+    for name, public in clients.items():
+        click.echo(f"{name}  {public.decode()}")
+
+
+@keys.command(name="revoke")
+@click.argument("name")
+@DATA_DIR
+def keys_revoke(name: str, data_dir: Path | None) -> None:
+    """Refuse the front end NAME from its next connection on."""
+    from hermes_sup.supervisor import remote
+
+    try:
+        found = remote.revoke(data_dir or default_data_dir(), name)
+    except remote.RemoteError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not found:
+        raise click.ClickException(f"no front end named {name!r} is allowed")
+    click.echo(f"revoked {name}")
 
 
 @cli.command(name="install-service")

@@ -19,7 +19,7 @@ import zmq.asyncio
 from hermes_sup.protocol import Kind, Message
 
 from . import core
-from .blocking import HANDSHAKE_FAILURES, LIVENESS_SLICE, refused
+from .blocking import LIVENESS_SLICE, close_socket, make_socket, refused
 from .connection import Connection, session_options
 from .core import ClientCore, Killed, Opened, Pending, Pong
 from .errors import AccessDenied, ClientError, NotRunning, Timeout
@@ -74,17 +74,10 @@ class AsyncClient:
             self.connection = self.connection.refreshed()  # a restart may bring a new key
         self._fresh = False
         conn = self.connection
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if conn.curve is not None:
-            sock.curve_serverkey = conn.curve.server_public.encode()
-            sock.curve_publickey = conn.curve.public.encode()
-            sock.curve_secretkey = conn.curve.secret.encode()
-            # A plain (not asyncio) monitor socket, polled without waiting.
-            self._monitor = zmq.Socket.shadow(sock.underlying).get_monitor_socket(
-                HANDSHAKE_FAILURES
-            )
-        sock.connect(conn.endpoint)
+        # Handshake failures are read without waiting, from a plain socket.
+        made, self._monitor = make_socket(self.ctx, conn, zmq.Context.shadow(self.ctx.underlying))
+        assert isinstance(made, zmq.asyncio.Socket)  # an asyncio context makes asyncio sockets
+        sock = made
         self._sock, self._core = sock, ClientCore(conn.key)
         self._reader = asyncio.create_task(self._read(sock, self._core))
         return sock, self._core
@@ -104,10 +97,8 @@ class AsyncClient:
                 await self._reader
             except (asyncio.CancelledError, zmq.ZMQError):
                 pass
-        if self._monitor is not None:
-            self._monitor.close(0)
         if self._sock is not None:
-            self._sock.close(0)
+            close_socket(self._sock, self._monitor)
         self._sock = self._core = self._reader = self._monitor = None
         for waker in self._wakers.values():
             waker.set()

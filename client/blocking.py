@@ -8,6 +8,7 @@ turn's stream must be read in the thread that sent it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections import deque
@@ -34,18 +35,38 @@ HANDSHAKE_FAILURES = (
 )
 
 
-def make_socket(ctx: zmq.Context[Any], conn: Connection) -> tuple[zmq.Socket[Any], Any]:
-    """A connected DEALER (and, for CURVE, a monitor of handshake failures)."""
+def make_socket(
+    ctx: zmq.Context[Any], conn: Connection, monitor_ctx: zmq.Context[Any] | None = None
+) -> tuple[zmq.Socket[Any], zmq.Socket[Any] | None]:
+    """A connected DEALER and, for CURVE, a plain socket that reports failed
+    handshakes (made in `monitor_ctx`, which shares `ctx`'s underlying context)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     monitor = None
-    if conn.curve is not None:
-        sock.curve_serverkey = conn.curve.server_public.encode()
-        sock.curve_publickey = conn.curve.public.encode()
-        sock.curve_secretkey = conn.curve.secret.encode()
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
-    sock.connect(conn.endpoint)
+    try:
+        if conn.curve is not None:
+            sock.curve_serverkey = conn.curve.server_public.encode()
+            sock.curve_publickey = conn.curve.public.encode()
+            sock.curve_secretkey = conn.curve.secret.encode()
+            addr = f"inproc://hermes-sup-monitor-{os.urandom(8).hex()}"
+            sock.monitor(addr, HANDSHAKE_FAILURES)
+            monitor = (monitor_ctx or ctx).socket(zmq.PAIR)
+            monitor.setsockopt(zmq.LINGER, 0)
+            monitor.connect(addr)
+        sock.connect(conn.endpoint)
+    except Exception:
+        if monitor is not None:
+            monitor.close(0)
+        sock.close(0)
+        raise
     return sock, monitor
+
+
+def close_socket(sock: zmq.Socket[Any], monitor: zmq.Socket[Any] | None) -> None:
+    if monitor is not None:
+        sock.disable_monitor()
+        monitor.close(0)
+    sock.close(0)
 
 
 def refused(monitor: Any) -> str | None:
@@ -95,10 +116,7 @@ class _Link:
             count += 1
 
     def close(self) -> None:
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(0)
-        self.sock.close(0)
+        close_socket(self.sock, self.monitor)
 
 
 class Client:

@@ -123,9 +123,17 @@ class Settings:
     log_backups: int = 3
     # Recent turns and events kept per session, replayed to `attach`.
     history: int = 200
+    # CURVE-encrypted TCP endpoint for remote front ends, "PORT" (127.0.0.1)
+    # or "HOST:PORT" (0.0.0.0 for every interface); "" is off.
+    tcp: str = ""
     # Prometheus endpoint, "PORT" (127.0.0.1) or "HOST:PORT"; "" is off.
     metrics: str = ""
     log_level: str = "info"
+    # Directories under which a front end may choose a session's workspace
+    # (the `workspace` option); none: every session works in its own.
+    workspace_roots: tuple[str, ...] = ()
+    # Runtimes a front end may choose per session besides `runtime`.
+    runtimes: tuple[str, ...] = ()
     # Options a new session gets when its front end passes none (wire form).
     session_defaults: dict[str, Any] = field(default_factory=dict)
     # Where these settings came from, for reload: the file and what the

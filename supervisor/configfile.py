@@ -51,7 +51,15 @@ OPTIONAL_FIELDS = {
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Only a restart can change these: sockets, directories, the zygote's imports.
-RESTART_FIELDS = ("state_dir", "data_dir", "runtime", "preload", "max_frame_size", "metrics")
+RESTART_FIELDS = (
+    "state_dir",
+    "data_dir",
+    "runtime",
+    "preload",
+    "max_frame_size",
+    "metrics",
+    "tcp",
+)
 # Bookkeeping, not settings: never reported as changed.
 META_FIELDS = ("config_file", "overrides")
 _FIELD_TYPES = typing.get_type_hints(Settings)

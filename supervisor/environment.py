@@ -12,6 +12,7 @@ Nothing else of the supervisor's environment reaches a worker.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ MAX_VALUE_LENGTH = 4096
 MAX_ENTRIES = 64
 # Set by the supervisor for each session; a front end may not override them.
 RESERVED = frozenset({"HERMES_HOME", "TERMINAL_CWD", "HERMES_SESSION_KEY"})
-OPTION_NAMES = ("session_env", "env", "agent")
+OPTION_NAMES = ("session_env", "env", "agent", "workspace", "runtime")
 # What a front end may choose per session for the agent runtime. Secrets
 # (api keys) are not among them: they come from the supervisor's config.
 AGENT_OPTION_TYPES: dict[str, tuple[type, ...]] = {
@@ -45,17 +46,26 @@ class SessionOptions:
     session_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     agent: dict[str, Any] = field(default_factory=dict)
+    # An absolute directory under one of the supervisor's workspace_roots
+    # (None: the session's own), and a runtime among its allowed ones.
+    workspace: str | None = None
+    runtime: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The options as a plain map (for the worker and session.json)."""
-        return {
+        wire: dict[str, Any] = {
             "session_env": dict(self.session_env),
             "env": dict(self.env),
             "agent": dict(self.agent),
         }
+        if self.workspace is not None:
+            wire["workspace"] = self.workspace
+        if self.runtime is not None:
+            wire["runtime"] = self.runtime
+        return wire
 
     def __bool__(self) -> bool:
-        return bool(self.session_env or self.env or self.agent)
+        return bool(self.session_env or self.env or self.agent or self.workspace or self.runtime)
 
 
 def _bad(message: str) -> RemoteProtocolError:
@@ -95,8 +105,48 @@ def parse_options(raw: object) -> SessionOptions:
     if clash:
         raise _bad(f"option env.{clash[0]} is set by the supervisor for each session")
     return SessionOptions(
-        session_env=session_env, env=env, agent=_check_agent(raw.get("agent", {}))
+        session_env=session_env,
+        env=env,
+        agent=_check_agent(raw.get("agent", {})),
+        workspace=_check_string(raw, "workspace"),
+        runtime=_check_string(raw, "runtime"),
     )
+
+
+def _check_string(raw: dict[Any, Any], name: str) -> str | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or "\0" in value or len(value) > MAX_VALUE_LENGTH:
+        raise _bad(f"option {name!r} must be a non-empty string without NUL")
+    return value
+
+
+def check_policy(
+    options: SessionOptions, workspace_roots: tuple[str, ...], runtimes: tuple[str, ...]
+) -> None:
+    """Refuse a workspace outside the configured roots (symlinks resolved)
+    and a runtime the operator did not allow."""
+    if options.workspace is not None:
+        if not workspace_roots:
+            raise _bad(
+                "option 'workspace': this supervisor allows no chosen workspaces "
+                "(set workspace_roots)"
+            )
+        path = Path(options.workspace)
+        if not path.is_absolute():
+            raise _bad(f"option 'workspace' must be an absolute path, got {options.workspace!r}")
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(os.path.realpath(root)) for root in workspace_roots):
+            raise _bad(
+                f"option 'workspace': {options.workspace} is not under a workspace root "
+                f"({', '.join(workspace_roots)})"
+            )
+    if options.runtime is not None and options.runtime not in runtimes:
+        allowed = ", ".join(runtimes) or "none besides the default"
+        raise _bad(
+            f"option 'runtime': {options.runtime!r} is not allowed here (allowed: {allowed})"
+        )
 
 
 def _check_agent(value: object) -> dict[str, Any]:

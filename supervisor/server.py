@@ -39,11 +39,13 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib import metadata
 from typing import Any
 
 import psutil
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from hermes_sup.protocol import (
     PROTOCOL_VERSION,
@@ -62,10 +64,10 @@ from hermes_sup.protocol import (
     error_message,
 )
 
-from . import configfile, statedir
+from . import configfile, remote, statedir
 from .channel import Channel
 from .config import Settings
-from .environment import allowlisted, parse_options, worker_env
+from .environment import allowlisted, check_policy, parse_options, worker_env
 from .limits import TreeUsage, safe_max_sessions, scan_trees
 from .logs import PipeReader, SessionLog, tail
 from .metrics import Metrics, exit_category
@@ -198,6 +200,9 @@ class Supervisor:
         statedir.ensure_private_dir(s.data_dir)
         self.control_endpoint = statedir.endpoint(s.state_dir, statedir.CONTROL_SOCKET)
         self.worker_endpoint = statedir.endpoint(s.state_dir, statedir.WORKER_SOCKET)
+        self.tcp_endpoint: str | None = None
+        if s.tcp:
+            remote.parse_tcp(s.tcp)  # a bad address fails now, before anything starts
         self._lock.acquire()
         try:
             self.key = statedir.load_or_create_key(s.state_dir)
@@ -268,7 +273,13 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.front = Channel(self._bind(self.control_endpoint), self._on_front, loop)
+        # Client ids are the routing id behind one byte naming the socket
+        # (0: the local control socket, 1: TCP), and replies are signed with
+        # that socket's key.
+        self.fronts: list[tuple[Channel, bytes]] = [
+            (Channel(self._bind(self.control_endpoint), partial(self._on_front, 0), loop), self.key)
+        ]
+        self.auth = self._start_tcp(loop)
         self.back = Channel(self._bind(self.worker_endpoint), self._on_back, loop)
         assert self.zygote is not None
         self.zygote.attach(loop)
@@ -292,8 +303,12 @@ class Supervisor:
         finally:
             ticker.cancel()
             self.zygote.detach(loop)
-            self.front.close()
+            for channel, _ in self.fronts:
+                channel.close()
             self.back.close()
+            if self.auth is not None:
+                self.tcp_monitor.close()
+                self.auth.stop()
             self.ctx.term()
             self.notifier.close()
             if self.metrics is not None:
@@ -301,7 +316,48 @@ class Supervisor:
         log.info(kv("stopped", pid=os.getpid()))
         return 0
 
-    def _bind(self, endpoint: str) -> zmq.Socket[bytes]:
+    def _start_tcp(self, loop: asyncio.AbstractEventLoop) -> ThreadAuthenticator | None:
+        """The CURVE endpoint for remote front ends, if configured."""
+        s = self.settings
+        if not s.tcp:
+            return None
+        host, port = remote.parse_tcp(s.tcp)
+        public, secret = remote.server_keys(s.data_dir)
+        # The ZAP handler must run before the socket binds: without one,
+        # libzmq lets every CURVE key in.
+        auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("hermes_sup.zap"))
+        auth.start()
+        auth.configure_curve_callback(remote.ZAP_DOMAIN, remote.Allowlist(s.data_dir))
+        sock = self._router()
+        sock.curve_server = True
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.zap_domain = remote.ZAP_DOMAIN.encode()
+        self.tcp_endpoint = remote.tcp_endpoint(host, port)
+        try:
+            sock.bind(self.tcp_endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            auth.stop()
+            raise remote.RemoteError(f"cannot listen on {self.tcp_endpoint}: {exc}") from None
+        self.fronts.append(
+            (Channel(sock, partial(self._on_front, 1), loop), remote.remote_hmac_key(s.data_dir))
+        )
+        # Peers that fail the handshake (no CURVE, wrong server key) never
+        # reach ZAP; the socket's monitor is the only place they show.
+        monitor = sock.get_monitor_socket(remote.HANDSHAKE_FAILURES)
+        self.tcp_monitor = Channel(monitor, remote.log_handshake_failure, loop)
+        log.info(
+            kv(
+                "tcp_ready",
+                endpoint=self.tcp_endpoint,
+                server_public=public.decode(),
+                allowed=len(remote.allowed(s.data_dir)),
+            )
+        )
+        return auth
+
+    def _router(self) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Sends to a peer that is gone raise instead of vanishing silently.
@@ -312,6 +368,10 @@ class Supervisor:
         sock.setsockopt(zmq.MAXMSGSIZE, limit + limit // 4 + 4096)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        return sock
+
+    def _bind(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._router()
         path = endpoint.removeprefix("ipc://")
         if os.path.exists(path):
             os.unlink(path)  # stale socket of a dead supervisor: we hold the lock
@@ -452,18 +512,19 @@ class Supervisor:
 
     def _send_client(self, client: bytes, msg: Message) -> bool:
         """Send to a client without blocking; False if it is gone or too slow."""
+        channel, key = self.fronts[client[0]]
         try:
-            frames = encode(msg, self.key, self.limits)
+            frames = encode(msg, key, self.limits)
         except LocalProtocolError as exc:
             log.error(kv("unsendable", kind=msg.kind.value, error=exc.message))
             frames = encode(
                 error_message(
                     ErrorCode.INTERNAL.value, exc.message, re=msg.re, session=msg.session
                 ),
-                self.key,
+                key,
             )
         try:
-            self.front.send([client, *frames])
+            channel.send([client[1:], *frames])
             return True
         except zmq.Again:
             log.warning(kv("client_slow_dropped", kind=msg.kind.value, re=msg.re))
@@ -478,12 +539,12 @@ class Supervisor:
     ) -> None:
         self._send_client(client, error_message(code.value, message, re=re, session=session))
 
-    def _on_front(self, frames: list[bytes]) -> None:
+    def _on_front(self, index: int, frames: list[bytes]) -> None:
         if len(frames) < 2:
             return
-        client, rest = frames[0], frames[1:]
+        client, rest = bytes([index]) + frames[0], frames[1:]
         try:
-            msg = decode(rest, self.key, self.limits)
+            msg = decode(rest, self.fronts[index][1], self.limits)
             if msg.kind is Kind.SEND and msg.id in self.sent:
                 self._on_resend(client, msg)
                 return
@@ -540,6 +601,9 @@ class Supervisor:
     def _session_for(self, key: str, raw_options: object) -> Session:
         """Find or create a session; new options on a running one are a conflict."""
         options = parse_options(raw_options) if raw_options is not None else None
+        if options is not None:
+            s = self.settings
+            check_policy(options, s.workspace_roots, (s.runtime, *s.runtimes))
         session = self.sessions.get(key)
         if session is None:
             path, stored = open_session_dir(self.settings.data_dir, key)
@@ -732,7 +796,11 @@ class Supervisor:
             "uptime": time.time() - self.started,
             "started": self.started,
             "runtime": self.settings.runtime,
-            "endpoints": {"control": self.control_endpoint, "workers": self.worker_endpoint},
+            "endpoints": {
+                "control": self.control_endpoint,
+                "workers": self.worker_endpoint,
+                "tcp": self.tcp_endpoint,
+            },
             "state_dir": str(self.settings.state_dir),
             "data_dir": str(self.settings.data_dir),
             "zygote_pid": self.zygote.pid if self.zygote else None,
@@ -1067,7 +1135,7 @@ class Supervisor:
             "env": env,
             "workspace": str(session.workspace),
             "home": str(session.home),
-            "runtime": s.runtime,
+            "runtime": session.options.runtime or s.runtime,
             "runtime_config": {**s.runtime_config, **session.options.agent},
             "options": session.options.to_wire(),
             # Several beats per timeout, so one late beat is never a hang.

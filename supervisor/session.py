@@ -83,7 +83,10 @@ class Session:
 
     @property
     def workspace(self) -> Path:
-        """The worker's cwd and TERMINAL_CWD."""
+        """The worker's cwd and TERMINAL_CWD: the one chosen at open (under a
+        workspace root), else the session's own."""
+        if self.options.workspace is not None:
+            return Path(self.options.workspace)
         return self.dir / "workspace"
 
     @property

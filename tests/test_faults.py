@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from hermes_sup.client import SupervisorError
-from hermes_sup.protocol import Kind, Message, encode, session_dir_name
+from hermes_sup.protocol import Kind, Message, session_dir_name
 
 from .conftest import wait_gone
 

@@ -188,7 +188,7 @@ def test_session_values_from_the_front_end_reach_only_their_worker(supervisor) -
 
 def test_directories_are_private(supervisor) -> None:
     with supervisor.client() as client:
-        reply = client.run("priv", "write notes.txt secret")
+        client.run("priv", "write notes.txt secret")
     session_dir = supervisor.data_dir / "sessions" / session_dir_name("priv")
     for path in (
         supervisor.state_dir,

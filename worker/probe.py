@@ -10,12 +10,16 @@ It lets tests and operators see a session's isolation for themselves:
                        output lines as events; the reply is its exit status
     sleep SECONDS      sleep (cancellable)
     write PATH TEXT    write TEXT to PATH, relative to the workspace
+    stream TEXT        stream TEXT back word by word as `token` events
+    ask COMMAND        ask for approval (an `approval` event), then run COMMAND
+                       as `sh` does if allowed; no answer in 60 s is a deny
     anything else      echoed back
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -26,6 +30,8 @@ import psutil
 from .runtime import Emit, SessionInfo, TurnReply
 
 MAX_SLEEP = 24 * 3600.0
+APPROVAL_TIMEOUT = 60.0
+STREAM_DELAY = 0.02
 
 
 class ProbeError(Exception):
@@ -39,6 +45,7 @@ class ProbeRuntime:
         self.session = session
         self._cancelled = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._answers: queue.Queue[str] = queue.Queue()
 
     def run_turn(self, text: str, emit: Emit) -> TurnReply:
         """Handle one probe command."""
@@ -49,9 +56,14 @@ class ProbeRuntime:
             return TurnReply(text)
         return handler(rest, emit)
 
+    def answer(self, choice: str) -> None:
+        """A person's answer to the pending approval (from the main thread)."""
+        self._answers.put(choice)
+
     def cancel(self) -> None:
-        """Interrupt a running `sleep` or `sh` (from the worker's main thread)."""
+        """Interrupt a running `sleep`, `sh` or `ask` (from the worker's main thread)."""
         self._cancelled.set()
+        self._answers.put("deny")
         proc = self._proc
         if proc is not None:
             try:
@@ -105,6 +117,41 @@ class ProbeRuntime:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content)
         return TurnReply(f"wrote {len(content.encode())} bytes to {name}", {"path": str(target)})
+
+    def _do_stream(self, rest: str, emit: Emit) -> TurnReply:
+        words = rest.split(" ")
+        for i, word in enumerate(words):
+            if self._cancelled.wait(STREAM_DELAY):
+                return TurnReply("cancelled", {"cancelled": True})
+            emit("token", word if i == 0 else " " + word)
+        return TurnReply(rest)
+
+    def _do_ask(self, rest: str, emit: Emit) -> TurnReply:
+        if not rest.strip():
+            raise ProbeError("usage: ask COMMAND")
+        while not self._answers.empty():  # an answer left over from an earlier turn
+            self._answers.get_nowait()
+        choices = ["once", "session", "deny"]
+        emit(
+            "approval",
+            {
+                "command": rest,
+                "description": "the probe asks before running a shell command",
+                "allow_permanent": False,
+                "pattern_keys": [],
+                "choices": choices,
+            },
+        )
+        try:
+            choice = self._answers.get(timeout=APPROVAL_TIMEOUT)
+        except queue.Empty:
+            emit("approval_timeout", {"command": rest, "outcome": "deny"})
+            choice = "deny"
+        if self._cancelled.is_set():
+            return TurnReply("cancelled", {"cancelled": True})
+        if choice not in ("once", "session", "always"):
+            return TurnReply(f"denied: {rest}", {"approved": False})
+        return self._do_sh(rest, emit)
 
     def _do_sh(self, rest: str, emit: Emit) -> TurnReply:
         if not rest.strip():

@@ -1,0 +1,171 @@
+"""Front ends on other hosts: a TCP endpoint with CURVE encryption and an
+allowlist of client keys.
+
+Everything lives in `<data-dir>/curve/` (0700), which survives restarts and
+reboots (the state directory may not):
+
+    server.key, server.key_secret   the supervisor's CURVE key pair
+    hmac.key                        the signing key of remote clients; it is
+                                    not the local key, so a connection file
+                                    never grants the local control socket
+    clients/<name>.key              allowed client public keys, one per file
+
+The allowlist is read at every handshake: `hermes-sup keys allow/revoke`
+take effect for the next connection, without a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+from . import statedir
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+CURVE_DIR = "curve"
+CLIENTS_DIR = "clients"
+SERVER_NAME = "server"
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+ZAP_DOMAIN = "hermes-sup"
+LOOPBACK = "127.0.0.1"
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+class RemoteError(Exception):
+    """A TCP setting or key file that cannot be used."""
+
+
+def parse_tcp(spec: str) -> tuple[str, int]:
+    """'PORT' (loopback only) or 'HOST:PORT'. All interfaces only when asked
+    by name: '0.0.0.0:PORT' or '[::]:PORT'."""
+    host, sep, port_text = spec.rpartition(":")
+    if not sep:
+        host, port_text = LOOPBACK, spec
+    host = host.strip("[]") or LOOPBACK
+    if host == "*":
+        raise RemoteError(f"tcp {spec!r}: write 0.0.0.0 to listen on every interface")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RemoteError(f"tcp {spec!r}: the port must be a number") from None
+    if not 0 < port < 65536:
+        raise RemoteError(f"tcp {spec!r}: port {port} is out of range")
+    return host, port
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def curve_dir(data_dir: Path) -> Path:
+    path = statedir.ensure_private_dir(data_dir / CURVE_DIR)
+    statedir.ensure_private_dir(path / CLIENTS_DIR)
+    return path
+
+
+def server_keys(data_dir: Path) -> tuple[bytes, bytes]:
+    """The supervisor's (public, secret) CURVE keys, made on first use."""
+    base = curve_dir(data_dir)
+    secret_file = base / f"{SERVER_NAME}.key_secret"
+    if not secret_file.exists():
+        old = os.umask(0o077)
+        try:
+            zmq.auth.create_certificates(str(base), SERVER_NAME)
+        finally:
+            os.umask(old)
+    public, secret = zmq.auth.load_certificate(str(secret_file))
+    if secret is None:
+        raise RemoteError(f"{secret_file}: holds no secret key")
+    return public, secret
+
+
+def remote_hmac_key(data_dir: Path) -> bytes:
+    """The key remote clients sign with, made on first use."""
+    return statedir.load_or_create_key(curve_dir(data_dir))
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.fullmatch(name):
+        raise RemoteError(
+            f"client name {name!r}: use 1-64 letters, digits and . _ @ - (a letter or digit first)"
+        )
+    return name
+
+
+def allow(data_dir: Path, name: str, public: bytes) -> Path:
+    """Add a client's public key to the allowlist under `name`."""
+    path = curve_dir(data_dir) / CLIENTS_DIR / f"{check_name(name)}.key"
+    if path.exists():
+        raise RemoteError(f"a client named {name!r} is already allowed; revoke it first")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(
+            f'# hermes-sup client {name}\nmetadata\ncurve\n    public-key = "{public.decode()}"\n'
+        )
+    return path
+
+
+def revoke(data_dir: Path, name: str) -> bool:
+    """Remove a client from the allowlist; False if it was not there."""
+    try:
+        (curve_dir(data_dir) / CLIENTS_DIR / f"{check_name(name)}.key").unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def allowed(data_dir: Path) -> dict[str, bytes]:
+    """Allowed clients: name -> Z85 public key."""
+    out = {}
+    for path in sorted((data_dir / CURVE_DIR / CLIENTS_DIR).glob("*.key")):
+        try:
+            public, _ = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable client key %s: %s", path, exc)
+            continue
+        out[path.stem] = public
+    return out
+
+
+class Allowlist:
+    """The ZAP callback: a client key is allowed if a file in clients/ holds it."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        names = [name for name, public in allowed(self.data_dir).items() if public == key]
+        if names:
+            log.info("remote_client_allowed name=%s", names[0])
+            return True
+        log.warning(
+            "remote_client_refused key=%s reason=not in the allowlist (%s)",
+            key.decode(),
+            self.data_dir / CURVE_DIR / CLIENTS_DIR,
+        )
+        return False
+
+
+def log_handshake_failure(frames: list[bytes]) -> None:
+    """Log one handshake failure reported by the TCP socket's monitor."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    event = parse_monitor_message(frames)
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return  # the allowlist already said why
+    log.warning(
+        "remote_handshake_failed peer=%s reason=%s",
+        event["endpoint"].decode(errors="replace"),
+        "not CURVE, or the wrong server key (a client needs a connection file "
+        "from `hermes-sup keys generate`)",
+    )

@@ -1,0 +1,326 @@
+"""The Python client library against real supervisors: typed events and
+errors, many threads and many tasks on one client, reconnection after a
+restart, session options, and remote front ends over CURVE."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import zmq
+
+from hermes_sup.client import (
+    AccessDenied,
+    ApprovalRequest,
+    AsyncClient,
+    BadRequest,
+    Client,
+    Connection,
+    NoSuchSession,
+    NotRunning,
+    Output,
+    Reply,
+    Running,
+    SessionConflict,
+    Timeout,
+    Token,
+)
+from hermes_sup.client.connection import write_connection_file
+from hermes_sup.protocol import Kind, Message, decode, encode
+
+
+def test_a_turn_streams_typed_events_then_its_reply(supervisor) -> None:
+    with supervisor.client() as client:
+        turn = client.send("s1", "stream the quick brown fox")
+        events = list(turn)
+    running = [e for e in events if isinstance(e, Running)]
+    assert len(running) == 1 and running[0].pid and running[0].turn == turn.id
+    tokens = [e.text for e in events if isinstance(e, Token)]
+    assert len(tokens) == 4 and "".join(tokens) == "the quick brown fox"
+    assert isinstance(events[-1], Reply) and turn.reply is events[-1]
+    assert turn.reply.text == "the quick brown fox" and turn.reply.session == "s1"
+
+
+def test_errors_are_typed_and_carry_the_supervisors_code(supervisor) -> None:
+    with supervisor.client() as client:
+        with pytest.raises(BadRequest) as bad:
+            client.run("../etc", "pid")
+        assert bad.value.code == "bad_session_key" and "../etc" in bad.value.message
+        with pytest.raises(NoSuchSession) as missing:
+            client.kill("never-seen")
+        assert missing.value.code == "no_such_session"
+        client.open("c", session_env={"platform": "slack"})
+        with pytest.raises(SessionConflict):
+            client.open("c", session_env={"platform": "discord"})
+        assert client.run("c", "env HERMES_SESSION_PLATFORM").text == "slack"
+
+
+def test_many_threads_share_one_client(supervisor) -> None:
+    results: dict[str, object] = {}
+
+    def work(key: str) -> None:
+        try:
+            for i in range(5):
+                reply = client.run(key, f"sh echo {key}-{i}")
+                assert [e.line for e in reply.events if isinstance(e, Output)] == [f"{key}-{i}"]
+            results[key] = client.run(key, "env HERMES_SESSION_KEY").text
+        except Exception as exc:  # reported below, with the key
+            results[key] = exc
+
+    with supervisor.client() as client:
+        threads = [threading.Thread(target=work, args=(f"t{i}",)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(client._links) == 8  # one socket per thread
+    assert results == {f"t{i}": f"t{i}" for i in range(8)}
+
+
+def test_asyncio_client_runs_many_tasks_answers_approvals_and_cancels(supervisor) -> None:
+    async def chat(client: AsyncClient, key: str) -> str:
+        await client.open(key, session_env={"chat_id": key})
+        text = ""
+        async for event in await client.send(key, f"stream hello from {key}"):
+            if isinstance(event, Token):
+                text += event.text
+        reply = await client.run(key, "env HERMES_SESSION_CHAT_ID")
+        assert reply.text == key
+        return text
+
+    async def approve(client: AsyncClient, choice: str) -> Reply:
+        turn = await client.send("ops", "ask echo approved-and-ran")
+        async for event in turn:
+            if isinstance(event, ApprovalRequest):
+                assert event.command == "echo approved-and-ran" and "deny" in event.choices
+                assert await client.approve("ops", choice) == choice
+        assert turn.reply is not None
+        return turn.reply
+
+    async def cancel(client: AsyncClient) -> Reply:
+        turn = await client.send("slow", "sleep 30")
+        seen = []
+        async for event in turn:
+            seen.append(event)
+            if isinstance(event, Running):
+                assert await turn.cancel() == turn.id
+        assert isinstance(seen[-1], Reply)
+        return seen[-1]
+
+    async def main() -> None:
+        async with AsyncClient(supervisor.state_dir, timeout=15) as client:
+            texts = await asyncio.gather(*(chat(client, f"a{i}") for i in range(8)))
+            assert texts == [f"hello from a{i}" for i in range(8)]
+            allowed = await approve(client, "once")
+            assert allowed.text == "exit 0"
+            denied = await approve(client, "deny")
+            assert denied.text.startswith("denied")
+            assert (await cancel(client)).data == {"cancelled": True}
+            with pytest.raises(NoSuchSession):
+                await client.kill("nobody")
+            assert (await client.ping()).pid == supervisor.pid
+
+    asyncio.run(main())
+
+
+def test_timeouts_on_a_frozen_supervisor(supervisor) -> None:
+    with supervisor.client(timeout=0.5) as client:
+        client.ping()
+        os.kill(supervisor.pid, 19)  # SIGSTOP
+        try:
+            with pytest.raises(Timeout):
+                client.ping()
+            with pytest.raises(Timeout):
+                asyncio.run(_async_ping(supervisor.state_dir, 0.5))
+        finally:
+            os.kill(supervisor.pid, 18)  # SIGCONT
+        assert client.ping().pid == supervisor.pid
+
+
+async def _async_ping(state_dir: Path, timeout: float) -> object:
+    async with AsyncClient(state_dir, timeout=timeout) as client:
+        return await client.ping()
+
+
+def test_clients_reconnect_after_a_supervisor_restart(supervisor_factory) -> None:
+    sup = supervisor_factory()
+    client = sup.client()
+    aclient_box: list[AsyncClient] = []
+
+    async def arun(text: str) -> str:
+        if not aclient_box:
+            aclient_box.append(AsyncClient(sup.state_dir, timeout=15))
+        return (await aclient_box[0].run("r", text)).text
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert client.run("r", "echo-before").text == "echo-before"
+        assert loop.run_until_complete(arun("async-before")) == "async-before"
+        # A turn in flight when the supervisor stops ends with an error, not a hang.
+        turn = client.send("r", "sleep 30")
+        first = next(iter(turn))
+        assert isinstance(first, Running)
+        sup.stop()
+        with pytest.raises(NotRunning):
+            client.run("r", "pid")
+        with pytest.raises(NotRunning):
+            loop.run_until_complete(arun("pid"))
+        sup.start()
+        assert client.run("r", "echo-after").text == "echo-after"
+        assert loop.run_until_complete(arun("async-after")) == "async-after"
+    finally:
+        client.close()
+        if aclient_box:
+            loop.run_until_complete(aclient_box[0].close())
+        loop.close()
+
+
+def test_workspace_and_runtime_options_follow_the_operators_policy(
+    supervisor_factory, workdir
+) -> None:
+    root = workdir / "projects"
+    (root / "acme").mkdir(parents=True)
+    outside = workdir / "elsewhere"
+    outside.mkdir()
+    (root / "escape").symlink_to(outside)
+    sup = supervisor_factory("--workspace-root", str(root))
+    with sup.client() as client:
+        client.open("w1", workspace=root / "acme")
+        assert client.run("w1", "cwd").text == str(root / "acme")
+        assert client.run("w1", "env TERMINAL_CWD").text == str(root / "acme")
+        with pytest.raises(BadRequest) as out:
+            client.open("w2", workspace=outside)
+        assert "not under a workspace root" in out.value.message
+        with pytest.raises(BadRequest):
+            client.open("w3", workspace=root / "escape")  # a symlink out of the root
+        with pytest.raises(BadRequest) as rt:
+            client.open("w4", runtime="hermes")
+        assert "'hermes' is not allowed" in rt.value.message
+        assert client.run("w5", "cwd").text.endswith("/workspace")  # the session's own
+
+
+# ------------------------------------------------------------------ remote
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hs(sup, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "HERMES_SUP_DATA_DIR": str(sup.data_dir)},
+    )
+
+
+@pytest.fixture
+def remote(supervisor_factory, workdir):
+    port = free_port()
+    sup = supervisor_factory("--tcp", str(port))
+    made = hs(sup, "keys", "generate", "web-eu", "--endpoint", f"127.0.0.1:{port}",
+              "-o", str(workdir / "web-eu.json"))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return sup, workdir / "web-eu.json", port
+
+
+def test_an_allowed_curve_key_works_over_tcp(remote) -> None:
+    sup, conn_file, port = remote
+    assert oct(conn_file.stat().st_mode & 0o777) == "0o600"
+    listening = {c.laddr.ip for c in __import__("psutil").Process(sup.pid).net_connections()
+                 if c.laddr and c.laddr.port == port}  # fmt: skip
+    assert listening == {"127.0.0.1"}  # loopback unless asked
+    with Client.from_connection_file(conn_file) as client:
+        assert client.ping().pid == sup.pid
+        assert client.run("remote-1", "env HERMES_SESSION_KEY").text == "remote-1"
+
+    async def go() -> str:
+        async with AsyncClient.from_connection_file(conn_file) as aclient:
+            return (await aclient.run("remote-2", "stream over curve")).text
+
+    assert asyncio.run(go()) == "over curve"
+    listed = hs(sup, "keys", "list")
+    assert "web-eu" in listed.stdout
+
+
+def test_unknown_key_no_key_and_forged_hmac_are_refused(remote, workdir) -> None:
+    sup, conn_file, port = remote
+    good = Connection.from_file(conn_file)
+    assert good.curve is not None
+    # An unknown CURVE key: a clear refusal, on both sides.
+    public, secret = zmq.curve_keypair()
+    stranger = workdir / "stranger.json"
+    write_connection_file(
+        stranger, good.endpoint, good.key, good.curve.server_public, public.decode(),
+        secret.decode(),
+    )  # fmt: skip
+    with Client.from_connection_file(stranger, timeout=3) as client:
+        with pytest.raises(AccessDenied) as refused:
+            client.ping()
+    assert "not in the supervisor's allowlist" in str(refused.value)
+    assert "remote_client_refused" in sup.log() and public.decode() in sup.log()
+
+    ctx = zmq.Context()
+    try:
+        # No CURVE at all: the handshake fails; nothing reaches the supervisor.
+        plain = ctx.socket(zmq.DEALER)
+        plain.linger = 0
+        plain.connect(good.endpoint)
+        plain.send_multipart(encode(Message(Kind.PING), good.key))
+        assert not plain.poll(1500)
+        plain.close()
+        assert "remote_handshake_failed" in sup.log()
+        # The right CURVE key but a forged signature: refused as bad_signature.
+        forged = ctx.socket(zmq.DEALER)
+        forged.linger = 0
+        forged.curve_serverkey = good.curve.server_public.encode()
+        forged.curve_publickey = good.curve.public.encode()
+        forged.curve_secretkey = good.curve.secret.encode()
+        forged.connect(good.endpoint)
+        forged.send_multipart(encode(Message(Kind.PING), b"f" * 32))
+        assert forged.poll(5000)
+        answer = decode(forged.recv_multipart(), good.key)
+        assert answer.kind is Kind.ERROR and answer.body["code"] == "bad_signature"
+        # The local key is not a remote key: a connection file never grants more.
+        local_key = bytes.fromhex((sup.state_dir / "hmac.key").read_text().strip())
+        assert local_key != good.key
+        forged.send_multipart(encode(Message(Kind.PING), local_key))
+        assert forged.poll(5000)
+        assert decode(forged.recv_multipart(), good.key).body["code"] == "bad_signature"
+        forged.close()
+    finally:
+        ctx.term()
+
+    # The supervisor kept serving everyone else, locally and remotely.
+    with Client.from_connection_file(conn_file) as client:
+        assert client.run("still-here", "pid").text.isdigit()
+    with sup.client() as client:
+        assert client.ping().pid == sup.pid
+
+    # Revoking takes effect for the next connection, without a restart.
+    assert hs(sup, "keys", "revoke", "web-eu").returncode == 0
+    with Client.from_connection_file(conn_file, timeout=3) as client:
+        with pytest.raises(AccessDenied):
+            client.ping()
+
+
+def test_bad_tcp_settings_are_refused_clearly(supervisor_factory, workdir) -> None:
+    sup = supervisor_factory("--tcp", "*:7788", start=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(sup.state_dir), "serve",
+         "--data-dir", str(sup.data_dir), "--tcp", "*:7788"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2 and "0.0.0.0" in result.stderr
+    bad = hs(sup, "keys", "generate", "../x", "--endpoint", "127.0.0.1:1")
+    assert bad.returncode == 1 and "client name" in bad.stderr
