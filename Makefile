@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install run test test-fast lint typecheck clean bench
+.PHONY: install test-tools run test test-fast lint typecheck clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,17 @@ run: $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/hermes-sup serve
 
-test: install
+# The browser and Node.js tests need Debian's Chromium (installed here when
+# running as root) and the Node example's packages. Without them those tests
+# skip, unless HSUP_REQUIRE_ALL=1 (as in CI) makes them fail.
+test-tools:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "note: no Chromium; the web test will be skipped"
+	@if command -v npm >/dev/null; then npm ci --prefix examples/node --no-audit --no-fund --silent; \
+		else echo "note: no npm; the Node.js test will be skipped"; fi
+
+test: install test-tools
 	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
 
 test-fast: install
