@@ -324,3 +324,28 @@ def test_bad_tcp_settings_are_refused_clearly(supervisor_factory, workdir) -> No
     assert result.returncode == 2 and "0.0.0.0" in result.stderr
     bad = hs(sup, "keys", "generate", "../x", "--endpoint", "127.0.0.1:1")
     assert bad.returncode == 1 and "client name" in bad.stderr
+
+
+def test_the_readmes_gateway_example_runs(supervisor, monkeypatch) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = readme.split("## Embedding it in a front end", 1)[1].split("```python\n", 1)[1]
+    code = code.split("```", 1)[0]
+    monkeypatch.setenv("HERMES_SUP_STATE_DIR", str(supervisor.state_dir))
+    sent: list[tuple[str, str, str]] = []
+    scope = {
+        "stream_to_chat": lambda chat, text: sent.append(("token", chat, text)),
+        "ask_user": lambda chat, command, choices: sent.append(("ask", chat, command)),
+        "finish_chat_message": lambda chat, text: sent.append(("done", chat, text)),
+    }
+    exec(compile(code, "README.md", "exec"), scope)
+    try:
+        scope["on_message"]("telegram", "42", "u7", "stream hi there")
+        scope["on_message"]("slack", "C9", "u8", "env HERMES_SESSION_USER_ID")
+    finally:
+        scope["hs"].close()
+    assert sent == [
+        ("token", "42", "hi"),
+        ("token", "42", " there"),
+        ("done", "42", "hi there"),
+        ("done", "C9", "u8"),
+    ]
