@@ -349,3 +349,45 @@ def test_the_readmes_gateway_example_runs(supervisor, monkeypatch) -> None:
         ("done", "42", "hi there"),
         ("done", "C9", "u8"),
     ]
+
+
+def test_watch_sees_every_clients_turns_typed(supervisor) -> None:
+    from hermes_sup.client import StateChange, TurnStarted
+
+    with supervisor.client() as watcher, supervisor.client() as other:
+        other.run("w", "pid")
+        stream = watcher.watch("w", replay=10)
+        replayed = next(stream)
+        assert replayed.replayed and replayed.session == "w"
+        other.run("w", "sh echo watched")
+        seen = []
+        for event in stream:
+            if not event.replayed:
+                seen.append(event)
+            if isinstance(event, Reply) and not event.replayed:
+                break
+        stream.close()  # sends unwatch
+        types = [type(e).__name__ for e in seen]
+        assert isinstance(seen[0], (StateChange, TurnStarted)), types
+        assert any(isinstance(e, TurnStarted) and e.text == "sh echo watched" for e in seen)
+        assert any(isinstance(e, Output) and e.line == "watched" for e in seen)
+        assert seen[-1].text == "exit 0"
+        assert watcher.ping().pid == supervisor.pid  # the socket is still usable
+
+    async def awatch() -> list[str]:
+        async with AsyncClient(supervisor.state_dir) as client:
+            got: list[str] = []
+            stream = client.watch("w")
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.3)
+            await client.run("w", "stream a b")
+            got.append(type(await task).__name__)
+            async for event in stream:
+                got.append(type(event).__name__)
+                if isinstance(event, Reply):
+                    break
+            await stream.aclose()
+            return got
+
+    got = asyncio.run(awatch())
+    assert "Token" in got and got[-1] == "Reply"
