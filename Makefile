@@ -51,4 +51,5 @@ clean:
 # Benchmarks, never part of the tests: results in bench/results/latest.json,
 # summarised in BENCHMARKS.md.
 bench: install
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/run.py

@@ -209,6 +209,96 @@ def spawn_multiprocessing(method: str, count: int) -> list[float]:
     return times
 
 
+CHILD = r"""
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 1000)
+s.connect(sys.argv[1]); s.send(b"hello"); s.send(s.recv()); s.close(); ctx.term()
+"""
+
+
+def spawn_circus(count: int) -> list[float] | None:
+    """Peer (bench extra): a circus watcher added with start=True, from the
+    `add` command to its process answering over zmq."""
+    try:
+        from circus.client import CircusClient
+    except ImportError:
+        return None
+    tmp = Path(tempfile.mkdtemp(prefix="hsc-", dir="/tmp"))
+    ini = tmp / "circus.ini"
+    ini.write_text(
+        f"[circus]\nendpoint = ipc://{tmp}/ctl\npubsub_endpoint = ipc://{tmp}/pub\n"
+        "check_delay = 0\nstatsd = False\n"
+    )
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "circus.circusd", str(ini)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    child = tmp / "child.py"
+    child.write_text(CHILD)
+    client = CircusClient(endpoint=f"ipc://{tmp}/ctl", timeout=30)
+    times = []
+    try:
+        deadline = time.monotonic() + 30
+        while client.call({"command": "list", "properties": {}}).get("status") != "ok":
+            if time.monotonic() > deadline:
+                raise RuntimeError("circusd did not answer")
+            time.sleep(0.1)
+        for i in range(count):
+            started = time.perf_counter()
+            answer = client.call(
+                {
+                    "command": "add",
+                    "properties": {
+                        "name": f"w{i}",
+                        "cmd": f"{sys.executable} {child} tcp://127.0.0.1:{port}",
+                        "start": True,
+                        "options": {"respawn": False},
+                    },
+                }
+            )
+            assert answer.get("status") == "ok", answer
+            _answer_ping(router)
+            times.append(time.perf_counter() - started)
+            client.call({"command": "rm", "properties": {"name": f"w{i}"}})
+    finally:
+        try:
+            client.call({"command": "quit", "properties": {}})
+        except Exception:
+            pass
+        client.stop()
+        try:
+            daemon.wait(20)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        router.close(0)
+        ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return times
+
+
+def spawn_jupyter(count: int) -> list[float] | None:
+    """Peer (bench extra): a Jupyter kernel, from start to ready (its
+    kernel_info answered over zmq)."""
+    try:
+        from jupyter_client.manager import start_new_kernel
+    except ImportError:
+        return None
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+        times.append(time.perf_counter() - started)
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    return times
+
+
 # ---------------------------------------------------------------- round trips
 
 
@@ -396,6 +486,11 @@ def main() -> int:
             "forkserver_warm": summary(spawn_multiprocessing("forkserver", n_spawn)),
             "mp_spawn": summary(spawn_multiprocessing("spawn", max(10, n_spawn // 4))),
         }
+        # Peers from the `bench` extra, when it is installed.
+        for name, measure in (("circus", spawn_circus), ("jupyter", spawn_jupyter)):
+            times = measure(max(5, n_spawn // 10))
+            if times is not None:
+                out["spawn"][name] = summary(times)
         out["spawn"]["ratio_p50_to_floor"] = (
             out["spawn"]["hermes_sup"]["p50_ms"] / out["spawn"]["bare_fork_floor"]["p50_ms"]
         )
@@ -459,6 +554,9 @@ def print_table(out: dict[str, Any]) -> None:
     )
     rows.append(("", "", f"{s['forkserver_warm']['p50_ms']:.2f} warm forkserver", ""))
     rows.append(("", "", f"{s['mp_spawn']['p50_ms']:.2f} mp spawn", ""))
+    for name, label in (("circus", "circus watcher"), ("jupyter", "Jupyter kernel")):
+        if name in s:
+            rows.append(("", "", f"{s[name]['p50_ms']:.2f} {label}", ""))
     r = out["round_trip"]
     for n in (1, 64):
         ours, floor = r[f"hermes_sup_{n}"], r[f"floor_{n}"]

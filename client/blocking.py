@@ -28,6 +28,7 @@ from .events import Event, Reply, to_event
 
 # How often a waiting client checks that a local supervisor is still there.
 LIVENESS_SLICE = 2.0
+NOBLOCK = int(zmq.NOBLOCK)  # a plain int: flag enums are slow per call
 HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -109,7 +110,7 @@ class _Link:
         count = 0
         while True:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(NOBLOCK)
             except zmq.Again:
                 return count
             self.core.receive(frames)

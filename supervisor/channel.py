@@ -23,6 +23,10 @@ import zmq
 log = logging.getLogger("hermes_sup.supervisor")
 
 BATCH = 256
+# Plain ints: pyzmq's flag enums cost more per operation than the routing.
+POLLIN = int(zmq.POLLIN)
+NOBLOCK = int(zmq.NOBLOCK)
+EVENTS = int(zmq.EVENTS)
 
 
 class Channel:
@@ -52,10 +56,10 @@ class Channel:
         if self.sock.closed:
             return
         for _ in range(BATCH):
-            if not int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not int(self.sock.getsockopt(EVENTS)) & POLLIN:
                 return
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -68,10 +72,10 @@ class Channel:
     def send(self, frames: list[bytes]) -> None:
         """Send without blocking; raises zmq.Again (queue full) or zmq.ZMQError."""
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            self.sock.send_multipart(frames, NOBLOCK)
         finally:
-            events = 0 if self.sock.closed else int(self.sock.getsockopt(zmq.EVENTS))
-            if events & zmq.POLLIN:
+            events = 0 if self.sock.closed else int(self.sock.getsockopt(EVENTS))
+            if events & POLLIN:
                 self._schedule()
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from hermes_sup.protocol import (
+    MAGIC,
     PROTOCOL_VERSION,
     ErrorCode,
     Kind,
@@ -62,6 +63,7 @@ from hermes_sup.protocol import (
     describe_exit,
     encode,
     error_message,
+    sign,
 )
 
 from . import configfile, remote, statedir
@@ -111,6 +113,19 @@ def kv(event: str, **fields: Any) -> str:
             text = '"' + text.replace('"', '\\"') + '"'
         parts.append(f"{name}={text}")
     return " ".join(parts)
+
+
+def approx_size(data: Any, depth: int = 0) -> int:
+    """Roughly how many bytes `data` holds (cheaper than len(repr(data)))."""
+    if isinstance(data, (str, bytes)):
+        return len(data)
+    if isinstance(data, dict) and depth < 4:
+        return sum(approx_size(k, depth + 1) + approx_size(v, depth + 1) for k, v in data.items())
+    if isinstance(data, list) and depth < 4:
+        return sum(approx_size(v, depth + 1) for v in data)
+    if isinstance(data, (dict, list)):
+        return len(repr(data))
+    return 8
 
 
 def version() -> str:
@@ -510,11 +525,16 @@ class Supervisor:
 
     # ---------------------------------------------------------------- clients
 
-    def _send_client(self, client: bytes, msg: Message) -> bool:
-        """Send to a client without blocking; False if it is gone or too slow."""
+    def _send_client(self, client: bytes, msg: Message, payload: bytes | None = None) -> bool:
+        """Send to a client without blocking; False if it is gone or too slow.
+        `payload` is a worker's own envelope that already says what `msg`
+        says (same session, same `re`): it is re-signed, not re-encoded."""
         channel, key = self.fronts[client[0]]
         try:
-            frames = encode(msg, key, self.limits)
+            if payload is not None:
+                frames = [MAGIC, sign(key, payload), payload]
+            else:
+                frames = encode(msg, key, self.limits)
         except LocalProtocolError as exc:
             log.error(kv("unsendable", kind=msg.kind.value, error=exc.message))
             frames = encode(
@@ -900,8 +920,9 @@ class Supervisor:
         if turn is not None:
             body["turn"] = turn
         kept = body
-        if isinstance(data, (str, bytes, dict, list)) and len(repr(data)) > HISTORY_DATA_LIMIT:
-            kept = {**body, "data": f"({len(repr(data))} bytes not kept)"}
+        size = approx_size(data)
+        if size > HISTORY_DATA_LIMIT:
+            kept = {**body, "data": f"({size} bytes not kept)"}
         session.history.append((event_type, kept))
         for watcher in list(self.watchers.values()):
             if watcher.session not in (None, session.key):
@@ -1008,13 +1029,15 @@ class Supervisor:
         session.queue.append(turn)
         self.queued_total += 1
 
-    def _finish(self, turn: Turn, session: Session, final: Message) -> None:
+    def _finish(
+        self, turn: Turn, session: Session, final: Message, payload: bytes | None = None
+    ) -> None:
         """Give a turn its one final answer (and remember it for resends)."""
         record = self.sent.get(turn.id)
         if record is not None:
             record.final = final
             record.turn = None
-        self._send_client(turn.client, final)
+        self._send_client(turn.client, final, payload)
         self._publish(
             session, "reply" if final.kind is Kind.REPLY else "error", final.body, turn=turn.id
         )
@@ -1226,11 +1249,12 @@ class Supervisor:
         if turn is None or msg.re != turn.id:
             log.warning(kv("stray_worker_message", session=session.key, kind=msg.kind.value))
             return
+        # Checked above: the worker's envelope names this session and this
+        # turn, so its payload goes to the client as it is, re-signed.
+        payload = frames[3]
         if msg.kind is Kind.EVENT:
             if not turn.abandoned:
-                self._send_client(
-                    turn.client, Message(Kind.EVENT, msg.body, session=session.key, re=turn.id)
-                )
+                self._send_client(turn.client, msg, payload)
             self._publish(session, msg.body["type"], msg.body.get("data"), turn=turn.id)
         elif msg.kind in (Kind.REPLY, Kind.ERROR):
             if turn.abandoned:
@@ -1248,9 +1272,7 @@ class Supervisor:
                     ),
                 )
             else:
-                self._finish(
-                    turn, session, Message(msg.kind, msg.body, session=session.key, re=turn.id)
-                )
+                self._finish(turn, session, msg, payload)
             session.current = None
             session.turns += 1
             self._transition(session, Event.DONE)

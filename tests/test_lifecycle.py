@@ -254,3 +254,18 @@ def test_new_workers_survive_the_orphan_culls_of_dying_ones(supervisor) -> None:
             assert all(finals[k].kind is Kind.KILLED for k in kills)
             died = [finals[s].body for s in sends if finals[s].kind is not Kind.REPLY]
             assert died == []
+
+
+def test_workers_are_children_of_the_supervisor_forked_once(supervisor) -> None:
+    """The zygote forks with CLONE_PARENT: the worker's parent is the
+    supervisor from its first instruction, and no intermediate process lives."""
+    with supervisor.client() as client:
+        pids = [int(client.run(f"p{i}", "pid").text) for i in range(5)]
+    zygotes = [
+        p for p in psutil.Process(supervisor.pid).children() if "zygote" in " ".join(p.cmdline())
+    ]
+    assert len(zygotes) == 1
+    for pid in pids:
+        assert psutil.Process(pid).ppid() == supervisor.pid
+    # Nothing else hangs off the zygote: no intermediate forks left behind.
+    assert zygotes[0].children() == []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,26 @@ def test_log_lines_mask_secrets() -> None:
     assert "abcdef1234567890" not in line and "live1234567890xyz" not in line
     assert "t0ps3cret" not in line
     assert "session=alice" in line and "pid=42" in line and "api_key=[redacted]" in line
+
+
+def test_fork_to_parent_makes_a_child_of_the_callers_parent(tmp_path) -> None:
+    from hermes_sup.worker.prctl import can_fork_to_parent
+
+    if not can_fork_to_parent():
+        pytest.skip("no clone(CLONE_PARENT) syscall number for this machine")
+    code = (
+        "import os, sys\n"
+        "from hermes_sup.worker.prctl import fork_to_parent\n"
+        "pid = fork_to_parent()\n"
+        "if pid == 0:\n"
+        "    os.write(1, b'%d\\n' % os.getppid()); os._exit(7)\n"
+        "print(pid, flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    numbers = {int(x) for x in out.stdout.split()}
+    assert os.getpid() in numbers  # the grandchild saw us as its parent
+    grandchild = (numbers - {os.getpid()}).pop()
+    # Only a parent can reap: the grandchild is our child, with its own status.
+    _, status = os.waitpid(grandchild, 0)
+    assert os.waitstatus_to_exitcode(status) == 7

@@ -47,6 +47,9 @@ from .prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
 MAX_POLL_MS = 1000
+# A cancel is repeated this often until its turn ends: a runtime that resets
+# its cancel flag as the turn begins cannot lose one that came just before.
+CANCEL_REPEAT_MS = 50
 # The signal the kernel sends us when the supervisor dies. It only wakes the
 # main loop, which checks getppid() and cleans up; it must not kill us first.
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -192,7 +195,12 @@ class WorkerLoop:
         self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        self.turn: threading.Thread | None = None
+        # One long-lived turn thread, fed one turn at a time: starting a
+        # thread per turn cost more than the rest of a small turn's routing.
+        self.turns: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self.turn_thread: threading.Thread | None = None
+        self.turn: str | None = None  # the running turn's id
+        self.cancelling: str | None = None  # the turn a cancel is repeated for
         self.stopping = False
         self.heartbeat = float(req.get("heartbeat", 1.0))
         self._next_beat = 0.0
@@ -206,7 +214,10 @@ class WorkerLoop:
         code = WorkerExit.OK
         while True:
             until_beat = max(0.0, self._next_beat - time.monotonic())
-            ready = dict(poller.poll(min(MAX_POLL_MS, int(until_beat * 1000) + 1)))
+            wait_ms = min(MAX_POLL_MS, int(until_beat * 1000) + 1)
+            if self.cancelling is not None:
+                wait_ms = min(wait_ms, CANCEL_REPEAT_MS)
+            ready = dict(poller.poll(wait_ms))
             if os.getppid() != self.supervisor_pid:
                 log.error("supervisor (pid %d) is gone; stopping", self.supervisor_pid)
                 code = WorkerExit.SUPERVISOR_GONE
@@ -216,6 +227,11 @@ class WorkerLoop:
             if self.sock in ready:
                 self._recv_all()
             self._flush_outbox()
+            if self.cancelling is not None:
+                if self.cancelling == self.turn:
+                    self._cancel()
+                else:
+                    self.cancelling = None  # that turn is over
             if self.stopping and self.turn is None:
                 break
             now = time.monotonic()
@@ -226,6 +242,7 @@ class WorkerLoop:
                     Message(Kind.HEARTBEAT, {"busy": self.turn is not None}, session=self.key)
                 )
                 self._next_beat = now + self.heartbeat
+        self.turns.put(None)  # let the turn thread end
         killed = kill_tree()
         if killed:
             log.info("killed %d leftover process(es) of this session", killed)
@@ -269,10 +286,13 @@ class WorkerLoop:
                     )
                 )
                 return
-            self.turn = threading.Thread(
-                target=self._run_turn, args=(msg.id, msg.body["text"]), name="turn", daemon=True
-            )
-            self.turn.start()
+            self.turn = msg.id
+            if self.turn_thread is None:
+                self.turn_thread = threading.Thread(
+                    target=self._turn_loop, name="turn", daemon=True
+                )
+                self.turn_thread.start()
+            self.turns.put((msg.id, msg.body["text"]))
         elif msg.kind is Kind.CANCEL:
             self._cancel()
         elif msg.kind is Kind.STOP:
@@ -289,6 +309,7 @@ class WorkerLoop:
             log.warning("ignored a %s message from the supervisor", msg.kind.value)
 
     def _cancel(self) -> None:
+        self.cancelling = self.turn
         cancel = getattr(self.agent, "cancel", None)
         if self.turn is not None and callable(cancel):
             try:
@@ -296,8 +317,13 @@ class WorkerLoop:
             except Exception:
                 log.exception("runtime cancel failed")
 
+    def _turn_loop(self) -> None:
+        """The turn thread: run each turn the main loop hands over."""
+        while (item := self.turns.get()) is not None:
+            self._run_turn(*item)
+
     def _run_turn(self, turn_id: str, text: str) -> None:
-        """The turn thread: run the agent, queue its events and its answer."""
+        """Run the agent for one turn; queue its events and its answer."""
 
         def emit(event_type: str, data: Any = None) -> None:
             self._post(
@@ -344,9 +370,8 @@ class WorkerLoop:
                 return
             final = msg.kind is not Kind.EVENT
             if final and self.turn is not None:
-                # The final answer is the thread's last act: mark the turn
-                # over before the supervisor, seeing it, sends the next one.
-                self.turn.join()
+                # The final answer is the turn's last act: mark it over
+                # before the supervisor, seeing it, sends the next one.
                 self.turn = None
             try:
                 self._send(msg)

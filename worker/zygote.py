@@ -5,9 +5,10 @@ the supervisor creates any zmq context. It imports what workers need (plus the
 configured preload list), freezes its gc so forked children do not dirty the
 shared pages, and then forks one worker per request.
 
-Each worker is double-forked: the intermediate child exits at once, so the
-worker re-parents to the supervisor (a child subreaper), which then reaps it
-and learns its exit status directly. The zygote never holds a zmq context and
+Each worker is forked with clone(CLONE_PARENT), so its parent is the
+supervisor, which reaps it and learns its exit status directly (where that
+is not available, a double fork: the worker re-parents to the supervisor, a
+child subreaper). The zygote never holds a zmq context and
 never starts a thread: both would be inherited broken by every fork.
 
 The zygote is also the workers' guardian. It remembers every worker it forked
@@ -33,7 +34,7 @@ from typing import Any
 
 import msgpack
 
-from hermes_sup.worker.prctl import PR_SET_PDEATHSIG, prctl
+from hermes_sup.worker.prctl import PR_SET_PDEATHSIG, can_fork_to_parent, fork_to_parent, prctl
 
 # Imported before the freeze so every worker shares them copy-on-write.
 # (Everything a worker imports after the fork costs it both time and private
@@ -67,9 +68,32 @@ def _preload(modules: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> tuple[int, int]:
-    """Double-fork one worker. Returns its pid and the read end of the pipe
-    that carries its stdout and stderr (for the supervisor)."""
+    """Fork one worker as a child of the supervisor. Returns its pid and the
+    read end of the pipe that carries its stdout and stderr (for the supervisor)."""
     out_r, out_w = os.pipe()
+    if can_fork_to_parent():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = fork_to_parent()
+        if pid == 0:
+            try:
+                os.close(out_r)
+                sock.close()
+                from hermes_sup.worker.main import boot
+
+                boot(request, out_w)  # never returns
+            finally:
+                os._exit(1)
+        os.close(out_w)
+        return pid, out_r
+    return _double_fork(sock, request, out_r, out_w)
+
+
+def _double_fork(
+    sock: socket.socket, request: dict[str, Any], out_r: int, out_w: int
+) -> tuple[int, int]:
+    """Where clone(CLONE_PARENT) is not available: the intermediate child
+    exits at once and the worker re-parents to the supervisor (a subreaper)."""
     r, w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
