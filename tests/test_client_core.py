@@ -1,0 +1,165 @@
+"""The client's sans-IO core, without sockets: matching answers to requests,
+when a stream ends, typed errors and events."""
+
+from __future__ import annotations
+
+import pytest
+
+from hermes_sup.client import (
+    ApprovalRequest,
+    Backoff,
+    Event,
+    Output,
+    Overloaded,
+    ProtocolError,
+    Queued,
+    Reply,
+    Running,
+    SessionFailed,
+    SupervisorError,
+    Token,
+    ToolComplete,
+)
+from hermes_sup.client.core import ClientCore, check
+from hermes_sup.client.events import to_event
+from hermes_sup.protocol import Kind, Message, encode
+
+KEY = b"k" * 32
+
+
+def answer(pending_id: str, kind: Kind, body: dict, key: bytes = KEY) -> list[bytes]:
+    return encode(Message(kind, body, session="s", re=pending_id), key)
+
+
+def test_answers_reach_their_request_and_a_stream_ends_on_its_reply() -> None:
+    core = ClientCore(KEY)
+    ping, _ = core.request(Kind.PING)
+    turn, frames = core.request(Kind.SEND, {"text": "hi"}, "s")
+    assert len(frames) == 3 and turn.stream and not ping.stream
+    event = {"type": "token", "data": "h"}
+    assert core.receive(answer(turn.id, Kind.EVENT, event)) is turn and not turn.done
+    assert core.receive(answer(ping.id, Kind.PONG, {"version": "1", "protocol": 1, "pid": 1,
+                                                    "uptime": 0.0})) is ping  # fmt: skip
+    assert ping.done and ping.id not in core.pending
+    assert core.receive(answer(turn.id, Kind.REPLY, {"text": "hi", "ok": True})) is turn
+    assert turn.done and core.pending == {}
+    assert [m.kind for m in turn.inbox] == [Kind.EVENT, Kind.REPLY]
+
+
+def test_frames_not_ours_are_dropped_and_counted() -> None:
+    core = ClientCore(KEY)
+    ping, _ = core.request(Kind.PING)
+    pong = {"version": "1", "protocol": 1, "pid": 1, "uptime": 0.0}
+    assert core.receive(answer(ping.id, Kind.PONG, pong, key=b"x" * 32)) is None  # wrong key
+    assert (
+        core.receive(answer("someone-else", Kind.ERROR, {"code": "busy", "message": "m"})) is None
+    )
+    assert core.receive([b"garbage"]) is None
+    assert core.dropped == 3 and not ping.done
+
+
+def test_watch_ends_only_when_unwatched_or_on_error() -> None:
+    core = ClientCore(KEY)
+    watch, _ = core.request(Kind.WATCH, {}, None)
+    for body in ({"type": "watching"}, {"type": "state", "data": {"state": "idle"}}):
+        core.receive(answer(watch.id, Kind.EVENT, body))
+    core.receive(answer(watch.id, Kind.REPLY, {"text": "x", "ok": True}))  # not the end
+    assert not watch.done
+    core.receive(answer(watch.id, Kind.EVENT, {"type": "unwatched"}))
+    assert watch.done
+    failed, _ = core.request(Kind.WATCH, {}, None)
+    core.receive(answer(failed.id, Kind.ERROR, {"code": "bad_field", "message": "no"}))
+    assert failed.done
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        ("overloaded", Overloaded),
+        ("session_failed", SessionFailed),
+        ("bad_signature", ProtocolError),
+        ("a_code_from_the_future", SupervisorError),
+    ],
+)
+def test_error_answers_raise_typed_errors_with_their_code(code: str, cls: type) -> None:
+    msg = Message(Kind.ERROR, {"code": code, "message": "why"}, session="s")
+    with pytest.raises(cls) as raised:
+        check(msg)
+    assert raised.value.code == code and raised.value.message == "why"
+    assert raised.value.session == "s" and type(raised.value) is cls
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"type": "status", "data": {"state": "queued", "position": 2}}, Queued(
+            "status", {"state": "queued", "position": 2}, "s", "t", position=2)),
+        ({"type": "status", "data": {"state": "running", "pid": 9}}, Running(
+            "status", {"state": "running", "pid": 9}, "s", "t", pid=9)),
+        ({"type": "status", "data": {"state": "backoff", "retry_in": 1, "reason": "r"}},
+         Backoff("status", {"state": "backoff", "retry_in": 1, "reason": "r"}, "s", "t",
+                 retry_in=1.0, reason="r")),
+        ({"type": "token", "data": "abc"}, Token("token", "abc", "s", "t", text="abc")),
+        ({"type": "output", "data": "line"}, Output("output", "line", "s", "t", line="line")),
+        ({"type": "mystery", "data": [1]}, Event("mystery", [1], "s", "t")),
+    ],
+)  # fmt: skip
+def test_events_become_typed(body: dict, expected: Event) -> None:
+    assert to_event(Message(Kind.EVENT, body, session="s", re="t")) == expected
+
+
+def test_approval_tool_and_reply_fields() -> None:
+    approval = to_event(
+        Message(
+            Kind.EVENT,
+            {
+                "type": "approval",
+                "data": {"command": "rm x", "choices": ["once", "deny"], "allow_permanent": True},
+            },
+            session="s",
+            re="t",
+        )  # fmt: skip
+    )
+    assert isinstance(approval, ApprovalRequest)
+    assert (approval.command, approval.choices, approval.allow_permanent) == (
+        "rm x",
+        ("once", "deny"),
+        True,
+    )
+    tool = to_event(
+        Message(
+            Kind.EVENT,
+            {"type": "tool_complete", "data": {"id": "1", "name": "terminal", "result": "ok"}},
+            re="t",
+        )  # fmt: skip
+    )
+    assert isinstance(tool, ToolComplete) and (tool.name, tool.result) == ("terminal", "ok")
+    reply = to_event(Message(Kind.REPLY, {"text": "done", "ok": False, "data": {"a": 1}}, re="t"))
+    assert isinstance(reply, Reply) and (reply.text, reply.ok, reply.data) == (
+        "done",
+        False,
+        {"a": 1},
+    )
+    assert reply.turn == "t" and reply.events == []
+
+
+def test_the_core_does_no_io() -> None:
+    """core, events and errors import no socket library: the two transports
+    are the only I/O."""
+    import ast
+    from pathlib import Path
+
+    client_dir = Path(__file__).resolve().parent.parent / "client"
+    for name in ("core.py", "events.py", "errors.py"):
+        tree = ast.parse((client_dir / name).read_text())
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        } | {
+            (node.module or "").split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+        }
+        assert not imported & {"zmq", "socket", "asyncio", "threading", "selectors"}, name
