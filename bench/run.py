@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -117,18 +116,6 @@ def spawn_hermes_sup(sup: Sup, count: int, prefix: str) -> list[float]:
 # ---------------------------------------------------------------- floors
 
 
-def _child_answer(endpoint: str) -> None:
-    """What every floor's child does: connect, say hello, answer one ping."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 1000)
-    s.connect(endpoint)
-    s.send(b"hello")
-    s.send(s.recv())  # echo the ping
-    s.close()
-    ctx.term()
-
-
 FORKER = r"""
 import gc, os, sys, zmq, msgpack  # preloaded like our zygote; no context yet
 gc.collect(); gc.freeze()
@@ -181,32 +168,15 @@ def spawn_bare_fork(count: int) -> list[float]:
 
 
 def spawn_multiprocessing(method: str, count: int) -> list[float]:
-    """Peer: multiprocessing's `spawn` or (warm) `forkserver` start method."""
-    mpctx = mp.get_context(method)
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    endpoint = f"tcp://127.0.0.1:{port}"
-    if method == "forkserver":
-        mpctx.set_forkserver_preload(["zmq"])
-        warm = mpctx.Process(target=_child_answer, args=(endpoint,))
-        warm.start()
-        _answer_ping(router)
-        warm.join()
-    times = []
-    try:
-        for _ in range(count):
-            started = time.perf_counter()
-            p = mpctx.Process(target=_child_answer, args=(endpoint,))
-            p.start()
-            _answer_ping(router)
-            times.append(time.perf_counter() - started)
-            p.join()
-    finally:
-        router.close(0)
-        ctx.term()
-    return times
+    """Peer: multiprocessing's `spawn` or (warm) `forkserver` start method,
+    run from bench/mp_peer.py so its children re-import only that."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("mp_peer.py")), method, str(count)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [float(t) for t in json.loads(out.stdout)]
 
 
 CHILD = r"""
@@ -264,7 +234,7 @@ def spawn_circus(count: int) -> list[float] | None:
             assert answer.get("status") == "ok", answer
             _answer_ping(router)
             times.append(time.perf_counter() - started)
-            client.call({"command": "rm", "properties": {"name": f"w{i}"}})
+            client.call({"command": "rm", "properties": {"name": f"w{i}", "waiting": True}})
     finally:
         try:
             client.call({"command": "quit", "properties": {}})
