@@ -1136,7 +1136,10 @@ class Supervisor:
         session.settings = self.settings
         self._transition(session, Event.SPAWN)
         self.by_worker_id[session.worker_id] = session
-        self._spawn_task(self._fork(session, session.generation))
+        assert self.zygote is not None
+        # Asked now, not when the task first runs: the fork starts sooner.
+        forked = self.zygote.spawn(self._spawn_request(session))
+        self._spawn_task(self._fork(session, session.generation, forked))
 
     def _spawn_request(self, session: Session) -> dict[str, Any]:
         s = self.settings
@@ -1166,18 +1169,20 @@ class Supervisor:
             "rlimits": rlimits,
         }
 
-    async def _fork(self, session: Session, generation: int) -> None:
-        assert self.zygote is not None and session.token is not None
+    async def _fork(
+        self, session: Session, generation: int, forked: asyncio.Future[tuple[int, int | None]]
+    ) -> None:
         self._spawning += 1
         try:
-            await self._fork_and_register(session, generation)
+            await self._fork_and_register(session, generation, forked)
         finally:
             self._spawning -= 1
 
-    async def _fork_and_register(self, session: Session, generation: int) -> None:
-        assert self.zygote is not None
+    async def _fork_and_register(
+        self, session: Session, generation: int, forked: asyncio.Future[tuple[int, int | None]]
+    ) -> None:
         try:
-            pid, out_fd = await self.zygote.spawn(self._spawn_request(session))
+            pid, out_fd = await forked
         except ZygoteError as exc:
             if session.generation == generation:
                 self._worker_gone(session, f"could not be forked: {exc}", exit_code=None)

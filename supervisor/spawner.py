@@ -87,20 +87,21 @@ class Zygote:
         if self._sock is not None:
             loop.remove_reader(self._sock.fileno())
 
-    async def spawn(self, request: dict[str, Any]) -> tuple[int, int | None]:
-        """Ask for one worker; returns its pid once forked, and the read end of
-        the pipe that carries its output (ours to close)."""
-        if self._sock is None:
-            raise ZygoteError("the zygote is not running")
-        req_id = next(self._ids)
+    def spawn(self, request: dict[str, Any]) -> asyncio.Future[tuple[int, int | None]]:
+        """Ask for one worker now; the future gives its pid once forked, and
+        the read end of the pipe that carries its output (ours to close)."""
         fut: asyncio.Future[tuple[int, int | None]] = asyncio.get_running_loop().create_future()
+        if self._sock is None:
+            fut.set_exception(ZygoteError("the zygote is not running"))
+            return fut
+        req_id = next(self._ids)
         self._pending[req_id] = fut
         try:
             self._sock.send(msgpack.packb({"op": "spawn", "id": req_id, **request}))
         except OSError as exc:
             del self._pending[req_id]
-            raise ZygoteError(f"cannot reach the zygote: {exc}") from None
-        return await fut
+            fut.set_exception(ZygoteError(f"cannot reach the zygote: {exc}"))
+        return fut
 
     def _on_readable(self) -> None:
         assert self._sock is not None

@@ -80,8 +80,9 @@ def _boot(req: dict[str, Any]) -> int:
     # Orphans of our children re-parent to us, so our process tree is always
     # the whole of what this session started (setsid or not).
     prctl(PR_SET_CHILD_SUBREAPER, 1)
-    # The intermediate fork exits right away; wait to be adopted by the
-    # supervisor before asking for a parent-death signal (else it fires now).
+    # Our parent is the supervisor at once (clone with CLONE_PARENT); after a
+    # double fork we must first be adopted by it before asking for a
+    # parent-death signal (else it fires now).
     deadline = time.monotonic() + 5.0
     while os.getppid() != supervisor_pid:
         if time.monotonic() > deadline:

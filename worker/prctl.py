@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -28,6 +30,13 @@ def can_fork_to_parent() -> bool:
     return _SYS_CLONE is not None
 
 
+@functools.cache
+def _fork_calls() -> tuple[Any, Any, Any, Any]:
+    api = ctypes.pythonapi
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held
+    return api.PyOS_BeforeFork, libc.syscall, api.PyOS_AfterFork_Child, api.PyOS_AfterFork_Parent
+
+
 def fork_to_parent() -> int:
     """os.fork(), except that the child's parent is our own parent
     (clone with CLONE_PARENT): one fork where a double fork was needed.
@@ -36,14 +45,13 @@ def fork_to_parent() -> int:
     interpreter's fork hooks run as in os.fork(), and the syscall is made
     with the GIL held (PyDLL), as os.fork() makes it."""
     assert _SYS_CLONE is not None
-    api = ctypes.pythonapi
-    libc = ctypes.PyDLL(None, use_errno=True)
-    api.PyOS_BeforeFork()
-    pid = libc.syscall(_SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0)
+    before, syscall, after_child, after_parent = _fork_calls()
+    before()
+    pid = syscall(_SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0)
     if pid == 0:
-        api.PyOS_AfterFork_Child()
+        after_child()
         return 0
-    api.PyOS_AfterFork_Parent()
+    after_parent()
     if pid < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")

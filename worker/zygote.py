@@ -194,7 +194,6 @@ def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
         try:
             pid, out_fd = _fork_worker(sock, request)
             reply["pid"] = pid
-            workers[pid] = _create_time(pid)
         except Exception as exc:
             reply["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -204,6 +203,8 @@ def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
             # The pipe's read end travels with the reply (SCM_RIGHTS).
             socket.send_fds(sock, [msgpack.packb(reply)], [out_fd])
             os.close(out_fd)
+        if "pid" in reply:  # after the reply: the supervisor is waiting for it
+            workers[reply["pid"]] = _create_time(reply["pid"])
         if len(workers) > 4096:
             # Forget workers that are gone (reaped by the supervisor).
             for pid in [p for p, t in workers.items() if _create_time(p) != t]:

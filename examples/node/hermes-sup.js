@@ -57,21 +57,21 @@ class HermesSup {
     }
   }
 
-  async _send(kind, body = {}, session = null) {
-    const id = crypto.randomBytes(16).toString("hex");
+  async _send(id, kind, body = {}, session = null) {
     const envelope = { id, kind, ts: Date.now() / 1000, session, re: null, body };
     const payload = Buffer.from(encode(envelope));
     await this.socket.send([MAGIC, this._sign(payload), payload]);
-    return id;
   }
 
   // Yields every answer to one request until `isLast(msg)`; errors throw.
   async *_answers(kind, body, session, isLast) {
     const queue = [];
     let wake = null;
-    const id = await this._send(kind, body, session);
+    const id = crypto.randomBytes(16).toString("hex");
+    // Listen before sending: the answer may arrive before send() resolves.
     this.waiting.set(id, { push: (m) => { queue.push(m); if (wake) wake(); } });
     try {
+      await this._send(id, kind, body, session);
       for (;;) {
         if (queue.length === 0) {
           let timer;
