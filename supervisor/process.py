@@ -1,8 +1,9 @@
 """Handles on worker processes, and killing a process tree without orphans.
 
-The supervisor is a child subreaper: workers double-forked by the zygote are
-re-parented to it, so it reaps them itself with waitpid and learns their exit
-status the moment they die. The handle below is Popen-like so the supervisor
+Workers are the supervisor's own children (the zygote forks them with
+CLONE_PARENT; with a double fork they re-parent to it, a child subreaper),
+so it reaps them itself with waitpid and learns their exit status the
+moment they die. The handle below is Popen-like so the supervisor
 logic can be tested with a fake; the real one signals through a pidfd, which
 can never hit a recycled pid.
 """
