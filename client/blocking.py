@@ -98,6 +98,7 @@ class _Link:
     def __init__(self, ctx: zmq.Context[Any], conn: Connection, epoch: int) -> None:
         self.conn = conn
         self.epoch = epoch
+        self.thread = threading.current_thread()
         self.sock, self.monitor = make_socket(ctx, conn)
         self.core = ClientCore(conn.key)
         self.raw: deque[Message] = deque()  # answers to `submit`, in arrival order
@@ -176,6 +177,11 @@ class Client:
                 raise NotRunning(f"no hermes-sup supervisor is running on {self.state_dir}")
             if self._epoch and self.connection.state_dir is not None:
                 self.connection = self.connection.refreshed()  # a restart may bring a new key
+            # Threads come and go (a thread per HTTP request, say): close the
+            # sockets of those that ended, so their number stays bounded.
+            for gone in [k for k in self._links if not k.thread.is_alive()]:
+                gone.close()
+                self._links.remove(gone)
             link = _Link(self.ctx, self.connection, self._epoch)
             self._links.append(link)
         self._local.link = link

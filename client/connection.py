@@ -65,6 +65,15 @@ class Connection:
         """A connection file written by `hermes-sup keys generate`."""
         path = Path(path)
         try:
+            mode = path.stat().st_mode
+        except OSError as exc:
+            raise AccessDenied(f"{path}: cannot read the connection file: {exc}") from None
+        if mode & 0o077:
+            # It holds a secret key and the signing key: like ssh with a key file.
+            raise AccessDenied(
+                f"{path} is readable by others (mode {mode & 0o777:o}); chmod 600 it"
+            )
+        try:
             raw: dict[str, Any] = json.loads(path.read_text())
             curve = raw.get("curve")
             return cls(

@@ -80,6 +80,13 @@ def test_many_threads_share_one_client(supervisor) -> None:
         for t in threads:
             t.join(60)
         assert len(client._links) == 8  # one socket per thread
+        # Threads that ended give their sockets back when the next one comes.
+        for _ in range(20):
+            t = threading.Thread(target=client.ping)
+            t.start()
+            t.join()
+        assert len(client._links) <= 2
+        assert client.ping().pid == supervisor.pid
     assert results == {f"t{i}": f"t{i}" for i in range(8)}
 
 
@@ -251,6 +258,10 @@ def test_an_allowed_curve_key_works_over_tcp(remote) -> None:
     assert asyncio.run(go()) == "over curve"
     listed = hs(sup, "keys", "list")
     assert "web-eu" in listed.stdout
+    conn_file.chmod(0o644)
+    with pytest.raises(AccessDenied) as loose:
+        Client.from_connection_file(conn_file)
+    assert "readable by others" in str(loose.value) and "chmod 600" in str(loose.value)
 
 
 def test_unknown_key_no_key_and_forged_hmac_are_refused(remote, workdir) -> None:
