@@ -80,6 +80,8 @@ from .session import Session, Turn, open_session_dir, save_session_meta
 from .spawner import Zygote, ZygoteError
 from .states import LIVE_STATES, Event, State
 
+RUNNING_STATES = LIVE_STATES - {State.STOPPING}
+
 log = logging.getLogger("hermes_sup.supervisor")
 
 MAX_UNCLAIMED_EXITS = 4096
@@ -174,6 +176,7 @@ class Supervisor:
         self.watchers: dict[str, Watcher] = {}
         self.sent: OrderedDict[str, SentTurn] = OrderedDict()
         self.queued_total = 0
+        self.running = 0  # sessions with a worker that is not being stopped
         self.max_sessions = settings.max_sessions or 1
         self.accepting = True
         self.forced = False
@@ -664,11 +667,13 @@ class Supervisor:
     def _make_room(self, session: Session) -> None:
         """Before a new worker: stop the least recently used idle session if
         we are at max_sessions, or refuse with `overloaded`."""
-        live = [s for s in self.sessions.values() if s.state in LIVE_STATES]
-        running = [s for s in live if s.state is not State.STOPPING]
-        if len(running) < self.max_sessions:
-            return
-        idle = [s for s in running if s.state is State.IDLE and not s.queue and s is not session]
+        if self.running < self.max_sessions:
+            return  # counted at every transition: no scan of every session per spawn
+        idle = [
+            s
+            for s in self.sessions.values()
+            if s.state is State.IDLE and not s.queue and s is not session
+        ]
         if not idle:
             raise RemoteProtocolError(
                 ErrorCode.OVERLOADED,
@@ -1014,6 +1019,7 @@ class Supervisor:
     def _transition(self, session: Session, event: Event, reason: str | None = None) -> None:
         previous = session.state
         session.advance(event)
+        self.running += (session.state in RUNNING_STATES) - (previous in RUNNING_STATES)
         self._publish(
             session,
             "state",
