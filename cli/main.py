@@ -599,6 +599,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         f"{info['queued']} turn(s) queued",
         f"memory:    {_size(info['rss'])} RSS; {info['fds']} of {info['fd_limit']} fds",
     ]
+    if info["endpoints"].get("tcp"):
+        lines.insert(4, f"tcp:       {info['endpoints']['tcp']} (CURVE; hermes-sup keys list)")
     if not info["accepting"]:
         lines.append("shutting down: not accepting turns")
     click.echo("\n".join(lines))

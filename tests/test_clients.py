@@ -258,6 +258,8 @@ def test_an_allowed_curve_key_works_over_tcp(remote) -> None:
     assert asyncio.run(go()) == "over curve"
     listed = hs(sup, "keys", "list")
     assert "web-eu" in listed.stdout
+    status = hs(sup, "--state-dir", str(sup.state_dir), "status")
+    assert f"tcp:       tcp://127.0.0.1:{port} (CURVE" in status.stdout
     conn_file.chmod(0o644)
     with pytest.raises(AccessDenied) as loose:
         Client.from_connection_file(conn_file)
