@@ -141,7 +141,12 @@ class AsyncClient:
             left = LIVENESS_SLICE if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 self._end(pending)
-                raise self._timed_out(timeout or 0.0)
+                error = self._timed_out(timeout or 0.0)
+                if self._core is not None and not self._core.pending:
+                    # Nobody else waits on this socket: drop it, so a request
+                    # still queued on it is never delivered after this error.
+                    await self._drop()
+                raise error
             waker.clear()
             try:
                 await asyncio.wait_for(waker.wait(), min(left, LIVENESS_SLICE))

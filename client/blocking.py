@@ -295,7 +295,13 @@ class Client:
             left = LIVENESS_SLICE if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 link.core.forget(pending)
-                raise self._timed_out(link, timeout or 0.0)
+                error = self._timed_out(link, timeout or 0.0)
+                if not link.core.pending and link.epoch == self._epoch:
+                    # Start the next call on a fresh socket: a request still
+                    # queued on this one (no connection) is dropped, never
+                    # delivered after its caller was told it failed.
+                    self._epoch += 1
+                raise error
             if link.pump(min(left, LIVENESS_SLICE)):
                 continue
             reason = refused(link.monitor)

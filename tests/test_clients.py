@@ -404,3 +404,30 @@ def test_watch_sees_every_clients_turns_typed(supervisor) -> None:
 
     got = asyncio.run(awatch())
     assert "Token" in got and got[-1] == "Reply"
+
+
+def test_a_request_made_while_the_supervisor_is_down_never_runs_later(remote, workdir) -> None:
+    sup, conn_file, _port = remote
+    late = workdir / "late.txt"
+    with Client.from_connection_file(conn_file, timeout=2) as client:
+        assert client.ping().pid == sup.pid
+        sup.stop()
+        # Over TCP the client cannot see the lock: it gets no answer in time.
+        with pytest.raises(Timeout):
+            client.run("late", f"sh echo ran > {late}")
+        sup.start()
+        # The same client reconnects, and the refused turn was never delivered.
+        assert client.run("after", "pid").text.isdigit()
+        assert not late.exists()
+
+    async def go() -> str:
+        async with AsyncClient.from_connection_file(conn_file, timeout=2) as aclient:
+            await aclient.ping()
+            sup.stop()
+            with pytest.raises(Timeout):
+                await aclient.run("late", f"sh echo ran > {late}")
+            sup.start()
+            return (await aclient.run("after", "env HERMES_SESSION_KEY")).text
+
+    assert asyncio.run(go()) == "after"
+    assert not late.exists()
