@@ -36,6 +36,10 @@ def once() -> dict[str, float]:
         "throughput1": one["throughput_per_s"],
         "rtt64_p50_ms": many["latency"]["p50_ms"],
         "throughput64": many["throughput_per_s"],
+        "sup_cpu_us1": one["cpu_us_per_message"]["router"],
+        "worker_cpu_us1": one["cpu_us_per_message"]["workers"],
+        "client_cpu_us1": one["cpu_us_per_message"]["client"],
+        "sup_cpu_us64": many["cpu_us_per_message"]["router"],
     }
 
 

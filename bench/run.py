@@ -321,6 +321,8 @@ def proxy_floor(sessions: int, count: int, window: int) -> dict[str, Any]:
             lambda: s.recv_multipart(),
             count,
             window,
+            router=[procs[0].pid],
+            workers=[p.pid for p in procs[1:]],
         )
     finally:
         s.close(0)
@@ -345,11 +347,32 @@ def routed(sup: Sup, sessions: int, count: int, window: int) -> dict[str, Any]:
             while c.next().kind is Kind.EVENT:
                 pass
 
-        return _drive(send, recv, count, window)
+        rows = {r["key"]: r["pid"] for r in c.sessions()}
+        return _drive(
+            send,
+            recv,
+            count,
+            window,
+            router=[sup.proc.pid],
+            workers=[rows[k] for k in keys],
+        )
 
 
-def _drive(send: Any, recv: Any, count: int, window: int) -> dict[str, Any]:
-    """Latency with one request in flight, then throughput with `window` in flight."""
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes (and their threads)."""
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def _drive(
+    send: Any, recv: Any, count: int, window: int, router: list[int], workers: list[int]
+) -> dict[str, Any]:
+    """Latency with one request in flight, then throughput with `window` in
+    flight; and the CPU each part spent per message in the throughput phase
+    (CPU time is far less noisy here than wall time)."""
     lat = []
     for i in range(count):
         started = time.perf_counter()
@@ -357,6 +380,7 @@ def _drive(send: Any, recv: Any, count: int, window: int) -> dict[str, Any]:
         recv()
         lat.append(time.perf_counter() - started)
     total = count * 4
+    cpu_before = (cpu_seconds(router), cpu_seconds(workers), time.process_time())
     started = time.perf_counter()
     sent = done = 0
     while done < total:
@@ -366,7 +390,13 @@ def _drive(send: Any, recv: Any, count: int, window: int) -> dict[str, Any]:
         recv()
         done += 1
     rate = total / (time.perf_counter() - started)
-    return {"latency": summary(lat), "throughput_per_s": rate}
+    cpu_after = (cpu_seconds(router), cpu_seconds(workers), time.process_time())
+    per = [(a - b) / total * 1e6 for a, b in zip(cpu_after, cpu_before)]
+    return {
+        "latency": summary(lat),
+        "throughput_per_s": rate,
+        "cpu_us_per_message": {"router": per[0], "workers": per[1], "client": per[2]},
+    }
 
 
 # ---------------------------------------------------------------- memory
@@ -546,6 +576,16 @@ def print_table(out: dict[str, Any]) -> None:
                 f"{r[f'ratio_throughput_{n}']:.2f}x",
             )
         )
+        for part in ("router", "workers", "client"):
+            mine, base = ours["cpu_us_per_message"][part], floor["cpu_us_per_message"][part]
+            rows.append(
+                (
+                    f"  CPU us/msg {part}, {n} sess",
+                    f"{mine:.0f}",
+                    f"{base:.0f} bare proxy",
+                    f"{mine / base:.1f}x" if base > 0 else "",
+                )
+            )
     for name, mem in out.get("memory", {}).items():
         if mem:
             rows.append(

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from hermes_sup.protocol import Kind, Message
+from hermes_sup.supervisor.channel import recv_frames, send_frames
 
 from . import core
 from .connection import Connection, session_options
@@ -111,7 +112,7 @@ class _Link:
         count = 0
         while True:
             try:
-                frames = self.sock.recv_multipart(NOBLOCK)
+                frames = recv_frames(self.sock, NOBLOCK)
             except zmq.Again:
                 return count
             self.core.receive(frames)
@@ -224,7 +225,7 @@ class Client:
         stream = kind in core.STREAMING or (kind is Kind.LOGS and bool((body or {}).get("follow")))
         pending, frames = link.core.request(kind, body, session, stream=stream, msg_id=msg_id)
         pending.inbox = link.raw  # raw answers share one queue, in arrival order
-        link.sock.send_multipart(frames)
+        send_frames(link.sock, frames)
         return pending.id
 
     def next(self, timeout: float | None = None) -> Message:
@@ -281,7 +282,7 @@ class Client:
         if self.connection.alive() is False:
             raise self._lost(link, f"no hermes-sup supervisor is running on {self.state_dir}")
         pending, frames = link.core.request(kind, body, session)
-        link.sock.send_multipart(frames)
+        send_frames(link.sock, frames)
         return link, pending
 
     def _wait(self, link: _Link, pending: Pending, timeout: float | None) -> Message:

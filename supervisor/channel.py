@@ -23,10 +23,28 @@ import zmq
 log = logging.getLogger("hermes_sup.supervisor")
 
 BATCH = 256
-# Plain ints: pyzmq's flag enums cost more per operation than the routing.
+# Plain ints: pyzmq's flag enums cost more per operation than the routing,
+# and its send_multipart/recv_multipart combine them for every frame.
 POLLIN = int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
 EVENTS = int(zmq.EVENTS)
+SNDMORE = int(zmq.SNDMORE)
+RCVMORE = int(zmq.RCVMORE)
+
+
+def send_frames(sock: zmq.Socket[bytes], frames: list[bytes], flags: int = 0) -> None:
+    """send_multipart for bytes frames, without enum arithmetic per frame."""
+    for frame in frames[:-1]:
+        sock.send(frame, SNDMORE | flags)
+    sock.send(frames[-1], flags)
+
+
+def recv_frames(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
+    """recv_multipart, without enum arithmetic per frame."""
+    frames = [sock.recv(flags)]
+    while sock.getsockopt(RCVMORE):
+        frames.append(sock.recv(flags))
+    return frames
 
 
 class Channel:
@@ -59,7 +77,7 @@ class Channel:
             if not int(self.sock.getsockopt(EVENTS)) & POLLIN:
                 return
             try:
-                frames = self.sock.recv_multipart(NOBLOCK)
+                frames = recv_frames(self.sock, NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -72,7 +90,7 @@ class Channel:
     def send(self, frames: list[bytes]) -> None:
         """Send without blocking; raises zmq.Again (queue full) or zmq.ZMQError."""
         try:
-            self.sock.send_multipart(frames, NOBLOCK)
+            send_frames(self.sock, frames, NOBLOCK)
         finally:
             events = 0 if self.sock.closed else int(self.sock.getsockopt(EVENTS))
             if events & POLLIN:

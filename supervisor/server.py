@@ -43,6 +43,7 @@ from functools import partial
 from importlib import metadata
 from typing import Any
 
+import msgpack
 import psutil
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -117,17 +118,15 @@ def kv(event: str, **fields: Any) -> str:
     return " ".join(parts)
 
 
-def approx_size(data: Any, depth: int = 0) -> int:
-    """Roughly how many bytes `data` holds (cheaper than len(repr(data)))."""
+def approx_size(data: Any) -> int:
+    """About how many bytes `data` holds: its msgpack size (C speed; far
+    cheaper than len(repr(data)))."""
     if isinstance(data, (str, bytes)):
         return len(data)
-    if isinstance(data, dict) and depth < 4:
-        return sum(approx_size(k, depth + 1) + approx_size(v, depth + 1) for k, v in data.items())
-    if isinstance(data, list) and depth < 4:
-        return sum(approx_size(v, depth + 1) for v in data)
-    if isinstance(data, (dict, list)):
+    try:
+        return len(msgpack.packb(data))
+    except (TypeError, ValueError, OverflowError):
         return len(repr(data))
-    return 8
 
 
 def version() -> str:
