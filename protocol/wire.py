@@ -12,7 +12,6 @@ does no I/O and never imports zmq.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import math
 import time
@@ -46,7 +45,7 @@ DEFAULT_LIMITS = Limits()
 
 def sign(key: bytes, payload: bytes) -> bytes:
     """The HMAC-SHA256 signature of one payload frame."""
-    return hmac.new(key, payload, hashlib.sha256).digest()
+    return hmac.digest(key, payload, "sha256")  # one-shot: no HMAC object per frame
 
 
 def encode(msg: Message, key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:
