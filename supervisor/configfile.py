@@ -29,6 +29,7 @@ from hermes_sup.protocol import RemoteProtocolError
 
 from .config import DEFAULT_PASS_ENV, Settings
 from .environment import parse_options
+from .remote import RemoteError, parse_tcp
 
 AGENT_KEYS: dict[str, type] = {
     "model": str,
@@ -156,10 +157,19 @@ def _check_value(path: Path, key: str, value: Any) -> Any:
             raise ConfigError(f"{where} must be a string")
         if key == "log_level" and value not in LOG_LEVELS:
             raise ConfigError(f"{where} must be one of {', '.join(LOG_LEVELS)}")
+        if key == "tcp" and value:
+            try:
+                parse_tcp(value)
+            except RemoteError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
         return value
     if kind == tuple[str, ...]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings")
+        if key == "workspace_roots":
+            relative = [v for v in value if not os.path.isabs(v)]
+            if relative:
+                raise ConfigError(f"{where}: {relative[0]!r} is not an absolute path")
         return tuple(value)
     if kind == dict[str, str]:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):

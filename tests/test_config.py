@@ -67,6 +67,9 @@ def test_a_good_file_loads_with_every_kind_of_value(tmp_path: Path) -> None:
         ("[agent]\napi_key_env = 'HSUP_TEST_UNSET_VAR'", "api_key_env names HSUP_TEST_UNSET_VAR"),
         ("[session_defaults]\nenv = { HERMES_HOME = '/x' }", "set by the supervisor"),
         ("max_sessions = ", "not valid TOML"),
+        ("tcp = '*:7788'", "write 0.0.0.0 to listen on every interface"),
+        ("tcp = 'host:port'", "the port must be a number"),
+        ("workspace_roots = ['projects']", "workspace_roots: 'projects' is not an absolute path"),
     ],
 )
 def test_bad_files_name_the_file_the_key_and_the_problem(
