@@ -391,7 +391,7 @@ def _drive(
         done += 1
     rate = total / (time.perf_counter() - started)
     cpu_after = (cpu_seconds(router), cpu_seconds(workers), time.process_time())
-    per = [(a - b) / total * 1e6 for a, b in zip(cpu_after, cpu_before)]
+    per = [(a - b) / total * 1e6 for a, b in zip(cpu_after, cpu_before, strict=True)]
     return {
         "latency": summary(lat),
         "throughput_per_s": rate,
