@@ -128,7 +128,8 @@ class ClientCore:
 
 # ------------------------------------------------------------------ commands
 # Each command is a request plus how to read its answer, shared by both
-# transports so neither holds protocol logic of its own.
+# transports so neither holds protocol logic of its own. Answers are read
+# by field name: a newer supervisor may add fields (the schemas allow it).
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,22 @@ class Call:
 
 
 def ping() -> Call:
-    return Call(Kind.PING, {}, None, lambda m: Pong(**m.body))
+    return Call(
+        Kind.PING,
+        {},
+        None,
+        lambda m: Pong(m.body["version"], m.body["protocol"], m.body["pid"], m.body["uptime"]),
+    )
 
 
 def open_session(session: str, options: dict[str, Any] | None) -> Call:
     body = {"options": options} if options else {}
-    return Call(Kind.OPEN, body, session, lambda m: Opened(session=session, **m.body))
+    return Call(
+        Kind.OPEN,
+        body,
+        session,
+        lambda m: Opened(session, m.body["pid"], m.body["state"], m.body["created"]),
+    )
 
 
 def sessions(prefix: str = "", state: str | None = None) -> Call:
@@ -185,7 +196,7 @@ def kill(session: str, force: bool = False, purge: bool = False) -> Call:
         Kind.KILL,
         {"force": force, "purge": purge},
         session,
-        lambda m: Killed(session=session, **m.body),
+        lambda m: Killed(session, m.body["pid"], m.body["reason"]),
     )
 
 

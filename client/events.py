@@ -129,17 +129,36 @@ class Reply(Event):
     events: list[Event] = field(default_factory=list)
 
 
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else 0.0
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else "" if value is None else str(value)
+
+
+def _strings(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return default
+
+
 def _status(base: dict[str, Any], data: dict[str, Any]) -> Event:
     state = data.get("state")
     if state == "queued":
-        return Queued(**base, position=int(data.get("position", 0)))
+        return Queued(**base, position=_int(data.get("position")) or 0)
     if state == "running":
-        return Running(**base, pid=data.get("pid"))
+        return Running(**base, pid=_int(data.get("pid")))
     if state == "duplicate":
         return Duplicate(**base)
     if state == "backoff":
         return Backoff(
-            **base, retry_in=float(data.get("retry_in", 0.0)), reason=str(data.get("reason", ""))
+            **base, retry_in=_float(data.get("retry_in")), reason=_str(data.get("reason"))
         )
     return Event(**base)
 
@@ -166,44 +185,44 @@ def to_event(msg: Message) -> Event:
         "replayed": bool(body.get("replayed", False)),
     }
     d = data if isinstance(data, dict) else {}
+    # A field of an unexpected type gets its default; `data` keeps it as sent.
     if etype == "status":
         return _status(base, d)
     if etype == "token":
-        return Token(**base, text=data if isinstance(data, str) else str(d.get("text", "")))
+        return Token(**base, text=data if isinstance(data, str) else _str(d.get("text")))
     if etype == "output":
-        return Output(**base, line=data if isinstance(data, str) else str(data))
+        return Output(**base, line=_str(data))
     if etype == "tool_start":
-        return ToolStart(
-            **base, id=str(d.get("id", "")), name=str(d.get("name", "")), args=d.get("args")
-        )
+        return ToolStart(**base, id=_str(d.get("id")), name=_str(d.get("name")), args=d.get("args"))
     if etype == "tool_complete":
         return ToolComplete(
-            **base, id=str(d.get("id", "")), name=str(d.get("name", "")), result=d.get("result")
+            **base, id=_str(d.get("id")), name=_str(d.get("name")), result=d.get("result")
         )
     if etype == "approval":
         return ApprovalRequest(
             **base,
-            command=str(d.get("command", "")),
-            description=str(d.get("description", "")),
-            choices=tuple(d.get("choices") or ("once", "session", "deny")),
-            allow_permanent=bool(d.get("allow_permanent", False)),
+            command=_str(d.get("command")),
+            description=_str(d.get("description")),
+            choices=_strings(d.get("choices"), ("once", "session", "deny")),
+            allow_permanent=d.get("allow_permanent") is True,
         )
     if etype == "approval_timeout":
         return ApprovalTimeout(
-            **base, command=str(d.get("command", "")), outcome=str(d.get("outcome", ""))
+            **base, command=_str(d.get("command")), outcome=_str(d.get("outcome"))
         )
     if etype == "state":
+        previous, reason = d.get("previous"), d.get("reason")
         return StateChange(
             **base,
-            state=str(d.get("state", "")),
-            previous=d.get("previous"),
-            pid=d.get("pid"),
-            reason=d.get("reason"),
+            state=_str(d.get("state")),
+            previous=previous if isinstance(previous, str) else None,
+            pid=_int(d.get("pid")),
+            reason=reason if isinstance(reason, str) else None,
         )
     if etype == "turn":
-        return TurnStarted(**base, text=str(d.get("text", "")))
+        return TurnStarted(**base, text=_str(d.get("text")))
     if etype == "reply":  # (watch) a turn's final answer, as its event
         return Reply(
-            **{**base, "data": d.get("data")}, text=str(d.get("text", "")), ok=bool(d.get("ok"))
+            **{**base, "data": d.get("data")}, text=_str(d.get("text")), ok=d.get("ok") is True
         )
     return Event(**base)

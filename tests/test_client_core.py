@@ -163,3 +163,60 @@ def test_the_core_does_no_io() -> None:
             if isinstance(node, ast.ImportFrom)
         }
         assert not imported & {"zmq", "socket", "asyncio", "threading", "selectors"}, name
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+# Field names the typed events read, so that wrong types under them get tried.
+NAMES = ["state", "position", "pid", "retry_in", "reason", "text", "id", "name", "args",
+         "result", "command", "description", "choices", "allow_permanent", "outcome",
+         "previous", "data", "ok"]  # fmt: skip
+FIELDS = st.sampled_from(NAMES) | st.text(max_size=6)
+ANY = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(FIELDS, inner, max_size=4),
+    max_leaves=8,
+)
+TYPES = st.sampled_from(
+    ["status", "token", "output", "tool_start", "tool_complete", "approval",
+     "approval_timeout", "state", "turn", "reply", "mystery"]
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    etype=TYPES,
+    data=ANY,
+    every=st.fixed_dictionaries(dict.fromkeys(NAMES, ANY)),
+    as_map=st.booleans(),
+    state=ANY,
+)
+def test_any_schema_valid_event_becomes_an_event_without_raising(
+    etype, data, every, as_map, state
+) -> None:
+    if as_map:  # every field the typed events read, each of any type
+        data = {**every, **data} if isinstance(data, dict) else every
+        if etype == "status":
+            data["state"] = state
+    event = to_event(Message(Kind.EVENT, {"type": etype, "data": data}, session="s", re="t"))
+    assert isinstance(event, Event) and event.type == etype and event.session == "s"
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames=st.lists(st.binary(max_size=64), max_size=4))
+def test_the_core_drops_garbage_frames_without_raising(frames) -> None:
+    core = ClientCore(KEY)
+    ping, _ = core.request(Kind.PING)
+    assert core.receive(frames) is None and not ping.done
+
+
+def test_answers_with_fields_from_a_newer_supervisor_still_read() -> None:
+    from hermes_sup.client import core
+
+    pong = Message(Kind.PONG, {"version": "9", "protocol": 1, "pid": 5, "uptime": 1.0, "new": True})
+    assert core.ping().read(pong).pid == 5
+    opened = Message(Kind.OPENED, {"pid": 7, "state": "idle", "created": True, "extra": 1})
+    assert core.open_session("s", None).read(opened).state == "idle"
+    killed = Message(Kind.KILLED, {"pid": None, "reason": "stopped", "signal": "TERM"})
+    assert core.kill("s").read(killed).reason == "stopped"
