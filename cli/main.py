@@ -27,6 +27,7 @@ from hermes_sup.client import (
     SupervisorError,
     Timeout,
     Token,
+    session_options,
 )
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.config import (
@@ -413,6 +414,12 @@ def ping(ctx: click.Context) -> None:
     multiple=True,
     help="NAME=VALUE given to a new worker as HERMES_SESSION_NAME (repeat).",
 )
+@click.option(
+    "--workspace",
+    default=None,
+    help="Work in this directory (under one of the supervisor's --workspace-root).",
+)
+@click.option("--runtime", default=None, help="A runtime the supervisor allows (--allow-runtime).")
 @click.option("--turn-timeout", type=float, default=None, help="Give up after this many seconds.")
 @click.pass_context
 def send(
@@ -420,18 +427,26 @@ def send(
     session: str,
     text: str,
     session_env: tuple[str, ...],
+    workspace: str | None,
+    runtime: str | None,
     turn_timeout: float | None,
 ) -> None:
     """Send TEXT to SESSION, print its streamed output, then its reply.
+
+    Options for a new session (--session-env, --workspace, --runtime) apply
+    when its worker starts; a running session with other options refuses.
 
     \b
     Examples:
       hermes-sup send alice 'setenv COLOR blue'
       hermes-sup send alice 'sh echo $COLOR; pwd'
+      hermes-sup send bob --workspace /srv/projects/acme 'sh ls'
     """
-    options: dict[str, Any] | None = None
-    if session_env:
-        options = {"session_env": _parse_pairs(session_env, "--session-env")}
+    options = session_options(
+        session_env=_parse_pairs(session_env, "--session-env") if session_env else None,
+        workspace=str(Path(workspace).absolute()) if workspace else None,
+        runtime=runtime,
+    )
     with connect(ctx) as client:
         for event in client.send(session, text, options=options, turn_timeout=turn_timeout):
             if isinstance(event, Output):

@@ -210,6 +210,12 @@ def test_workspace_and_runtime_options_follow_the_operators_policy(
             client.open("w4", runtime="hermes")
         assert "'hermes' is not allowed" in rt.value.message
         assert client.run("w5", "cwd").text.endswith("/workspace")  # the session's own
+    (root / "cli").mkdir()
+    by_cli = hs(sup, "--state-dir", str(sup.state_dir), "send", "w6", "--workspace",
+                str(root / "cli"), "cwd")  # fmt: skip
+    assert by_cli.returncode == 0 and by_cli.stdout.strip() == str(root / "cli"), by_cli.stderr
+    refused = hs(sup, "--state-dir", str(sup.state_dir), "send", "w7", "--runtime", "hermes", "pid")
+    assert refused.returncode == 1 and "'hermes' is not allowed" in refused.stderr
 
 
 # ------------------------------------------------------------------ remote

@@ -69,3 +69,6 @@ def test_node_client_over_curve_tcp(supervisor_factory, workdir) -> None:
     result = chat("--connection", str(conn), "remote-node", "sh echo over curve")
     assert result.returncode == 0, result.stderr
     assert "output: over curve" in result.stdout and result.stdout.endswith("reply: exit 0\n")
+    conn.chmod(0o644)
+    loose = chat("--connection", str(conn), "remote-node", "pid")
+    assert loose.returncode == 1 and "readable by others" in loose.stderr

@@ -28,8 +28,9 @@ function parse(argv) {
 async function main() {
   const opts = parse(process.argv.slice(2));
   const [session, text] = opts.positional;
-  const hs = new HermesSup({ stateDir: opts.stateDir, connectionFile: opts.connectionFile });
+  let hs;
   try {
+    hs = new HermesSup({ stateDir: opts.stateDir, connectionFile: opts.connectionFile });
     const pong = await hs.ping();
     console.log(`connected to hermes-sup ${pong.version} (protocol ${pong.protocol})`);
     if (Object.keys(opts.sessionEnv).length) await hs.open(session, { session_env: opts.sessionEnv });
@@ -46,7 +47,7 @@ async function main() {
     console.error(`error: ${err.message}`);
     process.exitCode = 1;
   } finally {
-    hs.close();
+    if (hs) hs.close();
   }
 }
 

@@ -26,6 +26,10 @@ class HermesSup {
     this.timeoutMs = timeoutMs;
     this.socket = new zmq.Dealer({ linger: 0 });
     if (connectionFile) {
+      if (fs.statSync(connectionFile).mode & 0o077) {
+        // It holds a secret key and the signing key, like an ssh key file.
+        throw new Error(`${connectionFile} is readable by others; chmod 600 it`);
+      }
       const conn = JSON.parse(fs.readFileSync(connectionFile, "utf8"));
       this.key = Buffer.from(conn.hmac_key, "hex");
       this.socket.curveServerKey = conn.curve.server_public;
