@@ -447,14 +447,17 @@ def send(
         workspace=str(Path(workspace).absolute()) if workspace else None,
         runtime=runtime,
     )
+    streamed = False
     with connect(ctx) as client:
         for event in client.send(session, text, options=options, turn_timeout=turn_timeout):
             if isinstance(event, Output):
                 click.echo(event.line)
             elif isinstance(event, Token):
                 click.echo(event.text, nl=False)
+                streamed = True
             elif isinstance(event, Reply):
-                click.echo(event.text)
+                # A streamed reply is already on screen: end its line instead.
+                click.echo("" if streamed else event.text)
 
 
 STATE_ORDER = ["busy", "starting", "idle", "stopping", "backoff", "failed", "exited"]

@@ -213,6 +213,8 @@ def test_cli_exit_codes_and_output(supervisor, workdir) -> None:
 
     ok = run("send", "cli", "sh echo hello; echo world")
     assert ok.returncode == 0 and ok.stdout == "hello\nworld\nexit 0\n"
+    streamed = run("send", "cli", "stream once only")
+    assert streamed.returncode == 0 and streamed.stdout == "once only\n"
     bad = run("send", "../etc", "hi")
     assert bad.returncode == 1 and "invalid session key" in bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
