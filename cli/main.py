@@ -420,7 +420,12 @@ def ping(ctx: click.Context) -> None:
     help="Work in this directory (under one of the supervisor's --workspace-root).",
 )
 @click.option("--runtime", default=None, help="A runtime the supervisor allows (--allow-runtime).")
-@click.option("--turn-timeout", type=float, default=None, help="Give up after this many seconds.")
+@click.option(
+    "--turn-timeout",
+    type=float,
+    default=None,
+    help="Cancel the turn and give up after this many seconds.",
+)
 @click.pass_context
 def send(
     ctx: click.Context,

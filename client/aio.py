@@ -280,10 +280,25 @@ class AsyncTurn:
                 yield event
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise Timeout(f"the turn did not finish within {self._turn_timeout:g}s")
-                msg = await self.client._wait(self._pending, left)
+                    raise await self._give_up()
+                try:
+                    msg = await self.client._wait(self._pending, left)
+                except Timeout:
+                    if deadline is None:
+                        raise
+                    raise await self._give_up() from None
         finally:
             self.client._end(self._pending)
+
+    async def _give_up(self) -> Timeout:
+        """The turn ran over its turn_timeout: cancel it (best effort)."""
+        self.client._end(self._pending)
+        try:
+            await self.client.cancel(self.session, self.id, timeout=min(5.0, self.client.timeout))
+            outcome = "it was cancelled"
+        except ClientError as exc:
+            outcome = f"cancelling it failed: {exc}"
+        return Timeout(f"the turn did not finish within {self._turn_timeout:g}s; {outcome}")
 
     async def collect(self) -> Reply:
         """Wait for the end: the reply, with every event it streamed."""

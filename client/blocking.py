@@ -433,9 +433,23 @@ class Turn:
             yield event
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                self._link.core.forget(self._pending)
-                raise Timeout(f"the turn did not finish within {self._turn_timeout:g}s")
-            msg = self.client._wait(self._link, self._pending, left)
+                raise self._give_up()
+            try:
+                msg = self.client._wait(self._link, self._pending, left)
+            except Timeout:
+                if deadline is None:
+                    raise
+                raise self._give_up() from None
+
+    def _give_up(self) -> Timeout:
+        """The turn ran over its turn_timeout: cancel it (best effort)."""
+        self._link.core.forget(self._pending)
+        try:
+            self.client.cancel(self.session, self.id, timeout=min(5.0, self.client.timeout))
+            outcome = "it was cancelled"
+        except ClientError as exc:
+            outcome = f"cancelling it failed: {exc}"
+        return Timeout(f"the turn did not finish within {self._turn_timeout:g}s; {outcome}")
 
     def collect(self) -> Reply:
         """Wait for the end: the reply, with every event it streamed."""

@@ -437,3 +437,21 @@ def test_a_request_made_while_the_supervisor_is_down_never_runs_later(remote, wo
 
     assert asyncio.run(go()) == "after"
     assert not late.exists()
+
+
+def test_a_turn_over_its_turn_timeout_is_cancelled(supervisor) -> None:
+    with supervisor.client() as client:
+        with pytest.raises(Timeout) as slow:
+            client.run("slow", "sleep 30", turn_timeout=0.5)
+        assert "it was cancelled" in str(slow.value)
+        # Cancelled, not left running: the session answers at once.
+        assert client.run("slow", "pid", turn_timeout=10).text.isdigit()
+
+    async def go() -> str:
+        async with AsyncClient(supervisor.state_dir) as aclient:
+            with pytest.raises(Timeout) as aslow:
+                await aclient.run("slow", "sleep 30", turn_timeout=0.5)
+            assert "it was cancelled" in str(aslow.value)
+            return (await aclient.run("slow", "cwd", turn_timeout=10)).text
+
+    assert asyncio.run(go()).endswith("/workspace")
