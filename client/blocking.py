@@ -107,6 +107,8 @@ class _Link:
     def pump(self, timeout: float) -> int:
         """Wait up to `timeout` for input, then take everything waiting;
         returns how many messages arrived."""
+        if self.sock.closed:  # retired after a timeout or a lost supervisor
+            raise NotRunning("the connection to the supervisor was closed")
         if not self.sock.poll(max(0, int(timeout * 1000))):
             return 0
         count = 0
@@ -171,7 +173,7 @@ class Client:
         if link is not None and link.epoch == self._epoch:
             return link
         with self._lock:
-            if link is not None:
+            if link is not None and link in self._links:
                 link.close()
                 self._links.remove(link)
             if self.connection.alive() is False:
@@ -189,10 +191,23 @@ class Client:
         return link
 
     def _lost(self, link: _Link, why: str) -> ClientError:
-        """The connection is unusable: start afresh on the next request."""
+        """The connection is unusable: every thread starts afresh on its next
+        request, and this thread's socket is closed now."""
         if link.epoch == self._epoch:
             self._epoch += 1
+        self._retire(link)
         return NotRunning(why)
+
+    def _retire(self, link: _Link) -> None:
+        """Close this thread's socket now (linger 0), with any request still
+        queued on it: one queued while there was no connection would
+        otherwise go out on reconnection, after its caller was told it failed."""
+        with self._lock:
+            if link in self._links:
+                self._links.remove(link)
+                link.close()
+        if getattr(self._local, "link", None) is link:
+            self._local.link = None
 
     def _timed_out(self, link: _Link, waited: float) -> ClientError:
         reason = refused(link.monitor)
@@ -297,11 +312,8 @@ class Client:
             if left <= 0:
                 link.core.forget(pending)
                 error = self._timed_out(link, timeout or 0.0)
-                if not link.core.pending and link.epoch == self._epoch:
-                    # Start the next call on a fresh socket: a request still
-                    # queued on this one (no connection) is dropped, never
-                    # delivered after its caller was told it failed.
-                    self._epoch += 1
+                if not link.core.pending:
+                    self._retire(link)  # nobody else waits on it
                 raise error
             if link.pump(min(left, LIVENESS_SLICE)):
                 continue
@@ -400,8 +412,8 @@ class Client:
                 yield to_event(self._wait(link, pending, None))
         finally:
             link.core.forget(pending)
-            if link.epoch == self._epoch:
-                link.sock.send_multipart(link.core.notice(Kind.UNWATCH, {"watch": pending.id}))
+            if link.epoch == self._epoch and not link.sock.closed:
+                send_frames(link.sock, link.core.notice(Kind.UNWATCH, {"watch": pending.id}))
 
 
 class Turn:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -422,6 +423,8 @@ def test_a_request_made_while_the_supervisor_is_down_never_runs_later(remote, wo
         with pytest.raises(Timeout):
             client.run("late", f"sh echo ran > {late}")
         sup.start()
+        time.sleep(1.0)  # room for a socket still holding the request to reconnect
+        assert not late.exists()
         # The same client reconnects, and the refused turn was never delivered.
         assert client.run("after", "pid").text.isdigit()
         assert not late.exists()
@@ -433,6 +436,8 @@ def test_a_request_made_while_the_supervisor_is_down_never_runs_later(remote, wo
             with pytest.raises(Timeout):
                 await aclient.run("late", f"sh echo ran > {late}")
             sup.start()
+            await asyncio.sleep(1.0)
+            assert not late.exists()
             return (await aclient.run("after", "env HERMES_SESSION_KEY")).text
 
     assert asyncio.run(go()) == "after"
