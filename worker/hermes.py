@@ -115,6 +115,11 @@ class HermesRuntime:
         try:
             if self.agent is None:
                 self.agent = self._build_agent()
+            else:
+                # An interrupt left over from the previous turn (a cancel that
+                # came as it ended) must not stop this one. A cancel meant for
+                # this turn is repeated by the worker until the turn ends.
+                self.agent.clear_interrupt()
             history = self.db.get_messages_as_conversation(key)
             result = self.agent.run_conversation(text, conversation_history=history or None)
         finally:
