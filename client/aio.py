@@ -66,6 +66,14 @@ class AsyncClient:
     # ------------------------------------------------------------ connection
 
     def _connect(self) -> tuple[zmq.asyncio.Socket, ClientCore]:
+        reader = self._reader
+        if reader is not None and (
+            reader.done() or reader.get_loop() is not asyncio.get_running_loop()
+        ):
+            # Its event loop ended (a second asyncio.run, say): start afresh here.
+            if self._sock is not None:
+                close_socket(self._sock, self._monitor)
+            self._sock = self._core = self._reader = self._monitor = None
         if self._sock is not None and self._core is not None:
             return self._sock, self._core
         if self.connection.alive() is False:

@@ -460,3 +460,12 @@ def test_a_turn_over_its_turn_timeout_is_cancelled(supervisor) -> None:
             return (await aclient.run("slow", "cwd", turn_timeout=10)).text
 
     assert asyncio.run(go()).endswith("/workspace")
+
+
+def test_one_async_client_serves_successive_event_loops(supervisor) -> None:
+    client = AsyncClient(supervisor.state_dir)
+    try:
+        for i in range(3):  # each asyncio.run has a new loop; the client follows
+            assert asyncio.run(client.run("loops", f"echo-{i}")).text == f"echo-{i}"
+    finally:
+        asyncio.run(client.close())
