@@ -1,0 +1,57 @@
+"""The benchmark suite's measuring pieces, run tiny, so that `make bench`
+cannot rot unnoticed between the runs that record BENCHMARKS.md. These
+assert what each measurement returns, never how fast anything is."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .conftest import wait_gone
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import run
+
+        yield run
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_floors_and_peers_measure(bench) -> None:
+    for times in (
+        bench.spawn_bare_fork(3),
+        bench.spawn_multiprocessing("forkserver", 2),
+        bench.spawn_multiprocessing("spawn", 1),
+    ):
+        assert times and all(t > 0 for t in times)
+    floor = bench.proxy_floor(2, 20, 4)
+    assert floor["throughput_per_s"] > 0 and floor["latency"]["n"] == 20
+    assert set(floor["cpu_us_per_message"]) == {"router", "workers", "client"}
+
+
+def test_hermes_sup_measures_and_leaves_nothing(bench) -> None:
+    sup = bench.Sup()
+    try:
+        spawns = bench.spawn_hermes_sup(sup, 3, "t")
+        assert len(spawns) == 3 and all(t > 0 for t in spawns)
+        routed = bench.routed(sup, 2, 20, 4)
+        assert routed["throughput_per_s"] > 0 and routed["latency"]["p50_ms"] > 0
+        assert routed["cpu_us_per_message"]["router"] >= 0
+        pids = sup.worker_pids()
+        assert len(pids) == 5  # 3 spawned + 2 routed sessions
+        memory = bench.memory_of(pids)
+        assert memory["n"] == 5 and memory["uss_mib_p50"] > 0
+        root, pid = sup.root, sup.proc.pid
+    finally:
+        sup.close()
+    assert not root.exists() and not psutil.pid_exists(pid)
+    assert wait_gone(str(root), timeout=5) == []  # workers and zygote went with it
