@@ -39,6 +39,7 @@ class Attached:
         self.seen_turns: set[str] = set()
         self.running: str | None = None
         self.mid_line = False  # a token stream left the cursor mid-line
+        self.streamed: set[str | None] = set()  # turns whose reply came as tokens
 
     def say(self, text: str, fg: str | None = None, dim: bool = False) -> None:
         """Print one line (ending any token stream first)."""
@@ -158,9 +159,14 @@ class Attached:
         elif kind == "token":
             click.echo(str(data), nl=False)
             self.mid_line = True
+            self.streamed.add(turn)
         elif kind == "reply":
             self._turn_over(turn)
-            self.say(f"◂ {data.get('text', '')}", fg="green", dim=dim)
+            if turn in self.streamed:  # its text is on screen already, token by token
+                self.streamed.discard(turn)
+                self.say("◂ (end of reply)", fg="green", dim=True)
+            else:
+                self.say(f"◂ {data.get('text', '')}", fg="green", dim=dim)
         elif kind == "error":
             self._turn_over(turn)
             self.say(f"✗ {data.get('message')} [{data.get('code')}]", fg="red", dim=dim)

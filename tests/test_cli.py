@@ -260,6 +260,11 @@ def test_attach_shows_everything_and_sends_turns(supervisor) -> None:
             first.expect(r"» \[you\] env HERMES_SESSION_KEY")
             first.expect("◂ room")
             second.expect(r"» \[turn\] env HERMES_SESSION_KEY")
+            # A reply streamed as tokens shows once, then its end marker.
+            first.sendline("stream one two three")
+            first.expect(r"» \[you\] stream one two three")
+            first.expect("one two three")
+            first.expect(r"◂ \(end of reply\)")
             # Read-only: typing sends nothing.
             second.sendline("pid")
             second.expect("read-only: input ignored")
