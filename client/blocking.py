@@ -20,6 +20,7 @@ import zmq
 
 from hermes_sup.protocol import Kind, Message
 from hermes_sup.supervisor.channel import recv_frames, send_frames
+from hermes_sup.supervisor.remote import HANDSHAKE_FAILURES
 
 from . import core
 from .connection import Connection, session_options
@@ -30,11 +31,6 @@ from .events import Event, Reply, to_event
 # How often a waiting client checks that a local supervisor is still there.
 LIVENESS_SLICE = 2.0
 NOBLOCK = int(zmq.NOBLOCK)  # a plain int: flag enums are slow per call
-HANDSHAKE_FAILURES = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 
 
 def make_socket(

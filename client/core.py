@@ -119,12 +119,6 @@ class ClientCore:
         """Stop waiting for a request (timed out, abandoned)."""
         self.pending.pop(pending.id, None)
 
-    def fail_all(self) -> list[Pending]:
-        """Every pending request, now abandoned (the connection is gone)."""
-        lost = list(self.pending.values())
-        self.pending.clear()
-        return lost
-
 
 # ------------------------------------------------------------------ commands
 # Each command is a request plus how to read its answer, shared by both
