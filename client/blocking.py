@@ -230,13 +230,8 @@ class Client:
         """Send one request without waiting; its answers come from `next` or
         `answer`. Returns the request id. Passing the id of an earlier `send`
         resends it: the supervisor never runs a turn twice."""
-        link = self._link()
-        if self.connection.alive() is False:
-            raise self._lost(link, f"no hermes-sup supervisor is running on {self.state_dir}")
-        stream = kind in core.STREAMING or (kind is Kind.LOGS and bool((body or {}).get("follow")))
-        pending, frames = link.core.request(kind, body, session, stream=stream, msg_id=msg_id)
+        link, pending = self._start(kind, body or {}, session, msg_id=msg_id)
         pending.inbox = link.raw  # raw answers share one queue, in arrival order
-        send_frames(link.sock, frames)
         return pending.id
 
     def next(self, timeout: float | None = None) -> Message:
@@ -287,12 +282,14 @@ class Client:
     # ------------------------------------------------------------- the calls
 
     def _start(
-        self, kind: Kind, body: dict[str, Any], session: str | None
+        self, kind: Kind, body: dict[str, Any], session: str | None, msg_id: str | None = None
     ) -> tuple[_Link, Pending]:
+        """Send a request on this thread's socket; its answers wait in `pending`
+        (only this thread reads the socket, so they cannot arrive before it)."""
         link = self._link()
         if self.connection.alive() is False:
             raise self._lost(link, f"no hermes-sup supervisor is running on {self.state_dir}")
-        pending, frames = link.core.request(kind, body, session)
+        pending, frames = link.core.request(kind, body, session, msg_id=msg_id)
         send_frames(link.sock, frames)
         return link, pending
 

@@ -88,7 +88,8 @@ class ClientCore:
             msg = Message(kind, body or {}, session=session, id=msg_id)
         frames = encode(msg, self.key, self.limits)
         if stream is None:
-            stream = kind in STREAMING
+            # `logs` with follow streams its new lines after the first answer.
+            stream = kind in STREAMING or (kind is Kind.LOGS and bool((body or {}).get("follow")))
         pending = Pending(msg.id, kind, session, stream)
         self.pending[msg.id] = pending
         return pending, frames

@@ -296,6 +296,7 @@ class Supervisor:
         self.fronts: list[tuple[Channel, bytes]] = [
             (Channel(self._bind(self.control_endpoint), partial(self._on_front, 0), loop), self.key)
         ]
+        self.tcp_monitor: Channel | None = None
         self.auth = self._start_tcp(loop)
         self.back = Channel(self._bind(self.worker_endpoint), self._on_back, loop)
         assert self.zygote is not None
@@ -323,8 +324,9 @@ class Supervisor:
             for channel, _ in self.fronts:
                 channel.close()
             self.back.close()
-            if self.auth is not None:
+            if self.tcp_monitor is not None:
                 self.tcp_monitor.close()
+            if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
             self.notifier.close()
