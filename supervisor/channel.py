@@ -32,19 +32,28 @@ SNDMORE = int(zmq.SNDMORE)
 RCVMORE = int(zmq.RCVMORE)
 
 
+# The backend's own send and recv, called unbound: pyzmq's Python-level
+# wrappers around them add a frame of argument handling per zmq frame.
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+
+
 def send_frames(sock: zmq.Socket[bytes], frames: list[bytes], flags: int = 0) -> None:
     """send_multipart for bytes frames, without enum arithmetic per frame."""
     for frame in frames[:-1]:
-        sock.send(frame, SNDMORE | flags)
-    sock.send(frames[-1], flags)
+        _send(sock, frame, SNDMORE | flags)
+    _send(sock, frames[-1], flags)
 
 
 def recv_frames(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
-    """recv_multipart, without enum arithmetic per frame."""
-    frames = [sock.recv(flags)]
-    while sock.getsockopt(RCVMORE):
-        frames.append(sock.recv(flags))
-    return frames
+    """recv_multipart, reading each frame's more-flag from the frame itself:
+    getsockopt(RCVMORE) would convert the option to an enum on every call."""
+    frames = []
+    while True:
+        frame = _recv(sock, flags, copy=False)
+        frames.append(frame.bytes)
+        if not frame.more:
+            return frames
 
 
 class Channel:

@@ -918,15 +918,22 @@ class Supervisor:
                 session.pipe = None
 
     def _publish(
-        self, session: Session, event_type: str, data: Any, turn: str | None = None
+        self,
+        session: Session,
+        event_type: str,
+        data: Any,
+        turn: str | None = None,
+        bound: int | None = None,
     ) -> None:
         """Record an event in the session's history and send it to every
-        watcher of the session; forget watchers that are gone."""
+        watcher of the session; forget watchers that are gone. `bound` is an
+        upper bound on the size of `data` when one is known for free (the
+        payload it came in), which spares measuring it."""
         body: dict[str, Any] = {"type": event_type, "data": data}
         if turn is not None:
             body["turn"] = turn
         kept = body
-        size = approx_size(data)
+        size = bound if bound is not None and bound <= HISTORY_DATA_LIMIT else approx_size(data)
         if size > HISTORY_DATA_LIMIT:
             kept = {**body, "data": f"({size} bytes not kept)"}
         session.history.append((event_type, kept))
@@ -1030,6 +1037,7 @@ class Supervisor:
                 "pid": session.pid,
                 "reason": reason,
             },
+            bound=128 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
         )
 
     def _enqueue(self, session: Session, turn: Turn) -> None:
@@ -1046,7 +1054,11 @@ class Supervisor:
             record.turn = None
         self._send_client(turn.client, final, payload)
         self._publish(
-            session, "reply" if final.kind is Kind.REPLY else "error", final.body, turn=turn.id
+            session,
+            "reply" if final.kind is Kind.REPLY else "error",
+            final.body,
+            turn=turn.id,
+            bound=None if payload is None else len(payload),
         )
         if self.metrics is not None:
             outcome = "reply" if final.kind is Kind.REPLY else str(final.body.get("code"))
@@ -1073,7 +1085,9 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self._transition(session, Event.TURN)
-        self._publish(session, "turn", {"text": turn.text}, turn=turn.id)
+        self._publish(
+            session, "turn", {"text": turn.text}, turn=turn.id, bound=16 + 4 * len(turn.text)
+        )
         self._send_client(
             turn.client,
             Message(
@@ -1267,7 +1281,9 @@ class Supervisor:
         if msg.kind is Kind.EVENT:
             if not turn.abandoned:
                 self._send_client(turn.client, msg, payload)
-            self._publish(session, msg.body["type"], msg.body.get("data"), turn=turn.id)
+            self._publish(
+                session, msg.body["type"], msg.body.get("data"), turn=turn.id, bound=len(payload)
+            )
         elif msg.kind in (Kind.REPLY, Kind.ERROR):
             if turn.abandoned:
                 pass  # its client already had a turn_timeout error

@@ -59,6 +59,17 @@ def test_unicode_and_nested_data_survive() -> None:
     assert decode(encode(msg, KEY), KEY).body["data"] == data
 
 
+@settings(max_examples=300, deadline=None)
+@given(key=st.binary(max_size=200), payload=st.binary(max_size=400))
+def test_signature_is_standard_hmac_sha256(key: bytes, payload: bytes) -> None:
+    """`sign` caches each key's pads; it must stay HMAC-SHA256 for every key
+    length (keys past the 64-byte block are hashed first), every time."""
+    import hmac
+
+    assert sign(key, payload) == hmac.digest(key, payload, "sha256")
+    assert sign(key, payload) == hmac.digest(key, payload, "sha256")  # cached
+
+
 def test_forged_signature_is_refused() -> None:
     frames = encode(Message(Kind.PING), KEY)
     with pytest.raises(RemoteProtocolError) as err:

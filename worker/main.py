@@ -47,7 +47,10 @@ from .prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
 MAX_POLL_MS = 1000
-SNDMORE, RCVMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.NOBLOCK)
+SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+# The backend's send and recv, unbound: pyzmq's wrappers cost a Python frame
+# per zmq frame, and getsockopt(RCVMORE) an enum conversion.
+_send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
 # A cancel is repeated this often until its turn ends: a runtime that resets
 # its cancel flag as the turn begins cannot lose one that came just before.
 CANCEL_REPEAT_MS = 50
@@ -257,8 +260,8 @@ class WorkerLoop:
         # arithmetic per frame, a noticeable share of a small turn.
         *more, last = encode(msg, self.token)
         for frame in more:
-            self.sock.send(frame, SNDMORE)
-        self.sock.send(last)
+            _send(self.sock, frame, SNDMORE)
+        _send(self.sock, last, 0)
 
     def _drain_wake(self) -> None:
         try:
@@ -269,10 +272,13 @@ class WorkerLoop:
 
     def _recv_all(self) -> None:
         while True:
+            frames = []
             try:
-                frames = [self.sock.recv(NOBLOCK)]
-                while self.sock.getsockopt(RCVMORE):
-                    frames.append(self.sock.recv(NOBLOCK))
+                while True:
+                    frame = _recv(self.sock, NOBLOCK, copy=False)
+                    frames.append(frame.bytes)
+                    if not frame.more:
+                        break
             except zmq.Again:
                 return
             try:
