@@ -77,7 +77,7 @@ from .metrics import Metrics, exit_category
 from .notify import Notifier
 from .process import WorkerProcess, become_subreaper, kill_processes
 from .records import WorkerRecords
-from .session import Session, Turn, open_session_dir, save_session_meta
+from .session import Session, Turn, open_session_dir, save_session_meta, session_path
 from .spawner import Zygote, ZygoteError
 from .states import LIVE_STATES, Event, State
 
@@ -94,6 +94,12 @@ TICK = 0.25
 MIB = 1024 * 1024
 # Event data larger than this is not kept in a session's replay history.
 HISTORY_DATA_LIMIT = 8192
+# Exits a worker chooses before it could have started a turn: a first turn
+# handed over in its spawn request did not run, and may be tried again.
+UNSTARTED_EXITS = frozenset({WorkerExit.BOOT_FAILED, WorkerExit.RUNTIME_LOAD_FAILED})
+# A first turn longer than this waits for the worker's hello instead: the
+# spawn request travels as one datagram, bounded by the socket's buffer.
+HANDOVER_TEXT = 16 * 1024
 MAX_LOG_TAIL = 100_000
 
 
@@ -176,6 +182,9 @@ class Supervisor:
         self.sent: OrderedDict[str, SentTurn] = OrderedDict()
         self.queued_total = 0
         self.running = 0  # sessions with a worker that is not being stopped
+        # The runtimes (name and config) whose workers have said hello: a
+        # first turn is handed over in the spawn request only to those.
+        self.runtimes_started: set[str] = set()
         self.max_sessions = settings.max_sessions or 1
         self.accepting = True
         self.forced = False
@@ -630,13 +639,18 @@ class Supervisor:
             check_policy(options, s.workspace_roots, (s.runtime, *s.runtimes))
         session = self.sessions.get(key)
         if session is None:
-            path, stored = open_session_dir(self.settings.data_dir, key)
+            path = session_path(self.settings.data_dir, key)
+            fresh = not path.exists()
+            stored = None if fresh else open_session_dir(self.settings.data_dir, key)[1]
             defaults = parse_options(self.settings.session_defaults or None)
             session = Session(key=key, dir=path, options=options or stored or defaults)
             s = self.settings
             session.log = SessionLog(session.log_path, s.log_max_bytes, s.log_backups)
             session.history = deque(maxlen=s.history)
-            save_session_meta(session)
+            if fresh:
+                session.unsaved = True  # written once its worker is asked for
+            else:
+                save_session_meta(session)
             self.sessions[key] = session
             log.info(kv("session_new", session=key, dir=path.name))
         elif options is not None and options != session.options:
@@ -646,7 +660,8 @@ class Supervisor:
                     f"session {key!r} is running with other options; kill it to apply new ones",
                 )
             session.options = options
-            save_session_meta(session)
+            if not session.unsaved:
+                save_session_meta(session)
         return session
 
     def _check_runnable(self, session: Session) -> None:
@@ -728,18 +743,19 @@ class Supervisor:
         if session.state is State.IDLE and len(session.queue) == 1:
             self._pump(session)  # runs now: its `running` status is the acknowledgement
             return
+        position = len(session.queue)
+        if session.state is State.EXITED:
+            self._start_worker(session)  # first: the fork starts while we answer
+        elif session.state is State.BACKOFF:
+            self._schedule_retry(session)
         # Acknowledge at once, so a client can tell a slow turn from a dead supervisor.
         self._send_client(
             client,
             msg.reply(
                 Kind.EVENT,
-                {"type": "status", "data": {"state": "queued", "position": len(session.queue)}},
+                {"type": "status", "data": {"state": "queued", "position": position}},
             ),
         )
-        if session.state is State.EXITED:
-            self._start_worker(session)
-        elif session.state is State.BACKOFF:
-            self._schedule_retry(session)
         self._pump(session)
 
     def _remember(self, msg_id: str, record: SentTurn) -> None:
@@ -754,7 +770,12 @@ class Supervisor:
         cancelled: str | None = None
         if session.current is not None and target in (None, session.current.id):
             cancelled = session.current.id
-            self._send_worker(session, Message(Kind.CANCEL, {"turn": cancelled}, session=key))
+            if session.state is State.STARTING:
+                # Handed over in the spawn request; the worker cannot hear
+                # us before its hello, so the cancel goes right after it.
+                session.cancel_on_hello = cancelled
+            else:
+                self._send_worker(session, Message(Kind.CANCEL, {"turn": cancelled}, session=key))
         elif target is not None:
             for turn in list(session.queue):
                 if turn.id == target:
@@ -1081,6 +1102,11 @@ class Supervisor:
         turn = session.queue.popleft()
         self.queued_total -= 1
         session.current = turn
+        self._begin(session, turn, handed=False)
+
+    def _begin(self, session: Session, turn: Turn, handed: bool) -> None:
+        """The turn runs now: tell its client, and its worker unless the
+        worker already has it (`handed`: it came in the spawn request)."""
         turn.started_at = time.monotonic()
         if self.metrics is not None:
             self.metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
@@ -1097,9 +1123,13 @@ class Supervisor:
                 re=turn.id,
             ),
         )
-        self._send_worker(
-            session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
-        )
+        if not handed:
+            self._send_worker(
+                session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
+            )
+        elif session.cancel_on_hello == turn.id:
+            self._send_worker(session, Message(Kind.CANCEL, {"turn": turn.id}, session=session.key))
+        session.cancel_on_hello = None
         own = session.settings or self.settings
         if own.turn_timeout is not None:
             asyncio.get_running_loop().call_later(
@@ -1158,8 +1188,36 @@ class Supervisor:
         self._transition(session, Event.SPAWN)
         self.by_worker_id[session.worker_id] = session
         assert self.zygote is not None
+        request = self._spawn_request(session)
+        session.runtime_kind = repr((request["runtime"], sorted(request["runtime_config"].items())))
+        if (
+            session.queue
+            and session.current is None
+            and len(session.queue[0].text) <= HANDOVER_TEXT
+            and session.fast_failures == 0
+            and session.runtime_kind in self.runtimes_started
+        ):
+            # The first turn goes with the spawn request: the worker starts
+            # it right after its hello, instead of waiting for the supervisor
+            # to see the hello and send it (a round trip through 2 processes).
+            # Only for a runtime that has started before and a session not
+            # failing: a worker that then dies before its hello may have run
+            # the turn, which then fails (at most once) instead of waiting
+            # for a retry as it would behind a runtime that cannot start.
+            turn = session.queue.popleft()
+            self.queued_total -= 1
+            session.current = turn
+            request["turn"] = {"id": turn.id, "text": turn.text}
         # Asked now, not when the task first runs: the fork starts sooner.
-        forked = self.zygote.spawn(self._spawn_request(session))
+        forked = self.zygote.spawn(request)
+        if session.unsaved:
+            session.unsaved = False
+            try:
+                open_session_dir(self.settings.data_dir, session.key)
+                save_session_meta(session)
+            except OSError as exc:
+                # The worker needs the directory too, and says so if it fails.
+                log.error(kv("session_dir_failed", session=session.key, error=exc))
         self._spawn_task(self._fork(session, session.generation, forked))
 
     def _spawn_request(self, session: Session) -> dict[str, Any]:
@@ -1268,8 +1326,14 @@ class Supervisor:
         if msg.kind is Kind.HELLO:
             if session.state is State.STARTING:
                 self._transition(session, Event.HELLO)
+                self.runtimes_started.add(session.runtime_kind)
                 log.info(kv("ready", session=session.key, pid=msg.body["pid"]))
-                self._pump(session)
+                if session.current is not None:
+                    # The first turn came with the spawn request; the worker
+                    # started it right after this hello.
+                    self._begin(session, session.current, handed=True)
+                else:
+                    self._pump(session)
             return
         turn = session.current
         if turn is None or msg.re != turn.id:
@@ -1480,8 +1544,21 @@ class Supervisor:
             ),
         )
 
+        if (
+            session.current is not None
+            and was is State.STARTING
+            and (exit_code in UNSTARTED_EXITS or pid is None)
+        ):
+            # The worker was handed this turn but failed before its hello,
+            # at a point that is before any turn (or was never forked): the
+            # turn did not run, so it waits for the next worker like the rest.
+            turn, session.current = session.current, None
+            session.cancel_on_hello = None
+            session.queue.appendleft(turn)
+            self.queued_total += 1
         if session.current is not None:
             turn, session.current = session.current, None
+            session.cancel_on_hello = None
             if not turn.abandoned:
                 if was is State.STOPPING or session.kill_code is not None:
                     code = ErrorCode(session.kill_code or ErrorCode.SESSION_KILLED.value)

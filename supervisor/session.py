@@ -50,6 +50,14 @@ class Session:
     generation: int = 0
     queue: deque[Turn] = field(default_factory=deque)
     current: Turn | None = None
+    # A cancel for the first turn, which its worker (still starting) was
+    # handed in the spawn request: sent once the worker says hello.
+    cancel_on_hello: str | None = None
+    # The runtime (name and config) its worker was started with.
+    runtime_kind: str = ""
+    # A new session's directory and session.json are written once its
+    # first worker is asked for: the fork need not wait for the disk.
+    unsaved: bool = False
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     last_activity: float = field(default_factory=time.time)
@@ -131,9 +139,14 @@ class Session:
         }
 
 
+def session_path(data_dir: Path, key: str) -> Path:
+    """Where a session's directory is (or will be)."""
+    return data_dir / "sessions" / session_dir_name(key)
+
+
 def open_session_dir(data_dir: Path, key: str) -> tuple[Path, SessionOptions | None]:
     """The session's directory (created 0700) and the options stored there, if any."""
-    path = data_dir / "sessions" / session_dir_name(key)
+    path = session_path(data_dir, key)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     meta = path / SESSION_FILE
     try:

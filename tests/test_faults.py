@@ -377,3 +377,52 @@ def test_a_restarted_supervisor_stops_leftover_workers_by_pid_and_create_time(
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_first_turn_handed_to_a_starting_worker_can_be_cancelled(supervisor_factory) -> None:
+    """Once a runtime has started, a new session's first turn rides in the
+    spawn request. A cancel that arrives before that worker's hello is held
+    and sent after it: the running turn sees it (its reply says so), rather
+    than the cancel being lost on a worker not yet connected."""
+    env = dict(os.environ, PYTHONPATH=RUNTIMES)
+    sup = supervisor_factory("--agent", "hs_picky:make", env=env)
+    with sup.client() as client:
+        assert client.run("warm", "hi").text == "hi"
+        req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="slow-1")
+        started = time.monotonic()
+        assert client.cancel("slow-1") == req  # its worker is still in make()
+        final = client.answer(req)
+        while final.kind is Kind.EVENT:
+            final = client.answer(req)
+        assert final.kind is Kind.REPLY and final.body["text"] == "cancelled"
+        assert time.monotonic() - started < 10
+        assert client.run("slow-1", "again").text == "again"
+
+
+def test_a_handed_first_turn_whose_worker_cannot_start_is_not_lost(supervisor_factory) -> None:
+    """A worker that fails to load its runtime never ran the turn it was
+    handed: the turn goes back to the queue and ends as the session's
+    failure, not as a turn the worker died in."""
+    env = dict(os.environ, PYTHONPATH=RUNTIMES)
+    sup = supervisor_factory("--agent", "hs_picky:make", "--failed-cooldown", "60", env=env)
+    with sup.client() as client:
+        assert client.run("warm", "hi").text == "hi"
+        with pytest.raises(SupervisorError) as err:
+            client.run("bad-1", "hi")
+        assert err.value.code == "session_failed"
+        assert "could not load its agent runtime" in err.value.message
+        assert client.run("warm", "still here").text == "still here"
+
+
+def test_a_worker_killed_in_its_first_turn_runs_it_once(supervisor, workdir) -> None:
+    """At most once, with the first turn in the spawn request too: a worker
+    that dies during it fails the turn, and no new worker runs it again."""
+    runs = workdir / "runs"
+    with supervisor.client() as client:
+        assert client.run("warm", "hi").text == "hi"
+        with pytest.raises(SupervisorError) as err:
+            client.run("dies", f"sh echo ran >> {runs}; kill -9 $PPID; sleep 5")
+        assert err.value.code == "worker_died"
+        assert client.run("dies", "echo back").text == "echo back"
+        time.sleep(0.5)
+        assert runs.read_text() == "ran\n"

@@ -209,10 +209,16 @@ class WorkerLoop:
         self.stopping = False
         self.heartbeat = float(req.get("heartbeat", 1.0))
         self._next_beat = 0.0
+        # The session's first turn, when it came with the spawn request.
+        self.first_turn: dict[str, Any] | None = req.get("turn")
 
     def run(self) -> int:
         """Serve turns until asked to stop or the supervisor goes away."""
         self._send(Message(Kind.HELLO, {"pid": os.getpid()}, session=self.key))
+        if self.first_turn is not None:
+            # Hello first, then the turn: the supervisor counts the turn as
+            # started when it reads the hello.
+            self._start_turn(str(self.first_turn["id"]), str(self.first_turn["text"]))
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -301,13 +307,7 @@ class WorkerLoop:
                     )
                 )
                 return
-            self.turn = msg.id
-            if self.turn_thread is None:
-                self.turn_thread = threading.Thread(
-                    target=self._turn_loop, name="turn", daemon=True
-                )
-                self.turn_thread.start()
-            self.turns.put((msg.id, msg.body["text"]))
+            self._start_turn(msg.id, msg.body["text"])
         elif msg.kind is Kind.CANCEL:
             self._cancel()
         elif msg.kind is Kind.STOP:
@@ -322,6 +322,13 @@ class WorkerLoop:
                     log.exception("approval answer failed")
         else:
             log.warning("ignored a %s message from the supervisor", msg.kind.value)
+
+    def _start_turn(self, turn_id: str, text: str) -> None:
+        self.turn = turn_id
+        if self.turn_thread is None:
+            self.turn_thread = threading.Thread(target=self._turn_loop, name="turn", daemon=True)
+            self.turn_thread.start()
+        self.turns.put((turn_id, text))
 
     def _cancel(self) -> None:
         self.cancelling = self.turn
