@@ -30,7 +30,10 @@ from .events import Event, Reply, to_event
 
 # How often a waiting client checks that a local supervisor is still there.
 LIVENESS_SLICE = 2.0
-NOBLOCK = int(zmq.NOBLOCK)  # a plain int: flag enums are slow per call
+NOBLOCK = int(zmq.NOBLOCK)  # plain ints: flag enums are slow per call
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+# A supervisor that answered this recently is not checked for before a request.
+RECENTLY = 1.0
 
 
 def make_socket(
@@ -99,6 +102,7 @@ class _Link:
         self.sock, self.monitor = make_socket(ctx, conn)
         self.core = ClientCore(conn.key)
         self.raw: deque[Message] = deque()  # answers to `submit`, in arrival order
+        self.heard = 0.0  # monotonic time of the last answer
 
     def pump(self, timeout: float) -> int:
         """Wait up to `timeout` for input, then take everything waiting;
@@ -112,9 +116,14 @@ class _Link:
             try:
                 frames = recv_frames(self.sock, NOBLOCK)
             except zmq.Again:
-                return count
+                break
             self.core.receive(frames)
             count += 1
+            if not self.sock.getsockopt(EVENTS) & POLLIN:
+                break  # cheaper than the exception of one recv too many
+        if count:
+            self.heard = time.monotonic()
+        return count
 
     def close(self) -> None:
         close_socket(self.sock, self.monitor)
@@ -287,7 +296,9 @@ class Client:
         """Send a request on this thread's socket; its answers wait in `pending`
         (only this thread reads the socket, so they cannot arrive before it)."""
         link = self._link()
-        if self.connection.alive() is False:
+        # Is it still there? Not asked (a lock-file check) when it answered
+        # just now; a supervisor gone since is noticed while waiting anyway.
+        if time.monotonic() - link.heard > RECENTLY and self.connection.alive() is False:
             raise self._lost(link, f"no hermes-sup supervisor is running on {self.state_dir}")
         pending, frames = link.core.request(kind, body, session, msg_id=msg_id)
         send_frames(link.sock, frames)

@@ -48,6 +48,7 @@ from .prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
 MAX_POLL_MS = 1000
 SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 # The backend's send and recv, unbound: pyzmq's wrappers cost a Python frame
 # per zmq frame, and getsockopt(RCVMORE) an enum conversion.
 _send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
@@ -271,13 +272,14 @@ class WorkerLoop:
 
     def _drain_wake(self) -> None:
         try:
-            while os.read(self._wake_r, 4096):
+            while len(os.read(self._wake_r, 4096)) == 4096:
                 pass
         except BlockingIOError:
             pass
 
     def _recv_all(self) -> None:
-        while True:
+        more = True
+        while more:
             frames = []
             try:
                 while True:
@@ -287,6 +289,7 @@ class WorkerLoop:
                         break
             except zmq.Again:
                 return
+            more = self.sock.getsockopt(EVENTS) & POLLIN  # not one recv too many
             try:
                 msg = decode(frames, self.token)
             except RemoteProtocolError as exc:
@@ -385,11 +388,8 @@ class WorkerLoop:
             pass  # the pipe is full, so the main loop is awake anyway
 
     def _flush_outbox(self) -> None:
-        while True:
-            try:
-                msg = self.outbox.get_nowait()
-            except queue.Empty:
-                return
+        while not self.outbox.empty():  # this thread alone takes from it
+            msg = self.outbox.get_nowait()
             final = msg.kind is not Kind.EVENT
             if final and self.turn is not None:
                 # The final answer is the turn's last act: mark it over
