@@ -10,12 +10,13 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+# Looked up once (in the zygote, for every worker), not per call.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def prctl(option: int, value: int) -> None:
     """Call prctl(option, value), raising OSError on failure."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
+    if _prctl(option, value, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
 

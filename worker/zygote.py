@@ -240,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
     started = time.perf_counter()
     loaded, failed = _preload(list(BASE_PRELOAD) + list(args.preload))
+    from hermes_sup.worker.main import prepare
+
+    try:
+        prepare()  # before the freeze: what it makes is shared by every worker
+    except Exception:
+        traceback.print_exc()  # workers then make their own; say why, go on
     # Everything allocated so far is shared with children: keep the collector
     # from touching (and so copying) those pages in every worker.
     gc.collect()
