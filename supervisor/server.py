@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -91,6 +92,14 @@ MAX_WATCHERS = 1024
 # timeout gets the same turn, never a second run of it.
 DEDUP_ENTRIES = 10_000
 TICK = 0.25
+# A full garbage collection pauses the loop for about 0.8 us per tracked
+# object here: 95 ms at 2,000 sessions. Python starts one whenever the heap
+# has grown by a quarter, so while sessions are being added it kept landing
+# in the middle of spawns. The supervisor starts them itself on a fixed
+# clock instead (young cycles are still collected as usual, by generations
+# 0 and 1), and freezes what it made at start-up, which lives as long as it.
+FULL_GC_INTERVAL = 300.0
+GC_NEVER = 1_000_000  # gen-1 collections before Python would start a full one
 MIB = 1024 * 1024
 # Event data larger than this is not kept in a session's replay history.
 HISTORY_DATA_LIMIT = 8192
@@ -202,6 +211,7 @@ class Supervisor:
         self._spawning = 0
         self._scanning = False
         self._next_scan = 0.0
+        self._next_full_gc = time.monotonic() + FULL_GC_INTERVAL
         self._front_handlers: dict[Kind, Callable[[bytes, Message], None]] = {
             Kind.PING: self._on_ping,
             Kind.OPEN: self._on_open,
@@ -322,6 +332,9 @@ class Supervisor:
             )
         )
         self._reap()  # anything that died before the handler was installed
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*gc.get_threshold()[:2], GC_NEVER)
         self.metrics = self._start_metrics()
         self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
@@ -459,6 +472,20 @@ class Supervisor:
         s = self.settings
         if self.notifier.enabled:
             self._notify_systemd(now)
+        if now >= self._next_full_gc:
+            self._next_full_gc = now + FULL_GC_INTERVAL
+            started = time.perf_counter()
+            found = gc.collect()
+            took = time.perf_counter() - started
+            log.log(
+                logging.INFO if took > 0.05 else logging.DEBUG,
+                kv(
+                    "full_gc",
+                    ms=round(took * 1000, 1),
+                    collected=found,
+                    tracked=len(gc.get_objects()),
+                ),
+            )
         for session in list(self.sessions.values()):
             own = session.settings or s
             if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
