@@ -58,7 +58,7 @@ class Sup:
     """A real supervisor for the benchmark, on a private temp dir."""
 
     def __init__(self, *args: str) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="hsb-", dir="/tmp"))
+        self.root = Path(tempfile.mkdtemp(prefix="hsb-", dir=os.environ.get("HSB_DIR", "/tmp")))
         self.state = self.root / "s"
         cmd = [
             sys.executable,
