@@ -1580,9 +1580,22 @@ class Supervisor:
             # at a point that is before any turn (or was never forked): the
             # turn did not run, so it waits for the next worker like the rest.
             turn, session.current = session.current, None
+            if session.cancel_on_hello == turn.id:
+                # Cancelled while it waited for the hello: it ends here.
+                self._finish(
+                    turn,
+                    session,
+                    error_message(
+                        ErrorCode.TURN_FAILED.value,
+                        "cancelled before it started",
+                        re=turn.id,
+                        session=session.key,
+                    ),
+                )
+            else:
+                session.queue.appendleft(turn)
+                self.queued_total += 1
             session.cancel_on_hello = None
-            session.queue.appendleft(turn)
-            self.queued_total += 1
         if session.current is not None:
             turn, session.current = session.current, None
             session.cancel_on_hello = None

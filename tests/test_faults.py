@@ -414,6 +414,25 @@ def test_a_handed_first_turn_whose_worker_cannot_start_is_not_lost(supervisor_fa
         assert client.run("warm", "still here").text == "still here"
 
 
+def test_a_handed_first_turn_cancelled_before_a_failed_start_stays_cancelled(
+    supervisor_factory,
+) -> None:
+    """Cancelled while its worker was starting, and that worker then failed
+    to load: the turn ends as cancelled; it does not go back to the queue."""
+    env = dict(os.environ, PYTHONPATH=RUNTIMES)
+    sup = supervisor_factory("--agent", "hs_picky:make", "--failed-cooldown", "60", env=env)
+    with sup.client() as client:
+        assert client.run("warm", "hi").text == "hi"
+        req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="slow-bad-1")
+        assert client.cancel("slow-bad-1") == req
+        with pytest.raises(SupervisorError) as err:
+            final = client.answer(req)
+            while final.kind is Kind.EVENT:
+                final = client.answer(req)
+        assert err.value.code == "turn_failed"
+        assert "cancelled before it started" in err.value.message
+
+
 def test_a_worker_killed_in_its_first_turn_runs_it_once(supervisor, workdir) -> None:
     """At most once, with the first turn in the spawn request too: a worker
     that dies during it fails the turn, and no new worker runs it again."""

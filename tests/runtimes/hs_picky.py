@@ -1,6 +1,7 @@
-"""A runtime whose start depends on the session key: keys starting "slow"
-take half a second to start, keys starting "bad" cannot start. Its turns
-echo, and `sleep SECONDS` sleeps until cancelled."""
+"""A runtime whose start depends on the session key: keys with "slow" in
+them take half a second to start, keys with "bad" cannot start (after the
+half second, if both). Its turns echo, and `sleep SECONDS` sleeps until
+cancelled."""
 
 import threading
 import time
@@ -21,8 +22,8 @@ class Picky:
 
 
 def make(session):
-    if session.key.startswith("bad"):
-        raise RuntimeError("this runtime refuses keys that start with 'bad'")
-    if session.key.startswith("slow"):
+    if "slow" in session.key:
         time.sleep(0.5)
+    if "bad" in session.key:
+        raise RuntimeError("this runtime refuses keys with 'bad' in them")
     return Picky()
