@@ -105,8 +105,15 @@ def _boot(req: dict[str, Any]) -> int:
     for d in (workspace, home):
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chdir(workspace)
-    os.environ.clear()
-    os.environ.update(req["env"])
+    # Exactly the session's environment, changing only what differs from
+    # the zygote's (most of it is the same base): every key touched is
+    # pages copied from the zygote.
+    env: dict[str, str] = req["env"]
+    for name in [n for n in os.environ if n not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -367,10 +374,10 @@ class WorkerLoop:
 
     def _start_turn(self, turn_id: str, text: str) -> None:
         self.turn = turn_id
+        self.turns.put((turn_id, text))  # first: a new thread finds it waiting
         if self.turn_thread is None:
             self.turn_thread = threading.Thread(target=self._turn_loop, name="turn", daemon=True)
             self.turn_thread.start()
-        self.turns.put((turn_id, text))
 
     def _cancel(self) -> None:
         self.cancelling = self.turn
