@@ -50,6 +50,7 @@ def test_hermes_sup_measures_and_leaves_nothing(bench) -> None:
         assert len(pids) == 5  # 3 spawned + 2 routed sessions
         memory = bench.memory_of(pids)
         assert memory["n"] == 5 and memory["uss_mib_p50"] > 0
+        assert memory["minor_faults_p50"] > 0  # a forked worker copies pages
         root, pid = sup.root, sup.proc.pid
     finally:
         sup.close()
