@@ -809,16 +809,7 @@ class Supervisor:
                     session.queue.remove(turn)
                     self.queued_total -= 1
                     cancelled = turn.id
-                    self._finish(
-                        turn,
-                        session,
-                        error_message(
-                            ErrorCode.TURN_FAILED.value,
-                            "cancelled before it started",
-                            re=turn.id,
-                            session=key,
-                        ),
-                    )
+                    self._cancelled_unstarted(session, turn)
         self._send_client(client, msg.reply(Kind.CANCELLED, {"turn": cancelled}))
 
     def _on_list(self, client: bytes, msg: Message) -> None:
@@ -1113,6 +1104,19 @@ class Supervisor:
             self.metrics.turns.labels(outcome).inc()
             if turn.started_at is not None:
                 self.metrics.turn_seconds.observe(time.monotonic() - turn.started_at)
+
+    def _cancelled_unstarted(self, session: Session, turn: Turn) -> None:
+        """End a turn that was cancelled before any worker ran it."""
+        self._finish(
+            turn,
+            session,
+            error_message(
+                ErrorCode.TURN_FAILED.value,
+                "cancelled before it started",
+                re=turn.id,
+                session=session.key,
+            ),
+        )
 
     def _fail_queue(self, session: Session, code: ErrorCode, text: str) -> None:
         while session.queue:
@@ -1581,17 +1585,7 @@ class Supervisor:
             # turn did not run, so it waits for the next worker like the rest.
             turn, session.current = session.current, None
             if session.cancel_on_hello == turn.id:
-                # Cancelled while it waited for the hello: it ends here.
-                self._finish(
-                    turn,
-                    session,
-                    error_message(
-                        ErrorCode.TURN_FAILED.value,
-                        "cancelled before it started",
-                        re=turn.id,
-                        session=session.key,
-                    ),
-                )
+                self._cancelled_unstarted(session, turn)  # while it waited for the hello
             else:
                 session.queue.appendleft(turn)
                 self.queued_total += 1
