@@ -79,6 +79,7 @@ from .notify import Notifier
 from .process import WorkerProcess, become_subreaper, kill_processes
 from .records import WorkerRecords
 from .session import Session, Turn, open_session_dir, save_session_meta, session_path
+from .spares import SpareDirs
 from .spawner import Zygote, ZygoteError
 from .states import LIVE_STATES, Event, State
 
@@ -202,6 +203,7 @@ class Supervisor:
         self.base_env: dict[str, str] = {}
         self.zygote: Zygote | None = None
         self.records: WorkerRecords | None = None
+        self.spares = SpareDirs(settings.data_dir)
         self._lock = statedir.InstanceLock(settings.state_dir)
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -243,6 +245,7 @@ class Supervisor:
         try:
             self.key = statedir.load_or_create_key(s.state_dir)
             self.records = WorkerRecords(s.state_dir)
+            self.spares.reset()
             for line in self.records.stop_leftovers():
                 log.warning(kv("leftover_worker", detail=line))
             self._size_for_fd_limit()
@@ -1244,8 +1247,13 @@ class Supervisor:
         if session.unsaved:
             session.unsaved = False
             try:
-                open_session_dir(self.settings.data_dir, session.key)
+                # A spare directory moved into place while the worker starts
+                # spares it making its own.
+                custom = session.options.workspace is not None
+                if not self.spares.take(session.dir, with_workspace=not custom):
+                    open_session_dir(self.settings.data_dir, session.key)
                 save_session_meta(session)
+                self.spares.refill()  # one behind each new session
             except OSError as exc:
                 # The worker needs the directory too, and says so if it fails.
                 log.error(kv("session_dir_failed", session=session.key, error=exc))

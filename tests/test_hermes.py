@@ -125,8 +125,12 @@ def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> 
                         assert session_dir_name(other) not in content, (path, other)
         assert (d / "home" / "state.db").exists()
         assert (d / "home" / "config.yaml").read_text().startswith("approvals")  # template
-    leftovers = [p for p in hermes.data_dir.iterdir() if p.name not in ("sessions", "zygote-home")]
+    known = ("sessions", "zygote-home", ".spare-sessions")
+    leftovers = [p for p in hermes.data_dir.iterdir() if p.name not in known]
     assert leftovers == []
+    # Session directories made ahead of time for new sessions hold nothing yet.
+    spares = list((hermes.data_dir / ".spare-sessions").glob("*/*"))
+    assert spares and all(p.is_dir() and not any(p.iterdir()) for p in spares)
     # The api key is in no log and no file of any session.
     assert "sk-fake-secret" not in hermes.log()
     for path in hermes.data_dir.rglob("*"):

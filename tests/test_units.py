@@ -202,3 +202,32 @@ def test_fork_to_parent_makes_a_child_of_the_callers_parent(tmp_path) -> None:
     # Only a parent can reap: the grandchild is our child, with its own status.
     _, status = os.waitpid(grandchild, 0)
     assert os.waitstatus_to_exitcode(status) == 7
+
+
+def test_spare_session_dirs_move_into_place_and_never_over_a_real_one(tmp_path: Path) -> None:
+    from hermes_sup.supervisor.spares import SpareDirs
+
+    sessions = tmp_path / "sessions"
+    (tmp_path / ".spare-sessions" / "old").mkdir(parents=True)  # left by an earlier run
+    spares = SpareDirs(tmp_path, target=2)
+    spares.reset()
+    assert not (tmp_path / ".spare-sessions" / "old").exists() and len(spares.free) == 2
+    assert (tmp_path / ".spare-sessions").stat().st_mode & 0o077 == 0
+    assert list(sessions.iterdir()) == []  # only sessions live there
+
+    a = sessions / "aaaa"
+    assert spares.take(a)
+    assert sorted(p.name for p in a.iterdir()) == ["home", "workspace"]
+    assert a.stat().st_mode & 0o777 == 0o700
+
+    b = sessions / "bbbb"
+    (b / "workspace").mkdir(parents=True)  # the worker got there first
+    assert not spares.take(b)
+    assert sorted(p.name for p in b.iterdir()) == ["workspace"] and len(spares.free) == 1
+
+    c = sessions / "cccc"
+    assert spares.take(c, with_workspace=False)  # its workspace is elsewhere
+    assert [p.name for p in c.iterdir()] == ["home"]
+    assert not spares.take(sessions / "dddd")  # none left
+    spares.refill(5)
+    assert len(spares.free) == 2  # up to the target, no further
