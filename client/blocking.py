@@ -119,7 +119,7 @@ class _Link:
                 break
             self.core.receive(frames)
             count += 1
-            if not self.sock.getsockopt(EVENTS) & POLLIN:
+            if not int(self.sock.getsockopt(EVENTS)) & POLLIN:
                 break  # cheaper than the exception of one recv too many
         if count:
             self.heard = time.monotonic()

@@ -60,11 +60,11 @@ def sign(key: bytes, payload: bytes) -> bytes:
 # per message: a signature then costs two SHA-256 copies and three small
 # updates, about a quarter of hmac.digest(), which sets up both states from
 # the key on every call (and OpenSSL 3 looks up the digest by name, too).
-_PADS: dict[bytes, tuple[Any, Any]] = {}
+_PADS: dict[bytes, tuple[hashlib._Hash, hashlib._Hash]] = {}
 _MAX_KEYS = 8192  # a supervisor holds one key per running worker, plus its own
 
 
-def _pads(key: bytes) -> tuple[Any, Any]:
+def _pads(key: bytes) -> tuple[hashlib._Hash, hashlib._Hash]:
     block = hashlib.sha256(key).digest() if len(key) > _BLOCK else key
     block = block.ljust(_BLOCK, b"\0")
     pads = (

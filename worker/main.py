@@ -335,7 +335,7 @@ class WorkerLoop:
                         break
             except zmq.Again:
                 return
-            more = self.sock.getsockopt(EVENTS) & POLLIN  # not one recv too many
+            more = bool(int(self.sock.getsockopt(EVENTS)) & POLLIN)  # not one recv too many
             try:
                 msg = decode(frames, self.token)
             except RemoteProtocolError as exc:
