@@ -1236,7 +1236,12 @@ class Supervisor:
             session.current = turn
             request["turn"] = {"id": turn.id, "text": turn.text}
         # Asked now, not when the task first runs: the fork starts sooner.
+        # Counted from this moment: the worker is our child as soon as it is
+        # cloned, and until it is registered an orphan cull (which may run
+        # before the task below starts) must not take it for an orphan.
+        self._spawning += 1
         forked = self.zygote.spawn(request)
+        self._spawn_task(self._fork(session, session.generation, forked))  # it uncounts
         if session.unsaved:
             session.unsaved = False
             try:
@@ -1250,7 +1255,6 @@ class Supervisor:
             except OSError as exc:
                 # The worker needs the directory too, and says so if it fails.
                 log.error(kv("session_dir_failed", session=session.key, error=exc))
-        self._spawn_task(self._fork(session, session.generation, forked))
 
     def _spawn_request(self, session: Session) -> dict[str, Any]:
         s = self.settings
@@ -1283,7 +1287,7 @@ class Supervisor:
     async def _fork(
         self, session: Session, generation: int, forked: asyncio.Future[tuple[int, int | None]]
     ) -> None:
-        self._spawning += 1
+        """Register the forked worker; ends the spawn `_start_worker` counted."""
         try:
             await self._fork_and_register(session, generation, forked)
         finally:
