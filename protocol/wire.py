@@ -62,6 +62,9 @@ def sign(key: bytes, payload: bytes) -> bytes:
 # the key on every call (and OpenSSL 3 looks up the digest by name, too).
 _PADS: dict[bytes, tuple[hashlib._Hash, hashlib._Hash]] = {}
 _MAX_KEYS = 8192  # a supervisor holds one key per running worker, plus its own
+_BLOCK = 64  # SHA-256's block size
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
 
 
 def _pads(key: bytes) -> tuple[hashlib._Hash, hashlib._Hash]:
@@ -75,11 +78,6 @@ def _pads(key: bytes) -> tuple[hashlib._Hash, hashlib._Hash]:
         _PADS.clear()  # rare: the cost is recomputing pads for keys still in use
     _PADS[key] = pads
     return pads
-
-
-_BLOCK = 64  # SHA-256's block size
-_IPAD = bytes(x ^ 0x36 for x in range(256))
-_OPAD = bytes(x ^ 0x5C for x in range(256))
 
 
 def encode(msg: Message, key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:

@@ -1594,10 +1594,8 @@ class Supervisor:
             else:
                 session.queue.appendleft(turn)
                 self.queued_total += 1
-            session.cancel_on_hello = None
         if session.current is not None:
             turn, session.current = session.current, None
-            session.cancel_on_hello = None
             if not turn.abandoned:
                 if was is State.STOPPING or session.kill_code is not None:
                     code = ErrorCode(session.kill_code or ErrorCode.SESSION_KILLED.value)
@@ -1608,6 +1606,7 @@ class Supervisor:
                 self._finish(
                     turn, session, error_message(code.value, text, re=turn.id, session=session.key)
                 )
+        session.cancel_on_hello = None  # its worker is gone, and with it the handed turn
         if session.state is State.FAILED:
             session.retry_at = time.monotonic() + s.failed_cooldown
             self._fail_queue(

@@ -139,9 +139,14 @@ class Session:
         }
 
 
+def sessions_dir(data_dir: Path) -> Path:
+    """Where every session's directory is."""
+    return data_dir / "sessions"
+
+
 def session_path(data_dir: Path, key: str) -> Path:
     """Where a session's directory is (or will be)."""
-    return data_dir / "sessions" / session_dir_name(key)
+    return sessions_dir(data_dir) / session_dir_name(key)
 
 
 def open_session_dir(data_dir: Path, key: str) -> tuple[Path, SessionOptions | None]:

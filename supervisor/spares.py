@@ -17,6 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
+from .session import sessions_dir
+
 log = logging.getLogger("hermes_sup.supervisor")
 
 SPARE_DIR = ".spare-sessions"  # beside <data>/sessions, on the same file system
@@ -27,7 +29,7 @@ class SpareDirs:
 
     def __init__(self, data_dir: Path, target: int = 4) -> None:
         self.root = data_dir / SPARE_DIR
-        self.sessions = data_dir / "sessions"
+        self.sessions = sessions_dir(data_dir)
         self.target = target
         self.free: list[Path] = []
         self._names = itertools.count()
