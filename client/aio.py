@@ -117,12 +117,14 @@ class AsyncClient:
 
     # ------------------------------------------------------------- the calls
 
-    async def _start(self, kind: Kind, body: dict[str, Any], session: str | None) -> Pending:
+    async def _start(
+        self, kind: Kind, body: dict[str, Any], session: str | None, ttl: float | None
+    ) -> Pending:
         if self.connection.alive() is False:
             await self._drop()
             raise NotRunning(f"no hermes-sup supervisor is running on {self.state_dir}")
         sock, core_ = self._connect()
-        pending, frames = core_.request(kind, body, session)
+        pending, frames = core_.request(kind, body, session, ttl=ttl)
         self._wakers[pending.id] = asyncio.Event()
         await sock.send_multipart(frames)
         return pending
@@ -176,9 +178,10 @@ class AsyncClient:
         return Timeout(f"the supervisor did not answer within {waited:g}s")
 
     async def _call(self, call: core.Call, timeout: float | None) -> Any:
-        pending = await self._start(call.kind, call.body, call.session)
+        wait = self.timeout if timeout is None else timeout
+        pending = await self._start(call.kind, call.body, call.session, ttl=wait)
         try:
-            msg = await self._wait(pending, self.timeout if timeout is None else timeout)
+            msg = await self._wait(pending, wait)
         finally:
             self._end(pending)
         return call.read(msg)
@@ -214,7 +217,9 @@ class AsyncClient:
         turn_timeout: float | None = None,
     ) -> AsyncTurn:
         """Send a turn; `async for` the result for its events as they stream."""
-        pending = await self._start(Kind.SEND, core.send_body(text, options), session)
+        pending = await self._start(
+            Kind.SEND, core.send_body(text, options), session, ttl=self.timeout
+        )
         return AsyncTurn(self, pending, turn_timeout)
 
     async def run(self, session: str, text: str, **kw: Any) -> Reply:
@@ -251,7 +256,7 @@ class AsyncClient:
 
     async def watch(self, session: str | None = None, replay: int = 0) -> AsyncIterator[Event]:
         """Every event of one session (or of all) until the iterator is closed."""
-        pending = await self._start(Kind.WATCH, {"replay": replay}, session)
+        pending = await self._start(Kind.WATCH, {"replay": replay}, session, ttl=self.timeout)
         try:
             await self._wait(pending, self.timeout)  # the `watching` acknowledgement
             while True:

@@ -235,11 +235,14 @@ class Client:
         body: dict[str, Any] | None = None,
         session: str | None = None,
         msg_id: str | None = None,
+        ttl: float | None = None,
     ) -> str:
         """Send one request without waiting; its answers come from `next` or
         `answer`. Returns the request id. Passing the id of an earlier `send`
-        resends it: the supervisor never runs a turn twice."""
-        link, pending = self._start(kind, body or {}, session, msg_id=msg_id)
+        resends it: the supervisor never runs a turn twice. With `ttl`, the
+        supervisor refuses it (`expired`) if it arrives more than `ttl`
+        seconds after it was sent."""
+        link, pending = self._start(kind, body or {}, session, msg_id=msg_id, ttl=ttl)
         pending.inbox = link.raw  # raw answers share one queue, in arrival order
         return pending.id
 
@@ -286,12 +289,18 @@ class Client:
         timeout: float | None = None,
     ) -> Message:
         """Send a request and return its single answer (errors raise)."""
-        return self.answer(self.submit(kind, body, session), timeout)
+        wait = self.timeout if timeout is None else timeout
+        return self.answer(self.submit(kind, body, session, ttl=wait), wait)
 
     # ------------------------------------------------------------- the calls
 
     def _start(
-        self, kind: Kind, body: dict[str, Any], session: str | None, msg_id: str | None = None
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        session: str | None,
+        msg_id: str | None = None,
+        ttl: float | None = None,
     ) -> tuple[_Link, Pending]:
         """Send a request on this thread's socket; its answers wait in `pending`
         (only this thread reads the socket, so they cannot arrive before it)."""
@@ -300,7 +309,7 @@ class Client:
         # just now; a supervisor gone since is noticed while waiting anyway.
         if time.monotonic() - link.heard > RECENTLY and self.connection.alive() is False:
             raise self._lost(link, f"no hermes-sup supervisor is running on {self.state_dir}")
-        pending, frames = link.core.request(kind, body, session, msg_id=msg_id)
+        pending, frames = link.core.request(kind, body, session, msg_id=msg_id, ttl=ttl)
         send_frames(link.sock, frames)
         return link, pending
 
@@ -330,8 +339,9 @@ class Client:
                 raise self._lost(link, "the supervisor went away before it answered")
 
     def _call(self, call: core.Call, timeout: float | None) -> Any:
-        link, pending = self._start(call.kind, call.body, call.session)
-        return call.read(self._wait(link, pending, self.timeout if timeout is None else timeout))
+        wait = self.timeout if timeout is None else timeout
+        link, pending = self._start(call.kind, call.body, call.session, ttl=wait)
+        return call.read(self._wait(link, pending, wait))
 
     def ping(self, timeout: float | None = None) -> Pong:
         """The supervisor's version, pid and uptime."""
@@ -368,7 +378,9 @@ class Client:
     ) -> Turn:
         """Send a turn; iterate the result for its events as they stream. The
         last one is the `Reply`; an error raises its typed exception."""
-        link, pending = self._start(Kind.SEND, core.send_body(text, options), session)
+        link, pending = self._start(
+            Kind.SEND, core.send_body(text, options), session, ttl=self.timeout
+        )
         return Turn(self, link, pending, turn_timeout)
 
     def run(self, session: str, text: str, **kw: Any) -> Reply:
@@ -409,7 +421,7 @@ class Client:
     def watch(self, session: str | None = None, replay: int = 0) -> Iterator[Event]:
         """Every event of one session (or of all): states, turns from any
         client, streamed events, final answers. Stops when the iterator is closed."""
-        link, pending = self._start(Kind.WATCH, {"replay": replay}, session)
+        link, pending = self._start(Kind.WATCH, {"replay": replay}, session, ttl=self.timeout)
         try:
             self._wait(link, pending, self.timeout)  # the `watching` acknowledgement
             while True:

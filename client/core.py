@@ -81,11 +81,14 @@ class ClientCore:
         *,
         stream: bool | None = None,
         msg_id: str | None = None,
+        ttl: float | None = None,
     ) -> tuple[Pending, list[bytes]]:
-        """A new pending request and the frames to send for it."""
-        msg = Message(kind, body or {}, session=session)
+        """A new pending request and the frames to send for it. With `ttl`
+        (the seconds its sender will wait for a first answer) the supervisor
+        refuses it when it arrives later than that."""
+        msg = Message(kind, body or {}, session=session, ttl=ttl)
         if msg_id is not None:
-            msg = Message(kind, body or {}, session=session, id=msg_id)
+            msg = Message(kind, body or {}, session=session, id=msg_id, ttl=ttl)
         frames = encode(msg, self.key, self.limits)
         if stream is None:
             # `logs` with follow streams its new lines after the first answer.

@@ -99,6 +99,7 @@ _BY_CODE: dict[str, type[SupervisorError]] = {
     ErrorCode.TOO_LARGE: ProtocolError,
     ErrorCode.BAD_SIGNATURE: ProtocolError,
     ErrorCode.REPLAYED: ProtocolError,
+    ErrorCode.EXPIRED: ProtocolError,
     ErrorCode.MALFORMED: ProtocolError,
     ErrorCode.BAD_FIELD: BadRequest,
     ErrorCode.UNKNOWN_KIND: BadRequest,

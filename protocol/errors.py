@@ -19,6 +19,7 @@ class ErrorCode(StrEnum):
     TOO_LARGE = "too_large"
     BAD_SIGNATURE = "bad_signature"
     REPLAYED = "replayed"
+    EXPIRED = "expired"
     MALFORMED = "malformed"
     BAD_FIELD = "bad_field"
     UNKNOWN_KIND = "unknown_kind"

@@ -128,6 +128,9 @@ class Message:
     re: str | None = None
     id: str = field(default_factory=new_id)
     ts: float = field(default_factory=time.time)
+    # A request's time to live: its sender waits this many seconds after
+    # `ts` for the first answer, and the supervisor refuses it later.
+    ttl: float | None = None
 
     def reply(self, kind: Kind, body: dict[str, Any] | None = None) -> Message:
         """A message answering this one: same session, `re` set to this id."""

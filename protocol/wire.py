@@ -84,7 +84,7 @@ def encode(msg: Message, key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[by
     """Turn a message into signed frames. Raises LocalProtocolError if the
     message itself breaks the protocol (a bug on this side)."""
     try:
-        _check_envelope(msg.kind.value, msg.id, msg.ts, msg.session, msg.re, msg.body)
+        _check_envelope(msg.kind.value, msg.id, msg.ts, msg.session, msg.re, msg.body, msg.ttl)
     except RemoteProtocolError as exc:
         raise LocalProtocolError(exc.code, exc.message, msg_id=msg.id) from None
     envelope = {
@@ -95,6 +95,8 @@ def encode(msg: Message, key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[by
         "re": msg.re,
         "body": msg.body,
     }
+    if msg.ttl is not None:
+        envelope["ttl"] = msg.ttl
     try:
         payload = msgpack.packb(envelope, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -152,6 +154,7 @@ def decode(
             envelope.get("session"),
             envelope.get("re"),
             envelope.get("body"),
+            envelope.get("ttl"),
         )
     except RemoteProtocolError as exc:
         exc.msg_id = msg_id if isinstance(msg_id, str) and len(msg_id) <= MAX_ID_LENGTH else None
@@ -163,6 +166,7 @@ def decode(
         re=envelope.get("re"),
         id=envelope["id"],
         ts=float(envelope["ts"]),
+        ttl=None if envelope.get("ttl") is None else float(envelope["ttl"]),
     )
     if guard is not None:
         guard.check(msg.id, msg.ts, time.time() if now is None else now)
@@ -170,7 +174,13 @@ def decode(
 
 
 def _check_envelope(
-    kind: object, msg_id: object, ts: object, session: object, re: object, body: object
+    kind: object,
+    msg_id: object,
+    ts: object,
+    session: object,
+    re: object,
+    body: object,
+    ttl: object = None,
 ) -> Kind:
     """Check the envelope fields and the body against the kind's schema."""
     if not isinstance(kind, str):
@@ -192,6 +202,12 @@ def _check_envelope(
         raise RemoteProtocolError(ErrorCode.BAD_FIELD, "envelope field 're' must be a string")
     if not isinstance(body, dict):
         raise RemoteProtocolError(ErrorCode.BAD_FIELD, "envelope field 'body' must be a map")
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0
+    ):
+        raise RemoteProtocolError(
+            ErrorCode.BAD_FIELD, "envelope field 'ttl' must be a positive number of seconds"
+        )
     _check_body(k, body)
     return k
 

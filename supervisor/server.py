@@ -604,7 +604,16 @@ class Supervisor:
             if msg.kind is Kind.SEND and msg.id in self.sent:
                 self._on_resend(client, msg)
                 return
-            self.guard.check(msg.id, msg.ts, time.time())
+            now = time.time()
+            self.guard.check(msg.id, msg.ts, now)
+            if msg.ttl is not None and now - msg.ts > msg.ttl:
+                # Its sender has stopped waiting and told its caller it failed.
+                raise RemoteProtocolError(
+                    ErrorCode.EXPIRED,
+                    f"the {msg.kind.value!r} request arrived {now - msg.ts:.1f}s after it was "
+                    f"sent, past its {msg.ttl:g}s time to live; it was not carried out",
+                    msg_id=msg.id,
+                )
         except RemoteProtocolError as exc:
             log.warning(kv("bad_request", code=exc.code.value, error=exc.message))
             self._error(client, exc.code, exc.message, exc.msg_id, None)

@@ -183,3 +183,27 @@ def test_a_full_queue_refuses_with_busy_and_loses_nothing(supervisor_factory) ->
         assert all(b.body["code"] == "busy" and "limit 3" in b.body["message"] for b in busy)
         assert len(busy) >= 2 and kinds.count(Kind.REPLY) + len(busy) == len(reqs)
         assert client.run("other", "pid").ok
+
+
+def test_a_request_past_its_time_to_live_is_refused_and_not_carried_out(supervisor, raw) -> None:
+    sock, key = raw
+    late = Message(Kind.SEND, {"text": "pid"}, session="too-late", ts=time.time() - 3, ttl=1.0)
+    sock.send_multipart(encode(late, key))
+    got = answer(sock, key)
+    assert got is not None and got.kind is Kind.ERROR and got.re == late.id
+    assert got.body["code"] == "expired"
+    assert "time to live" in got.body["message"]
+    # In time, the same kind of request runs; a bad ttl is named.
+    fresh = Message(Kind.SEND, {"text": "pid"}, session="in-time", ttl=30.0)
+    sock.send_multipart(encode(fresh, key))
+    kinds = []
+    while (got := answer(sock, key)) is not None and got.kind is Kind.EVENT:
+        kinds.append(got.body["data"]["state"])
+    assert got is not None and got.kind is Kind.REPLY and got.re == fresh.id
+    envelope = {"id": "t1", "kind": "ping", "ts": time.time(), "ttl": "soon", "body": {}}
+    payload = msgpack.packb(envelope, use_bin_type=True)
+    sock.send_multipart([MAGIC, sign(key, payload), payload])
+    got = answer(sock, key)
+    assert got is not None and got.body["code"] == "bad_field" and "'ttl'" in got.body["message"]
+    with supervisor.client() as client:
+        assert [r["key"] for r in client.sessions()] == ["in-time"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -469,3 +470,36 @@ def test_one_async_client_serves_successive_event_loops(supervisor) -> None:
             assert asyncio.run(client.run("loops", f"echo-{i}")).text == f"echo-{i}"
     finally:
         asyncio.run(client.close())
+
+
+def test_a_request_that_timed_out_is_never_carried_out_later(supervisor) -> None:
+    """A timeout is final even when other requests keep the client's socket
+    open: the request carries its time to live and the supervisor, back from
+    a stall, refuses it."""
+
+    async def main() -> None:
+        async with AsyncClient(supervisor.state_dir, timeout=15) as client:
+            await client.ping()
+            os.kill(supervisor.pid, signal.SIGSTOP)
+            try:
+                patient = asyncio.ensure_future(client.ping())  # shares the socket
+                with pytest.raises(Timeout):
+                    await client.open("late-async", timeout=0.5)
+            finally:
+                os.kill(supervisor.pid, signal.SIGCONT)
+            assert (await patient).pid == supervisor.pid
+            assert "late-async" not in [r["key"] for r in await client.sessions()]
+
+    asyncio.run(main())
+    with supervisor.client(timeout=0.5) as client:
+        client.ping()
+        os.kill(supervisor.pid, signal.SIGSTOP)
+        pending = client.submit(Kind.PING)  # keeps this thread's socket in use
+        try:
+            with pytest.raises(Timeout):
+                client.open("late-blocking")
+        finally:
+            os.kill(supervisor.pid, signal.SIGCONT)
+        assert client.answer(pending, timeout=15).kind is Kind.PONG
+        assert [r["key"] for r in client.sessions()] == []
+    assert supervisor.log().count("code=expired") == 2

@@ -171,6 +171,15 @@ def test_encode_refuses_what_decode_would_refuse() -> None:
         encode(Message(Kind.SEND, {"text": "hi"}), KEY)  # no session
     with pytest.raises(LocalProtocolError):
         encode(Message(Kind.EVENT, {"type": "x", "data": object()}, session="a"), KEY)
+    for ttl in (0, -1.0, float("nan"), True):
+        with pytest.raises(LocalProtocolError, match="'ttl'"):
+            encode(Message(Kind.PING, ttl=ttl), KEY)
+
+
+def test_a_time_to_live_travels_and_is_left_out_when_unset() -> None:
+    assert decode(encode(Message(Kind.PING, ttl=2.5), KEY), KEY).ttl == 2.5
+    frames = encode(Message(Kind.PING), KEY)
+    assert "ttl" not in msgpack.unpackb(frames[2]) and decode(frames, KEY).ttl is None
 
 
 def test_replay_guard_refuses_a_second_copy() -> None:

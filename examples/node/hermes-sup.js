@@ -62,7 +62,8 @@ class HermesSup {
   }
 
   async _send(id, kind, body = {}, session = null) {
-    const envelope = { id, kind, ts: Date.now() / 1000, session, re: null, body };
+    // ttl: the supervisor refuses the request once we have stopped waiting for it.
+    const envelope = { id, kind, ts: Date.now() / 1000, ttl: this.timeoutMs / 1000, session, re: null, body };
     const payload = Buffer.from(encode(envelope));
     await this.socket.send([MAGIC, this._sign(payload), payload]);
   }
