@@ -1,26 +1,38 @@
-"""Same-run A/B of two installs of hermes-sup: alternate them, so the noise
-of a shared machine falls on both alike.
+"""Same-run A/B of two installs of hermes-sup, so the noise of a shared
+machine falls on both alike.
 
     # B: a second checkout installed in its own venv, e.g.
     git worktree add /tmp/before <commit> && python3 -m venv /tmp/bv \\
         && /tmp/bv/bin/pip install -e /tmp/before
+    .venv/bin/python bench/ab.py /tmp/bv/bin/python --paired
     .venv/bin/python bench/ab.py /tmp/bv/bin/python --rounds 3
 
-Each round runs `ab.py --once` under this interpreter, then under the other:
-200 spawns and 1,000 round trips with 1 and with 64 sessions.
+--paired (the sharper test) runs both supervisors at once and alternates
+single requests between them: each round trip and each spawn of one has a
+twin of the other taken a millisecond away, under the same load. It
+reports each side's median, the median of the paired differences, how
+often this side was faster, and the CPU and context switches per round
+trip of each side's supervisor and worker. The client is this install's
+for both, so it compares supervisors and workers, not clients.
+
+Without it, each round runs `ab.py --once` under this interpreter, then
+under the other: 200 spawns and 1,000 round trips with 1 and 64 sessions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def once() -> dict[str, float]:
-    sys.path.insert(0, str(Path(__file__).parent))
     import run as b
 
     sup = b.Sup()
@@ -43,10 +55,86 @@ def once() -> dict[str, float]:
     }
 
 
+def switches(pid: int) -> int:
+    """Context switches of every thread of a process, so far."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        for line in status.read_text().splitlines():
+            if "ctxt_switches:" in line:
+                total += int(line.split()[1])
+    return total
+
+
+def paired(other: str, round_trips: int, spawns: int) -> None:
+    import run as b
+
+    from hermes_sup.protocol import Kind
+
+    sides = {"this": b.Sup(), "other": b.Sup(python=other)}
+    try:
+        clients = {name: sup.client() for name, sup in sides.items()}
+        pids = {}
+        for name, c in clients.items():
+            c.run("k", "x")
+            pids[name] = [sides[name].proc.pid, c.sessions()[0]["pid"]]
+
+        def round_trip(name: str) -> float:
+            c = clients[name]
+            started = time.perf_counter()
+            c.submit(Kind.SEND, {"text": "x"}, session="k")
+            while c.next().kind is Kind.EVENT:
+                pass
+            return time.perf_counter() - started
+
+        def spawn(name: str, i: int) -> float:
+            started = time.perf_counter()
+            clients[name].run(f"sp{i}", "x")
+            return time.perf_counter() - started
+
+        def alternate(measure, n: int) -> dict[str, list[float]]:  # noqa: ANN001
+            out: dict[str, list[float]] = {"this": [], "other": []}
+            for i in range(n):
+                order = ("this", "other") if i % 2 == 0 else ("other", "this")
+                for name in order:
+                    out[name].append(measure(name, i))
+            return out
+
+        alternate(lambda name, i: round_trip(name), 300)  # warm-up
+        before = {n: (b.cpu_seconds(p), sum(map(switches, p))) for n, p in pids.items()}
+        rtt = alternate(lambda name, i: round_trip(name), round_trips)
+        after = {n: (b.cpu_seconds(p), sum(map(switches, p))) for n, p in pids.items()}
+        report("round trip", rtt, 1e6, "us")
+        for name in sides:
+            cpu = (after[name][0] - before[name][0]) / round_trips * 1e6
+            ctx = (after[name][1] - before[name][1]) / round_trips
+            print(f"  {name:5} supervisor+worker: {cpu:.0f} us CPU, {ctx:.2f} switches per trip")
+        if spawns:
+            report("spawn", alternate(spawn, spawns), 1e3, "ms")
+    finally:
+        for c in clients.values():
+            c.close()
+        for sup in sides.values():
+            sup.close()
+
+
+def report(what: str, samples: dict[str, list[float]], scale: float, unit: str) -> None:
+    this, other = samples["this"], samples["other"]
+    diffs = [(a - o) * scale for a, o in zip(this, other, strict=True)]
+    faster = sum(d < 0 for d in diffs)
+    print(
+        f"{what}: this p50 {statistics.median(this) * scale:.1f} {unit}, other p50 "
+        f"{statistics.median(other) * scale:.1f} {unit}; paired difference p50 "
+        f"{statistics.median(diffs):+.1f} {unit}; this faster in {faster} of {len(diffs)}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("other", nargs="?", help="the python of the other install")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--paired", action="store_true", help="both at once, request by request")
+    parser.add_argument("--round-trips", type=int, default=3000)
+    parser.add_argument("--spawns", type=int, default=200)
     parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.once:
@@ -54,6 +142,9 @@ def main() -> None:
         return
     if not args.other:
         parser.error("name the other install's python")
+    if args.paired:
+        paired(args.other, args.round_trips, args.spawns)
+        return
     for _ in range(args.rounds):
         for label, python in (("this", sys.executable), ("other", args.other)):
             out = subprocess.run(

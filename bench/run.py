@@ -57,11 +57,11 @@ def summary(values: list[float]) -> dict[str, float]:
 class Sup:
     """A real supervisor for the benchmark, on a private temp dir."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, python: str = sys.executable) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="hsb-", dir=os.environ.get("HSB_DIR", "/tmp")))
         self.state = self.root / "s"
         cmd = [
-            sys.executable,
+            python,
             "-m",
             "hermes_sup.cli",
             "--state-dir",
