@@ -1147,9 +1147,15 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self._transition(session, Event.TURN)
-        self._publish(
-            session, "turn", {"text": turn.text}, turn=turn.id, bound=16 + 4 * len(turn.text)
-        )
+        # The worker first: its turn is the critical path; the client's
+        # acknowledgement and the history are made while the worker runs it.
+        if not handed:
+            self._send_worker(
+                session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
+            )
+        elif session.cancel_on_hello == turn.id:
+            self._send_worker(session, Message(Kind.CANCEL, {"turn": turn.id}, session=session.key))
+        session.cancel_on_hello = None
         self._send_client(
             turn.client,
             Message(
@@ -1159,13 +1165,9 @@ class Supervisor:
                 re=turn.id,
             ),
         )
-        if not handed:
-            self._send_worker(
-                session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
-            )
-        elif session.cancel_on_hello == turn.id:
-            self._send_worker(session, Message(Kind.CANCEL, {"turn": turn.id}, session=session.key))
-        session.cancel_on_hello = None
+        self._publish(
+            session, "turn", {"text": turn.text}, turn=turn.id, bound=16 + 4 * len(turn.text)
+        )
         own = session.settings or self.settings
         if own.turn_timeout is not None:
             asyncio.get_running_loop().call_later(
