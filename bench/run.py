@@ -101,16 +101,35 @@ class Sup:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def spawn_hermes_sup(sup: Sup, count: int, prefix: str) -> list[float]:
-    """First message to a new key -> its reply, one key at a time."""
+def spawn_hermes_sup(sup: Sup, count: int, prefix: str, gap: float = 0.0) -> list[float]:
+    """First message to a new key -> its reply, one key at a time, `gap`
+    seconds apart (0: back to back)."""
     times = []
     with sup.client() as c:
         for i in range(count):
+            time.sleep(gap)
             started = time.perf_counter()
             reply = c.run(f"{prefix}{i}", "pid")
             times.append(time.perf_counter() - started)
             assert reply.ok
     return times
+
+
+def spawn_with_spares(count: int) -> dict[str, Any]:
+    """The same, from a supervisor keeping 2 spare workers: new sessions
+    20 ms apart (the pool refills between them), then back to back."""
+    sup = Sup("--spare-workers", "2")
+    try:
+        with sup.client() as c:
+            deadline = time.monotonic() + 10
+            while c.status()["spare_workers"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return {
+            "spaced": summary(spawn_hermes_sup(sup, count, "spaced", gap=0.02)),
+            "back_to_back": summary(spawn_hermes_sup(sup, count, "burst")),
+        }
+    finally:
+        sup.close()
 
 
 # ---------------------------------------------------------------- floors
@@ -501,6 +520,7 @@ def main() -> int:
         out["spawn"]["ratio_p50_to_floor"] = (
             out["spawn"]["hermes_sup"]["p50_ms"] / out["spawn"]["bare_fork_floor"]["p50_ms"]
         )
+        out["spawn"]["hermes_sup_2_spares"] = spawn_with_spares(n_spawn)
 
         print("round trips ...", flush=True)
         rt = {}
@@ -559,6 +579,18 @@ def print_table(out: dict[str, Any]) -> None:
             "",
         )
     )
+    floor_p50 = s["bare_fork_floor"]["p50_ms"]
+    for mode, label in (("spaced", "20 ms apart"), ("back_to_back", "back to back")):
+        spared = s.get("hermes_sup_2_spares", {}).get(mode)
+        if spared:
+            rows.append(
+                (
+                    f"  with 2 spares, {label}: p50 (p99)",
+                    f"{spared['p50_ms']:.2f} ({spared['p99_ms']:.1f})",
+                    "",
+                    f"{spared['p50_ms'] / floor_p50:.2f}x",
+                )
+            )
     rows.append(("", "", f"{s['forkserver_warm']['p50_ms']:.2f} warm forkserver", ""))
     rows.append(("", "", f"{s['mp_spawn']['p50_ms']:.2f} mp spawn", ""))
     for name, label in (("circus", "circus watcher"), ("jupyter", "Jupyter kernel")):

@@ -132,6 +132,12 @@ def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 TUNABLES: list[tuple[str, str, Any, str]] = [
     ("--max-sessions", "max_sessions", int, "Live workers at most [default: from the fd limit]."),
     (
+        "--spare-workers",
+        "spare_workers",
+        int,
+        "Workers forked ahead, waiting for new sessions [0].",
+    ),
+    (
         "--idle-timeout",
         "idle_timeout",
         float,
@@ -619,7 +625,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         f"workers:   {info['endpoints']['workers']}",
         f"data:      {info['data_dir']}",
         f"sessions:  {info['total_sessions']} ({counts}); at most {info['max_sessions']} live; "
-        f"{info['queued']} turn(s) queued",
+        f"{info['queued']} turn(s) queued"
+        + (f"; {info['spare_workers']} spare worker(s) ready" if info.get("spare_workers") else ""),
         f"memory:    {_size(info['rss'])} RSS; {info['fds']} of {info['fd_limit']} fds",
     ]
     if info["endpoints"].get("tcp"):

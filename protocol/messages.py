@@ -49,6 +49,8 @@ class Kind(StrEnum):
     TURN = "turn"
     STOP = "stop"
     HEARTBEAT = "heartbeat"
+    SPARE = "spare"
+    ASSIGN = "assign"
 
 
 _NONE = type(None)
@@ -99,6 +101,8 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.TURN: {"text": ((str,), True)},
     Kind.STOP: {},
     Kind.HEARTBEAT: {"busy": ((bool,), False)},
+    Kind.SPARE: {"pid": ((int,), True)},
+    Kind.ASSIGN: {"request": ((dict,), True)},
 }
 
 # Kinds whose envelope must name a session.

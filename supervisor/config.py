@@ -116,6 +116,9 @@ class Settings:
     # Live workers at most (None: derived from the open-file limit). When
     # full, the least recently used idle session is stopped to make room.
     max_sessions: int | None = None
+    # Workers forked ahead of need, connected and waiting: a new session
+    # takes one instead of waiting for a fork (see supervisor/prefork.py).
+    spare_workers: int = 0
     # Stop sessions idle this long (None: never). Busy sessions never are.
     idle_timeout: float | None = None
     # Session logs rotate at this size, keeping this many old files.

@@ -76,6 +76,7 @@ from .limits import TreeUsage, safe_max_sessions, scan_trees
 from .logs import PipeReader, SessionLog, tail
 from .metrics import Metrics, exit_category
 from .notify import Notifier
+from .prefork import Spare, SparePool
 from .process import WorkerProcess, become_subreaper, kill_processes
 from .records import WorkerRecords
 from .session import Session, Turn, open_session_dir, save_session_meta, session_path
@@ -211,6 +212,7 @@ class Supervisor:
         # Spawns between the request to the zygote and the registration of
         # the new pid: the worker is already our child but not yet known.
         self._spawning = 0
+        self.spare_workers = SparePool()
         self._scanning = False
         self._next_scan = 0.0
         self._next_full_gc = time.monotonic() + FULL_GC_INTERVAL
@@ -270,7 +272,8 @@ class Supervisor:
         if hard != resource.RLIM_INFINITY and soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
-        safe = safe_max_sessions(soft)
+        # Spares hold descriptors as sessions do.
+        safe = max(1, safe_max_sessions(soft) - self.settings.spare_workers)
         wanted = self.settings.max_sessions
         if wanted is not None and wanted > safe:
             log.warning(
@@ -341,6 +344,7 @@ class Supervisor:
         self.metrics = self._start_metrics()
         self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
+        self._fill_spares()
         try:
             await self._main_loop()
         finally:
@@ -473,6 +477,8 @@ class Supervisor:
         now = time.monotonic()
         wall = time.time()
         s = self.settings
+        if len(self.spare_workers) != s.spare_workers:
+            self._fill_spares()  # one that died young waits out its back-off; a reload may trim
         if self.notifier.enabled:
             self._notify_systemd(now)
         if now >= self._next_full_gc:
@@ -877,6 +883,7 @@ class Supervisor:
             "sessions": counts,
             "total_sessions": len(self.sessions),
             "max_sessions": self.max_sessions,
+            "spare_workers": self.spare_workers.ready_count(),
             "queued": self.queued_total,
             "rss": rss,
             "fds": fds,
@@ -1213,8 +1220,12 @@ class Supervisor:
             session.retry_timer.cancel()
             session.retry_timer = None
         session.generation += 1
-        session.token = secrets.token_bytes(32)
-        session.worker_id = b"w" + secrets.token_bytes(15)
+        spare = self.spare_workers.take()
+        if spare is not None:
+            session.token, session.worker_id = spare.token, spare.worker_id
+        else:
+            session.token = secrets.token_bytes(32)
+            session.worker_id = b"w" + secrets.token_bytes(15)
         session.proc = None
         session.exited = asyncio.Event()
         session.started_at = time.time()
@@ -1250,9 +1261,10 @@ class Supervisor:
         # Counted from this moment: the worker is our child as soon as it is
         # cloned, and until it is registered an orphan cull (which may run
         # before the task below starts) must not take it for an orphan.
-        self._spawning += 1
-        forked = self.zygote.spawn(request)
-        self._spawn_task(self._fork(session, session.generation, forked))  # it uncounts
+        if spare is None or not self._assign(session, spare, request):
+            self._spawning += 1
+            forked = self.zygote.spawn(request)
+            self._spawn_task(self._fork(session, session.generation, forked))  # it uncounts
         if session.unsaved:
             session.unsaved = False
             try:
@@ -1313,26 +1325,127 @@ class Supervisor:
             if session.generation == generation:
                 self._worker_gone(session, f"could not be forked: {exc}", exit_code=None)
             return
-        proc = WorkerProcess(pid)
+        self._adopt(session, generation, WorkerProcess(pid), out_fd)
+        status = self.unclaimed_exits.pop(pid, None)
+        if status is not None:
+            self._on_exit(pid, status)
+
+    def _adopt(
+        self, session: Session, generation: int, proc: WorkerProcess, out_fd: int | None
+    ) -> None:
+        """Make a forked (or assigned spare) process the session's worker."""
         session.proc = proc
-        self.by_pid[pid] = session
+        self.by_pid[proc.pid] = session
+        loop = asyncio.get_running_loop()
         if out_fd is not None and session.log is not None:
             reader = PipeReader(
                 out_fd, session.log, lambda lines: self._on_log_lines(session, lines)
             )
             session.pipe = reader
-            asyncio.get_running_loop().add_reader(out_fd, self._read_pipe, session, reader)
+            loop.add_reader(out_fd, self._read_pipe, session, reader)
         if self.records is not None:
-            self.records.add(pid, session.key, proc.create_time)
-        log.info(kv("spawned", session=session.key, pid=pid))
+            self.records.add(proc.pid, session.key, proc.create_time)
+        log.info(kv("spawned", session=session.key, pid=proc.pid))
         if self.metrics is not None:
             self.metrics.spawns.inc()
-        status = self.unclaimed_exits.pop(pid, None)
-        if status is not None:
-            self._on_exit(pid, status)
-            return
-        loop = asyncio.get_running_loop()
         loop.call_later(self.settings.start_timeout, self._check_started, session, generation)
+
+    # ---------------------------------------------------------------- spares
+
+    def _fill_spares(self) -> None:
+        """Fork spare workers up to `spare_workers` (see prefork.py)."""
+        pool = self.spare_workers
+        if not self.accepting or self.zygote is None or time.monotonic() < pool.retry_at:
+            return
+        while len(pool) < self.settings.spare_workers:
+            spare = Spare()
+            pool.add(spare)
+            request = {
+                "spare": True,
+                "worker_id": spare.worker_id,
+                "token": spare.token,
+                "endpoint": self.worker_endpoint,
+                "supervisor_pid": os.getpid(),
+            }
+            self._spawning += 1  # as for a worker: culls wait until it is known
+            self._spawn_task(self._register_spare(spare, self.zygote.spawn(request)))
+        while len(pool) > self.settings.spare_workers:  # fewer since a reload
+            extra = next(iter(pool.by_id.values()))
+            pool.retire(extra)
+            if extra.proc is not None:
+                extra.proc.kill()  # it holds nothing; reaped as any child
+
+    async def _register_spare(
+        self, spare: Spare, forked: asyncio.Future[tuple[int, int | None]]
+    ) -> None:
+        try:
+            try:
+                pid, out_fd = await forked
+            except ZygoteError as exc:
+                self.spare_workers.discard(spare)
+                self.spare_workers.retry_at = time.monotonic() + 1.0  # not on every tick
+                log.warning(kv("spare_not_forked", error=exc))
+                return
+            proc = WorkerProcess(pid)
+            self.spare_workers.forked(spare, proc, out_fd)
+            if self.records is not None:
+                self.records.add(pid, "(spare)", proc.create_time)
+            if spare.worker_id not in self.spare_workers.by_id or not self.accepting:
+                proc.kill()  # trimmed or shutting down while it was forked
+            status = self.unclaimed_exits.pop(pid, None)
+            if status is not None:
+                self._on_exit(pid, status)
+        finally:
+            self._spawning -= 1
+
+    def _on_spare(self, spare: Spare, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames, spare.token, self.limits)
+        except RemoteProtocolError as exc:
+            log.warning(kv("bad_spare_message", error=exc))
+            return
+        if msg.kind is Kind.SPARE:
+            spare.ready = True
+
+    def _assign(self, session: Session, spare: Spare, request: dict[str, Any]) -> bool:
+        """Give a new session a ready spare worker: send it the spawn request
+        it would have been forked with. False if it is gone (then fork one)."""
+        assert spare.proc is not None
+        # Everything but the token, which the spare has had since its fork.
+        body = {"request": {k: v for k, v in request.items() if k != "token"}}
+        try:
+            self.back.send([spare.worker_id, *encode(Message(Kind.ASSIGN, body), spare.token)])
+        except zmq.ZMQError as exc:
+            log.warning(kv("spare_unreachable", pid=spare.proc.pid, error=exc))
+            spare.proc.kill()
+            return False
+        self._adopt(session, session.generation, spare.proc, spare.out_fd)
+        return True
+
+    def _spare_exited(self, spare: Spare, status: int) -> None:
+        assert spare.proc is not None
+        pid = spare.proc.pid
+        spare.proc.set_exited(status)
+        if self.records is not None:
+            self.records.remove(pid)
+        output = b""
+        if spare.out_fd is not None:
+            os.set_blocking(spare.out_fd, False)
+            try:
+                output = os.read(spare.out_fd, 65536)
+            except OSError:
+                pass
+            os.close(spare.out_fd)
+        pool, s = self.spare_workers, self.settings
+        if spare.worker_id not in pool.by_id:
+            pool.discard(spare)  # retired by us
+            return
+        delay = pool.died(spare, s.min_uptime, s.backoff_base, s.backoff_cap)
+        if self.accepting:
+            why = describe_exit(spare.proc.exit_code, spare.proc.exit_signal)
+            text = output.decode("utf-8", "replace").strip()[-2000:]
+            log.warning(kv("spare_exited", pid=pid, why=why, output=text or "(none)"))
+            asyncio.get_running_loop().call_later(delay, self._fill_spares)
 
     def _check_started(self, session: Session, generation: int) -> None:
         if session.generation == generation and session.state is State.STARTING:
@@ -1355,6 +1468,9 @@ class Supervisor:
             log.warning(kv("bad_worker_frames", count=len(frames)))
             return
         session = self.by_worker_id.get(frames[0])
+        if session is None and frames[0] in self.spare_workers.by_id:
+            self._on_spare(self.spare_workers.by_id[frames[0]], frames[1:])
+            return
         if session is None or session.token is None:
             log.debug(kv("unknown_worker", id=frames[0].hex()[:16]))
             return
@@ -1416,6 +1532,8 @@ class Supervisor:
             session.turns += 1
             self._transition(session, Event.DONE)
             self._pump(session)
+            if len(self.spare_workers) < self.settings.spare_workers:
+                self._fill_spares()  # after a turn, not on a new session's way to its reply
         else:
             log.warning(kv("unexpected_worker_message", session=session.key, kind=msg.kind.value))
 
@@ -1527,6 +1645,10 @@ class Supervisor:
         self.zygote.attach(asyncio.get_running_loop())
 
     def _on_exit(self, pid: int, status: int) -> None:
+        spare = self.spare_workers.by_pid.get(pid)
+        if spare is not None:
+            self._spare_exited(spare, status)
+            return
         session = self.by_pid.pop(pid, None)
         if session is None or session.proc is None or session.proc.pid != pid:
             # An orphan of a dead worker, or a worker whose pid the zygote has
@@ -1682,7 +1804,7 @@ class Supervisor:
         if self._spawning:
             self._schedule_orphan_cull()  # a new worker may be adopted but not yet known
             return
-        known = set(self.by_pid)
+        known = set(self.by_pid) | set(self.spare_workers.by_pid)
         if self.zygote is not None and self.zygote.pid is not None:
             known.add(self.zygote.pid)
         try:
@@ -1773,6 +1895,7 @@ class Supervisor:
 
     def _force_kill_all(self) -> None:
         self.forced = True
+        self._kill_spares()
         for session in self.sessions.values():
             if session.proc is not None and session.proc.returncode is None:
                 session.kill_reason = "the supervisor was told twice to shut down"
@@ -1786,6 +1909,7 @@ class Supervisor:
         """Stop taking turns, let running ones finish (up to the grace period),
         then stop every worker in parallel."""
         self.accepting = False
+        self._kill_spares()
         for session in self.sessions.values():
             self._fail_queue(session, ErrorCode.SHUTTING_DOWN, "the supervisor is shutting down")
         deadline = time.monotonic() + self.settings.shutdown_grace
@@ -1815,6 +1939,12 @@ class Supervisor:
         self.zygote.close()
         if zygote_pid is not None:
             await self._wait_pid_gone(zygote_pid, 2.0)
+
+    def _kill_spares(self) -> None:
+        """Spares hold nothing: SIGKILL them (reaped as any child)."""
+        for spare in list(self.spare_workers.by_id.values()):
+            if spare.proc is not None and spare.proc.returncode is None:
+                spare.proc.kill()
 
     async def _wait_pid_gone(self, pid: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -119,15 +119,18 @@ def test_orphans_of_a_crashed_worker_are_killed(supervisor) -> None:
 
 
 def test_supervisor_sigkill_leaves_nothing_running(supervisor_factory, workdir) -> None:
-    sup = supervisor_factory()
+    sup = supervisor_factory("--spare-workers", "2")  # spares, and sessions that were spares
     with sup.client() as client:
         pids = [worker_pid(client, f"s{i}") for i in range(4)]
         client.run("s0", GRANDCHILDREN)
         tree_of(pids[0], expect=3)
         busy = client.submit(Kind.SEND, {"text": "sleep 60"}, session="s1")
         assert client.next().re == busy
+        deadline = time.monotonic() + 10
+        while client.status()["spare_workers"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
     ours = processes_mentioning(str(workdir))
-    assert len(ours) >= 1 + 1 + 4 + 3  # supervisor, zygote, workers, sleeps
+    assert len(ours) >= 1 + 1 + 4 + 3 + 2  # supervisor, zygote, workers, sleeps, spares
     os.kill(sup.pid, signal.SIGKILL)
     sup.proc.wait()
     survivors = wait_gone(str(workdir), timeout=3.0)

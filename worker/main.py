@@ -81,6 +81,37 @@ def boot(request: dict[str, Any], out_fd: int) -> NoReturn:
 
 def _boot(req: dict[str, Any]) -> int:
     supervisor_pid = int(req["supervisor_pid"])
+    code = _own_process(supervisor_pid)
+    if code is not None:
+        return code
+    link = None
+    if req.get("spare"):
+        # Forked ahead of need (--spare-workers): connect now, then wait to
+        # be given a session. Nothing of any session is here before that.
+        _set_title("(spare)")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the zygote's handler
+        link = Link(req)
+        assigned = link.wait_for_session(supervisor_pid)
+        if assigned is None:
+            gone = os.getppid() != supervisor_pid
+            return WorkerExit.SUPERVISOR_GONE if gone else WorkerExit.OK
+        req = assigned
+    return _serve_session(req, link)
+
+
+def _set_title(title: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"hermes-sup worker {title}")
+    except ImportError:
+        pass
+
+
+def _own_process(supervisor_pid: int) -> int | None:
+    """Make this process a worker of `supervisor_pid`, before any session:
+    its own process group, our children's orphans ours, death with the
+    supervisor. An exit code if it cannot be."""
     os.setsid()
     # Orphans of our children re-parent to us, so our process tree is always
     # the whole of what this session started (setsid or not).
@@ -97,7 +128,11 @@ def _boot(req: dict[str, Any]) -> int:
     prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
     if os.getppid() != supervisor_pid:
         return WorkerExit.SUPERVISOR_GONE
+    return None
 
+
+def _serve_session(req: dict[str, Any], link: Link | None) -> int:
+    """Become the session's worker, then serve it until told to stop."""
     os.umask(0o077)
     _apply_rlimits(req.get("rlimits") or {})
     workspace = Path(req["workspace"])
@@ -116,12 +151,7 @@ def _boot(req: dict[str, Any]) -> int:
             os.environ[name] = value
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"hermes-sup worker {req['title']}")
-    except ImportError:
-        pass
+    _set_title(req["title"])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     # A hung worker gets SIGABRT before SIGKILL: dump every thread's stack to
     # the session log so the operator can see where it hung.
@@ -141,7 +171,7 @@ def _boot(req: dict[str, Any]) -> int:
         log.error("runtime load failed: %s", exc)
         traceback.print_exc()
         return WorkerExit.RUNTIME_LOAD_FAILED
-    return WorkerLoop(req, agent).run()
+    return WorkerLoop(req, agent, link).run()
 
 
 RLIMITS = {"nofile": resource.RLIMIT_NOFILE, "cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS}
@@ -230,20 +260,53 @@ def kill_tree() -> int:
     return len(procs)
 
 
-class WorkerLoop:
-    """The worker's main loop: one socket to the supervisor, one turn thread."""
+class Link:
+    """The worker's zmq context and its one socket to the supervisor."""
 
-    def __init__(self, req: dict[str, Any], agent: runtime_mod.Runtime) -> None:
-        self.key: str = req["key"]
-        self.token: bytes = bytes(req["token"])
-        self.supervisor_pid = int(req["supervisor_pid"])
-        self.agent = agent
+    def __init__(self, req: dict[str, Any]) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # The supervisor chose this routing id; our token signs every frame.
         self.sock.setsockopt(zmq.ROUTING_ID, bytes(req["worker_id"]))
         self.sock.connect(req["endpoint"])
+        self.token = bytes(req["token"])
+
+    def wait_for_session(self, supervisor_pid: int) -> dict[str, Any] | None:
+        """A spare worker's life before its session: say it is ready, then
+        wait for the supervisor to assign it one (the spawn request it would
+        have been forked with). None: told to stop, or the supervisor is gone."""
+        *more, last = encode(Message(Kind.SPARE, {"pid": os.getpid()}), self.token)
+        for frame in more:
+            _send(self.sock, frame, SNDMORE)
+        _send(self.sock, last, 0)
+        while os.getppid() == supervisor_pid:
+            if not self.sock.poll(MAX_POLL_MS):
+                continue
+            try:
+                msg = decode(self.sock.recv_multipart(), self.token)
+            except RemoteProtocolError as exc:
+                log.warning("dropped a bad frame from the supervisor: %s", exc)
+                continue
+            if msg.kind is Kind.ASSIGN:
+                return {**msg.body["request"], "token": self.token}
+            if msg.kind is Kind.STOP:
+                return None
+        return None
+
+
+class WorkerLoop:
+    """The worker's main loop: one socket to the supervisor, one turn thread."""
+
+    def __init__(
+        self, req: dict[str, Any], agent: runtime_mod.Runtime, link: Link | None = None
+    ) -> None:
+        self.key: str = req["key"]
+        self.token: bytes = bytes(req["token"])
+        self.supervisor_pid = int(req["supervisor_pid"])
+        self.agent = agent
+        link = link or Link(req)
+        self.ctx, self.sock = link.ctx, link.sock
         self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)

@@ -1,0 +1,121 @@
+"""Spare workers (--spare-workers): forked ahead, then given a session.
+Real supervisor, real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from hermes_sup.supervisor.prefork import Spare, SparePool
+
+pytestmark = pytest.mark.e2e
+
+
+def spare_pids(sup) -> set[int]:  # noqa: ANN001
+    """The supervisor's children that are spares, by their process title."""
+    found = set()
+    for child in psutil.Process(sup.pid).children():
+        try:
+            if "(spare)" in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_for(predicate, timeout: float = 10.0):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_a_new_session_gets_a_spare_which_becomes_only_its_own(supervisor_factory) -> None:
+    env = {**os.environ, "SUPERVISOR_SECRET": "do-not-leak"}
+    sup = supervisor_factory("--spare-workers", "2", env=env)
+    with sup.client() as client:
+        wait_for(lambda: client.status()["spare_workers"] == 2)
+        spares = spare_pids(sup)
+        assert len(spares) == 2
+        reply = client.run("alice", "env HERMES_SESSION_KEY")
+        assert reply.text == "alice"
+        (row,) = client.sessions()
+        assert row["pid"] in spares  # a spare, not a new fork
+        # It became the session's worker exactly as a forked one would.
+        assert client.run("alice", "env SUPERVISOR_SECRET").text == ""
+        home = client.run("alice", "env HERMES_HOME").text
+        cwd = client.run("alice", "cwd").text
+        assert cwd == client.run("alice", "env TERMINAL_CWD").text
+        assert cwd != home and "sessions" in cwd and "sessions" in home
+        assert "(spare)" not in " ".join(psutil.Process(row["pid"]).cmdline())
+        # A second session gets the other spare, and its own everything.
+        assert client.run("bob", "env HERMES_SESSION_KEY").text == "bob"
+        assert client.run("bob", "cwd").text != cwd
+        # The pool refills behind them, with new processes.
+        wait_for(lambda: client.status()["spare_workers"] == 2)
+        refilled = spare_pids(sup)
+        assert len(refilled) == 2 and not refilled & spares
+
+
+def test_a_spare_that_dies_is_replaced_and_spares_die_with_the_supervisor(
+    supervisor_factory,
+) -> None:
+    sup = supervisor_factory("--spare-workers", "1")
+    with sup.client() as client:
+        wait_for(lambda: client.status()["spare_workers"] == 1)
+        (first,) = spare_pids(sup)
+        os.kill(first, signal.SIGKILL)
+        (second,) = wait_for(lambda: spare_pids(sup) - {first})
+        wait_for(lambda: client.status()["spare_workers"] == 1)
+        assert client.run("after", "env HERMES_SESSION_KEY").text == "after"
+        assert client.sessions()[0]["pid"] == second
+    assert "spare_exited" in sup.log() and "SIGKILL" in sup.log()
+    spares = spare_pids(sup) | {second}
+    assert sup.stop() == 0
+    wait_for(lambda: not any(alive(p) for p in spares), 5)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_spares_that_die_young_back_off() -> None:
+    pool = SparePool()
+    delays = []
+    for _ in range(4):
+        spare = Spare()
+        pool.add(spare)
+        delays.append(pool.died(spare, young_within=2.0, base=0.5, cap=1.5))
+    assert delays == [0.5, 1.0, 1.5, 1.5]
+    assert len(pool) == 0 and pool.retry_at > time.monotonic()
+    old = Spare(forked_at=time.monotonic() - 10)
+    pool.add(old)
+    assert pool.died(old, young_within=2.0, base=0.5, cap=1.5) == 0.0 and pool.failures == 0
+
+
+def test_only_a_ready_spare_is_taken() -> None:
+    pool = SparePool()
+    waiting = Spare()
+    pool.add(waiting)
+    assert pool.take() is None  # not forked, not connected
+    waiting.ready = True
+    assert pool.take() is None  # said ready but no process known yet: cannot be
+    ready = Spare(ready=True)
+    pool.add(ready)
+    pool.by_pid[0] = ready
+
+    class Proc:
+        pid = 0
+
+    ready.proc = Proc()  # type: ignore[assignment]
+    assert pool.take() is ready and 0 not in pool.by_pid and len(pool) == 1
