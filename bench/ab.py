@@ -65,12 +65,12 @@ def switches(pid: int) -> int:
     return total
 
 
-def paired(other: str, round_trips: int, spawns: int) -> None:
+def paired(other: str, round_trips: int, spawns: int, sup_args: list[str]) -> None:
     import run as b
 
     from hermes_sup.protocol import Kind
 
-    sides = {"this": b.Sup(), "other": b.Sup(python=other)}
+    sides = {"this": b.Sup(*sup_args), "other": b.Sup(*sup_args, python=other)}
     try:
         clients = {name: sup.client() for name, sup in sides.items()}
         pids = {}
@@ -87,6 +87,7 @@ def paired(other: str, round_trips: int, spawns: int) -> None:
             return time.perf_counter() - started
 
         def spawn(name: str, i: int) -> float:
+            time.sleep(0.01)  # spares (if any) refill between spawns
             started = time.perf_counter()
             clients[name].run(f"sp{i}", "x")
             return time.perf_counter() - started
@@ -135,6 +136,9 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true", help="both at once, request by request")
     parser.add_argument("--round-trips", type=int, default=3000)
     parser.add_argument("--spawns", type=int, default=200)
+    parser.add_argument(
+        "--sup-args", default="", help="extra `serve` arguments for both, e.g. '--spare-workers 2'"
+    )
     parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.once:
@@ -143,7 +147,7 @@ def main() -> None:
     if not args.other:
         parser.error("name the other install's python")
     if args.paired:
-        paired(args.other, args.round_trips, args.spawns)
+        paired(args.other, args.round_trips, args.spawns, args.sup_args.split())
         return
     for _ in range(args.rounds):
         for label, python in (("this", sys.executable), ("other", args.other)):

@@ -45,7 +45,10 @@ class SpareDirs:
 
     def take(self, dest: Path, with_workspace: bool = True) -> bool:
         """Move a spare to `dest`; False if there is none, or `dest` is
-        already there (the worker got ahead and made its own)."""
+        already there with something in it (the worker got ahead and made
+        its own). A `dest` the worker has made but left empty so far is
+        replaced: the worker then finds the spare's directories (see
+        worker.main._make_dir)."""
         if not self.free:
             return False
         spare = self.free.pop()

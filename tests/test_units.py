@@ -231,3 +231,28 @@ def test_spare_session_dirs_move_into_place_and_never_over_a_real_one(tmp_path: 
     assert not spares.take(sessions / "dddd")  # none left
     spares.refill(5)
     assert len(spares.free) == 2  # up to the target, no further
+
+
+def test_a_worker_making_its_dirs_survives_a_spare_renamed_over_them(tmp_path, monkeypatch):
+    """The supervisor may rename a spare session directory over the empty
+    parent a starting worker has just made; the worker's next mkdir inside
+    the replaced directory then fails with ENOENT (what the kernel answers
+    for a mkdir in a deleted directory). The worker tries again and finds
+    the spare's directories."""
+    from hermes_sup.worker import main as worker_main
+
+    spare, session = tmp_path / "spare", tmp_path / "sessions" / "s1"
+    (spare / "workspace").mkdir(parents=True)
+    session.parent.mkdir()
+    real_mkdir, raced = os.mkdir, []
+
+    def mkdir_losing_the_race(path, mode=0o777, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if Path(path) == session / "workspace" and session.exists() and not raced:
+            raced.append(path)
+            os.rename(spare, session)  # the supervisor's rename, over the empty parent
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_mkdir(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_losing_the_race)
+    worker_main._make_dir(session / "workspace")
+    assert raced and (session / "workspace").is_dir() and not spare.exists()

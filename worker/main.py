@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -91,12 +93,16 @@ def _boot(req: dict[str, Any]) -> int:
         _set_title("(spare)")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the zygote's handler
         link = Link(req)
+        turns = TurnThread()
+        turns.start()
+        _warm_up(link.token)
         assigned = link.wait_for_session(supervisor_pid)
         if assigned is None:
             gone = os.getppid() != supervisor_pid
             return WorkerExit.SUPERVISOR_GONE if gone else WorkerExit.OK
         req = assigned
-    return _serve_session(req, link)
+        return _serve_session(req, link, turns)
+    return _serve_session(req)
 
 
 def _set_title(title: str) -> None:
@@ -131,14 +137,16 @@ def _own_process(supervisor_pid: int) -> int | None:
     return None
 
 
-def _serve_session(req: dict[str, Any], link: Link | None) -> int:
+def _serve_session(
+    req: dict[str, Any], link: Link | None = None, turns: TurnThread | None = None
+) -> int:
     """Become the session's worker, then serve it until told to stop."""
     os.umask(0o077)
     _apply_rlimits(req.get("rlimits") or {})
     workspace = Path(req["workspace"])
     home = Path(req["home"])
     for d in (workspace, home):
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _make_dir(d)
     os.chdir(workspace)
     # Exactly the session's environment, changing only what differs from
     # the zygote's (most of it is the same base): every key touched is
@@ -171,7 +179,21 @@ def _serve_session(req: dict[str, Any], link: Link | None) -> int:
         log.error("runtime load failed: %s", exc)
         traceback.print_exc()
         return WorkerExit.RUNTIME_LOAD_FAILED
-    return WorkerLoop(req, agent, link).run()
+    return WorkerLoop(req, agent, link, turns).run()
+
+
+def _make_dir(path: Path) -> None:
+    """mkdir -p, tolerating the supervisor's rename of a spare session
+    directory into place meanwhile: a rename may replace the (empty) parent
+    we just made, and a mkdir inside the replaced one fails with ENOENT.
+    Trying again finds the renamed directory."""
+    for attempt in range(3):
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
 
 
 RLIMITS = {"nofile": resource.RLIMIT_NOFILE, "cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS}
@@ -260,6 +282,50 @@ def kill_tree() -> int:
     return len(procs)
 
 
+def _warm_up(token: bytes) -> None:
+    """In a spare, before any session: run once what a session's start runs
+    that does not depend on the session. Each first write to a page shared
+    with the zygote is a copy-on-write fault (about 5 us here); taken now,
+    they are not on a new session's way to its first reply."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    request = {"key": "k", "env": {"K": "v"}, "rlimits": {}, "options": {}, "turn": None}
+    for msg in (
+        Message(Kind.ASSIGN, {"request": request}),
+        Message(Kind.HELLO, {"pid": 1}, session="k"),
+        Message(Kind.REPLY, {"text": "x", "ok": True, "data": {}}, session="k", re="r"),
+    ):
+        decode(encode(msg, token), token)
+    Path(os.getcwd()).is_dir()
+    record = logging.LogRecord("w", logging.INFO, __file__, 0, "start %s %d", ("k", 1), None)
+    for handler in logging.getLogger().handlers:
+        handler.format(record)
+
+
+class TurnThread:
+    """The one thread that runs a worker's turns, fed one at a time:
+    starting a thread per turn cost more than a small turn's routing."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="turn", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)  # first: a new thread finds it waiting
+        if self.thread is None:
+            self.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job()
+
+
 class Link:
     """The worker's zmq context and its one socket to the supervisor."""
 
@@ -299,7 +365,11 @@ class WorkerLoop:
     """The worker's main loop: one socket to the supervisor, one turn thread."""
 
     def __init__(
-        self, req: dict[str, Any], agent: runtime_mod.Runtime, link: Link | None = None
+        self,
+        req: dict[str, Any],
+        agent: runtime_mod.Runtime,
+        link: Link | None = None,
+        turns: TurnThread | None = None,
     ) -> None:
         self.key: str = req["key"]
         self.token: bytes = bytes(req["token"])
@@ -310,10 +380,7 @@ class WorkerLoop:
         self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        # One long-lived turn thread, fed one turn at a time: starting a
-        # thread per turn cost more than the rest of a small turn's routing.
-        self.turns: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
-        self.turn_thread: threading.Thread | None = None
+        self.turns = turns or TurnThread()  # a spare started its own already
         self.turn: str | None = None  # the running turn's id
         self.cancelling: str | None = None  # the turn a cancel is repeated for
         self.stopping = False
@@ -363,7 +430,7 @@ class WorkerLoop:
                     Message(Kind.HEARTBEAT, {"busy": self.turn is not None}, session=self.key)
                 )
                 self._next_beat = now + self.heartbeat
-        self.turns.put(None)  # let the turn thread end
+        self.turns.stop()
         killed = kill_tree()
         if killed:
             log.info("killed %d leftover process(es) of this session", killed)
@@ -437,10 +504,7 @@ class WorkerLoop:
 
     def _start_turn(self, turn_id: str, text: str) -> None:
         self.turn = turn_id
-        self.turns.put((turn_id, text))  # first: a new thread finds it waiting
-        if self.turn_thread is None:
-            self.turn_thread = threading.Thread(target=self._turn_loop, name="turn", daemon=True)
-            self.turn_thread.start()
+        self.turns.submit(partial(self._run_turn, turn_id, text))
 
     def _cancel(self) -> None:
         self.cancelling = self.turn
@@ -450,11 +514,6 @@ class WorkerLoop:
                 cancel()
             except Exception:
                 log.exception("runtime cancel failed")
-
-    def _turn_loop(self) -> None:
-        """The turn thread: run each turn the main loop hands over."""
-        while (item := self.turns.get()) is not None:
-            self._run_turn(*item)
 
     def _run_turn(self, turn_id: str, text: str) -> None:
         """Run the agent for one turn; queue its events and its answer."""
