@@ -51,6 +51,20 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time by kind since boot (/proc/stat), in ticks."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def stolen_pct(before: list[int]) -> float:
+    """Percent of CPU time since `before` that the hypervisor ran something
+    else on our virtual CPUs ("steal"): on a shared VM it slows every step
+    of whatever runs at the moment, which is how it shows in p99."""
+    delta = [b - a for a, b in zip(before, cpu_ticks(), strict=True)]
+    return 100.0 * delta[7] / max(1, sum(delta))
+
+
 # ---------------------------------------------------------------- supervisor
 
 
@@ -502,6 +516,7 @@ def main() -> int:
     gc.collect()
 
     print("spawn ...", flush=True)
+    ticks = cpu_ticks()
     floor = spawn_bare_fork(n_spawn)
     sup = Sup()
     try:
@@ -521,6 +536,7 @@ def main() -> int:
             out["spawn"]["hermes_sup"]["p50_ms"] / out["spawn"]["bare_fork_floor"]["p50_ms"]
         )
         out["spawn"]["hermes_sup_2_spares"] = spawn_with_spares(n_spawn)
+        out["spawn"]["cpu_stolen_pct"] = stolen_pct(ticks)
 
         print("round trips ...", flush=True)
         rt = {}
@@ -591,6 +607,8 @@ def print_table(out: dict[str, Any]) -> None:
                     f"{spared['p50_ms'] / floor_p50:.2f}x",
                 )
             )
+    if "cpu_stolen_pct" in s:
+        rows.append(("  CPU stolen by the host, %", f"{s['cpu_stolen_pct']:.1f}", "", ""))
     rows.append(("", "", f"{s['forkserver_warm']['p50_ms']:.2f} warm forkserver", ""))
     rows.append(("", "", f"{s['mp_spawn']['p50_ms']:.2f} mp spawn", ""))
     for name, label in (("circus", "circus watcher"), ("jupyter", "Jupyter kernel")):

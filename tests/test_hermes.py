@@ -9,6 +9,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hermes_sup.client import SupervisorError
@@ -34,9 +35,10 @@ def model():
 
 
 @pytest.fixture
-def hermes(supervisor_factory, model, workdir):
+def hermes(supervisor_factory, model, workdir, request):
     """A supervisor running the hermes runtime against the fake model, with
-    its own HOME (which must stay untouched) and a template HERMES_HOME."""
+    its own HOME (which must stay untouched) and a template HERMES_HOME.
+    Parametrize it indirectly with extra `serve` arguments."""
     template = workdir / "template"
     template.mkdir()
     (template / "config.yaml").write_text("approvals:\n  timeout: 3\n")
@@ -49,7 +51,8 @@ def hermes(supervisor_factory, model, workdir):
     home = workdir / "user-home"
     home.mkdir()
     env = dict(os.environ, FAKE_MODEL_KEY="sk-fake-secret", HOME=str(home))
-    sup = supervisor_factory("--agent", "hermes", "--agent-config", str(config), env=env)
+    extra = getattr(request, "param", [])
+    sup = supervisor_factory("--agent", "hermes", "--agent-config", str(config), *extra, env=env)
     sup.user_home = home
     return sup
 
@@ -74,13 +77,28 @@ def collect(client, reqs: dict[str, str], timeout: float = 120) -> dict[str, tup
     return {reqs[r]: (finals[r], events[r]) for r in reqs}
 
 
+@pytest.mark.parametrize(
+    "hermes", [[], ["--spare-workers", "3"]], ids=["forked", "spares"], indirect=True
+)
 def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> None:
     keys = ["tg-alice", "dc-bob", "web-carol"]
     with hermes.client(timeout=120) as client:
+        if "--spare-workers" in hermes.args:  # every session's worker was a spare
+            deadline = time.monotonic() + 30
+            while client.status()["spare_workers"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            spare_pids = {
+                p.pid
+                for p in psutil.Process(hermes.pid).children()
+                if "(spare)" in " ".join(p.cmdline())
+            }
+            assert len(spare_pids) == 3
         for i, key in enumerate(keys):
             client.open(key, options={"session_env": {"platform": "api", "chat_id": f"chat-{i}"}})
         reqs = {client.submit(Kind.SEND, {"text": PROBE}, session=k): k for k in keys}
         results = collect(client, reqs)
+        if "--spare-workers" in hermes.args:
+            assert {row["pid"] for row in client.sessions()} == spare_pids
 
     for i, key in enumerate(keys):
         reply, events = results[key]
