@@ -119,3 +119,26 @@ def test_only_a_ready_spare_is_taken() -> None:
 
     ready.proc = Proc()  # type: ignore[assignment]
     assert pool.take() is ready and 0 not in pool.by_pid and len(pool) == 1
+
+
+def test_a_reload_resizes_the_pool_and_spares_take_the_new_settings(
+    supervisor_factory, workdir
+) -> None:
+    path = workdir / "hermes-sup.toml"
+    path.write_text('spare_workers = 2\nenv = { FLAVOUR = "old" }\n')
+    sup = supervisor_factory("--config", str(path))
+    with sup.client() as client:
+        wait_for(lambda: client.status()["spare_workers"] == 2)
+        before = spare_pids(sup)
+        # Spares forked under the old settings serve new sessions with the new.
+        path.write_text('spare_workers = 1\nenv = { FLAVOUR = "new" }\n')
+        assert "spare_workers" in client.reload()["changed"]
+        wait_for(lambda: len(spare_pids(sup)) == 1)
+        (kept,) = spare_pids(sup)
+        assert kept in before
+        assert client.run("fresh", "env FLAVOUR").text == "new"
+        assert client.sessions()[0]["pid"] == kept
+        path.write_text('spare_workers = 0\nenv = { FLAVOUR = "new" }\n')
+        client.reload()
+        wait_for(lambda: not spare_pids(sup) and client.status()["spare_workers"] == 0)
+        assert client.run("forked", "env FLAVOUR").text == "new"
