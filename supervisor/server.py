@@ -1221,11 +1221,8 @@ class Supervisor:
             session.retry_timer = None
         session.generation += 1
         spare = self.spare_workers.take()
-        if spare is not None:
-            session.token, session.worker_id = spare.token, spare.worker_id
-        else:
-            session.token = secrets.token_bytes(32)
-            session.worker_id = b"w" + secrets.token_bytes(15)
+        token, worker_id = (spare.token, spare.worker_id) if spare else self._new_identity()
+        session.token, session.worker_id = token, worker_id
         session.proc = None
         session.exited = asyncio.Event()
         session.started_at = time.time()
@@ -1235,7 +1232,7 @@ class Supervisor:
         session.cpu_sample = None  # CPU% is per worker: start from this one
         session.settings = self.settings
         self._transition(session, Event.SPAWN)
-        self.by_worker_id[session.worker_id] = session
+        self.by_worker_id[worker_id] = session
         assert self.zygote is not None
         request = self._spawn_request(session)
         session.runtime_kind = repr((request["runtime"], sorted(request["runtime_config"].items())))
@@ -1261,7 +1258,14 @@ class Supervisor:
         # Counted from this moment: the worker is our child as soon as it is
         # cloned, and until it is registered an orphan cull (which may run
         # before the task below starts) must not take it for an orphan.
-        if spare is None or not self._assign(session, spare, request):
+        if spare is not None and not self._assign(session, spare, request):
+            spare = None  # gone meanwhile: fork one, under a routing id of its own
+            del self.by_worker_id[worker_id]
+            token, worker_id = self._new_identity()
+            session.token, session.worker_id = token, worker_id
+            self.by_worker_id[worker_id] = session
+            request.update(token=token, worker_id=worker_id)
+        if spare is None:
             self._spawning += 1
             forked = self.zygote.spawn(request)
             self._spawn_task(self._fork(session, session.generation, forked))  # it uncounts
@@ -1278,6 +1282,11 @@ class Supervisor:
             except OSError as exc:
                 # The worker needs the directory too, and says so if it fails.
                 log.error(kv("session_dir_failed", session=session.key, error=exc))
+
+    @staticmethod
+    def _new_identity() -> tuple[bytes, bytes]:
+        """A signing token and a routing id for a worker to be forked."""
+        return secrets.token_bytes(32), b"w" + secrets.token_bytes(15)
 
     def _spawn_request(self, session: Session) -> dict[str, Any]:
         s = self.settings
@@ -1417,6 +1426,8 @@ class Supervisor:
             self.back.send([spare.worker_id, *encode(Message(Kind.ASSIGN, body), spare.token)])
         except zmq.ZMQError as exc:
             log.warning(kv("spare_unreachable", pid=spare.proc.pid, error=exc))
+            # Out of the pool already; its exit is still ours to clean up.
+            self.spare_workers.by_pid[spare.proc.pid] = spare
             spare.proc.kill()
             return False
         self._adopt(session, session.generation, spare.proc, spare.out_fd)
