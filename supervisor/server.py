@@ -1223,7 +1223,7 @@ class Supervisor:
         spare = self.spare_workers.take()
         token, worker_id = (spare.token, spare.worker_id) if spare else self._new_identity()
         session.token, session.worker_id = token, worker_id
-        session.proc = None
+        session.proc = session.hello_pid = None
         session.exited = asyncio.Event()
         session.started_at = time.time()
         session.spawned_mono = session.last_heartbeat = time.monotonic()
@@ -1499,6 +1499,7 @@ class Supervisor:
         session.touch()
         if msg.kind is Kind.HELLO:
             if session.state is State.STARTING:
+                session.hello_pid = int(msg.body["pid"])
                 self._transition(session, Event.HELLO)
                 self.runtimes_started.add(session.runtime_kind)
                 log.info(kv("ready", session=session.key, pid=msg.body["pid"]))

@@ -45,6 +45,7 @@ class Session:
     options: SessionOptions
     state: State = State.EXITED
     proc: WorkerProcess | None = None
+    hello_pid: int | None = None  # the pid its hello gave, until proc is known
     worker_id: bytes | None = None
     token: bytes | None = None
     generation: int = 0
@@ -110,7 +111,10 @@ class Session:
     @property
     def pid(self) -> int | None:
         """The live worker's pid, if there is one."""
-        if self.proc is None or self.proc.returncode is not None:
+        if self.proc is None:
+            # Its hello can be read before the zygote's answer that names it.
+            return self.hello_pid
+        if self.proc.returncode is not None:
             return None
         return self.proc.pid
 
