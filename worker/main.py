@@ -6,6 +6,12 @@ stdout/stderr into the session log, cwd = the workspace, and os.environ
 replaced by exactly the environment the supervisor computed for this session.
 Only then does it create a zmq context and connect to the supervisor.
 
+A spare worker (`spare_workers`, see supervisor/prefork.py) is forked before
+there is a session for it: it does only what no session decides (its own
+process group, death with the supervisor, the zmq connection, a warm-up,
+the turn thread), then waits for the supervisor to assign it a session, and
+from there goes on exactly as above.
+
 The main loop never runs agent code. It polls the supervisor socket and a
 wake-up pipe, forwards what the turn thread produced, and watches for the
 supervisor's death. The turn runs in one thread at a time, so the main loop
@@ -100,8 +106,7 @@ def _boot(req: dict[str, Any]) -> int:
         if assigned is None:
             gone = os.getppid() != supervisor_pid
             return WorkerExit.SUPERVISOR_GONE if gone else WorkerExit.OK
-        req = assigned
-        return _serve_session(req, link, turns)
+        return _serve_session(assigned, link, turns)
     return _serve_session(req)
 
 
