@@ -111,6 +111,7 @@ class _Gauges:
         for name, help_text in (
             ("queued_turns", "Turns waiting for a worker, all sessions"),
             ("max_sessions", "Live workers allowed"),
+            ("spare_workers", "Workers forked ahead, waiting for a new session"),
             ("supervisor_rss_bytes", "Resident memory of the supervisor"),
             ("supervisor_open_fds", "Open file descriptors of the supervisor"),
         ):

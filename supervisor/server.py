@@ -533,6 +533,7 @@ class Supervisor:
             "sessions": counts,
             "queued_turns": self.queued_total,
             "max_sessions": self.max_sessions,
+            "spare_workers": len(self.spare_workers.by_pid),  # a len: safe from this thread
             "supervisor_rss_bytes": me.memory_info().rss,
             "supervisor_open_fds": me.num_fds(),
         }

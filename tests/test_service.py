@@ -233,14 +233,20 @@ def test_metrics_endpoint_is_scraped(supervisor_factory) -> None:
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
-    sup = supervisor_factory("--metrics", str(port))
+    sup = supervisor_factory("--metrics", str(port), "--spare-workers", "1")
     with sup.client() as client:
+        deadline = time.monotonic() + 10
+        while client.status()["spare_workers"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         client.run("m1", "pid")
         client.run("m2", "sleep 0.1")
         client.kill("m2")
         req = client.submit(Kind.SEND, {"text": "x"}, session="../bad")
         while client.next().re != req:
             pass
+        deadline = time.monotonic() + 10  # the pool refills behind new sessions
+        while client.status()["spare_workers"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     lines = set(text.splitlines())
@@ -253,5 +259,6 @@ def test_metrics_endpoint_is_scraped(supervisor_factory) -> None:
     assert "hermes_sup_routing_seconds_count 2.0" in lines
     assert any(x.startswith("hermes_sup_supervisor_open_fds ") for x in lines)
     assert any(x.startswith("hermes_sup_supervisor_rss_bytes ") for x in lines)
+    assert "hermes_sup_spare_workers 1.0" in lines  # refilled after each new session
     # Bound to loopback only.
     assert f"metrics url=http://127.0.0.1:{port}/metrics" in sup.log()
