@@ -379,15 +379,32 @@ def test_a_restarted_supervisor_stops_leftover_workers_by_pid_and_create_time(
         bystander.wait()
 
 
-def test_a_first_turn_handed_to_a_starting_worker_can_be_cancelled(supervisor_factory) -> None:
+def wait_for_spares(client, count: int) -> None:  # noqa: ANN001
+    """Until `count` spare workers are ready (so the next new session gets one)."""
+    deadline = time.monotonic() + 10
+    while client.status()["spare_workers"] < count:
+        assert time.monotonic() < deadline, "spare workers did not get ready"
+        time.sleep(0.02)
+
+
+FORKED_OR_SPARE = pytest.mark.parametrize(
+    "spares", [[], ["--spare-workers", "2"]], ids=["forked", "spare"]
+)
+
+
+@FORKED_OR_SPARE
+def test_a_first_turn_handed_to_a_starting_worker_can_be_cancelled(
+    supervisor_factory, spares
+) -> None:
     """Once a runtime has started, a new session's first turn rides in the
     spawn request. A cancel that arrives before that worker's hello is held
     and sent after it: the running turn sees it (its reply says so), rather
     than the cancel being lost on a worker not yet connected."""
     env = dict(os.environ, PYTHONPATH=RUNTIMES)
-    sup = supervisor_factory("--agent", "hs_picky:make", env=env)
+    sup = supervisor_factory("--agent", "hs_picky:make", *spares, env=env)
     with sup.client() as client:
         assert client.run("warm", "hi").text == "hi"
+        wait_for_spares(client, len(spares) and 2)
         req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="slow-1")
         started = time.monotonic()
         assert client.cancel("slow-1") == req  # its worker is still in make()
@@ -399,14 +416,20 @@ def test_a_first_turn_handed_to_a_starting_worker_can_be_cancelled(supervisor_fa
         assert client.run("slow-1", "again").text == "again"
 
 
-def test_a_handed_first_turn_whose_worker_cannot_start_is_not_lost(supervisor_factory) -> None:
+@FORKED_OR_SPARE
+def test_a_handed_first_turn_whose_worker_cannot_start_is_not_lost(
+    supervisor_factory, spares
+) -> None:
     """A worker that fails to load its runtime never ran the turn it was
     handed: the turn goes back to the queue and ends as the session's
     failure, not as a turn the worker died in."""
     env = dict(os.environ, PYTHONPATH=RUNTIMES)
-    sup = supervisor_factory("--agent", "hs_picky:make", "--failed-cooldown", "60", env=env)
+    sup = supervisor_factory(
+        "--agent", "hs_picky:make", "--failed-cooldown", "60", *spares, env=env
+    )
     with sup.client() as client:
         assert client.run("warm", "hi").text == "hi"
+        wait_for_spares(client, len(spares) and 2)
         with pytest.raises(SupervisorError) as err:
             client.run("bad-1", "hi")
         assert err.value.code == "session_failed"
