@@ -145,6 +145,12 @@ TUNABLES: list[tuple[str, str, Any, str]] = [
     ),
     ("--turn-timeout", "turn_timeout", float, "Cancel turns running longer [default: no limit]."),
     ("--heartbeat-timeout", "heartbeat_timeout", float, "A worker silent this long is hung [10]."),
+    (
+        "--idle-heartbeat-interval",
+        "idle_heartbeat_interval",
+        float,
+        "Seconds between an idle worker's heartbeats; 3 missed: hung [15].",
+    ),
     ("--memory-limit", "memory_limit_mb", int, "MiB of RSS per session, children included [2048]."),
     ("--max-procs", "max_procs", int, "Processes per session besides the worker [256]."),
     ("--max-open-files", "max_open_files", int, "Open-file rlimit of each worker [1024]."),

@@ -90,6 +90,10 @@ class Settings:
     # lands in the session log), then SIGKILL after abort_grace.
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 10.0
+    # An idle worker beats this often instead, and is hung only after
+    # IDLE_BEATS_PER_TIMEOUT of them are missed: a thousand idle sessions
+    # beating every 2 s kept a 2-core machine a fifth busy.
+    idle_heartbeat_interval: float = 15.0
     abort_grace: float = 2.0
     # A turn running longer is cancelled and reported (None: no limit, the
     # default for agents); a runtime that ignores the cancel is killed.

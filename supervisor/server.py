@@ -94,6 +94,8 @@ MAX_WATCHERS = 1024
 # timeout gets the same turn, never a second run of it.
 DEDUP_ENTRIES = 10_000
 TICK = 0.25
+# An idle worker is hung after missing this many of its (slower) beats.
+IDLE_BEATS_PER_TIMEOUT = 3
 # A full garbage collection pauses the loop for about 0.8 us per tracked
 # object here: 95 ms at 2,000 sessions. Python starts one whenever the heap
 # has grown by a quarter, so while sessions are being added it kept landing
@@ -492,7 +494,10 @@ class Supervisor:
             own = session.settings or s
             if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
                 silent = now - session.last_heartbeat
-                if silent > own.heartbeat_timeout and not session.hang_signalled:
+                limit = own.heartbeat_timeout
+                if session.state is State.IDLE:
+                    limit = max(limit, IDLE_BEATS_PER_TIMEOUT * own.idle_heartbeat_interval)
+                if silent > limit and not session.hang_signalled:
                     self._on_hang(session, silent)
             if (
                 own.idle_timeout is not None
@@ -1152,6 +1157,9 @@ class Supervisor:
         """The turn runs now: tell its client, and its worker unless the
         worker already has it (`handed`: it came in the spawn request)."""
         turn.started_at = time.monotonic()
+        # An idle worker may have been silent longer than a busy one may be:
+        # the busy clock starts with the turn.
+        session.last_heartbeat = max(session.last_heartbeat, turn.started_at)
         if self.metrics is not None:
             self.metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self._transition(session, Event.TURN)
@@ -1314,6 +1322,7 @@ class Supervisor:
             "options": session.options.to_wire(),
             # Several beats per timeout, so one late beat is never a hang.
             "heartbeat": min(s.heartbeat_interval, s.heartbeat_timeout / 4),
+            "idle_heartbeat": s.idle_heartbeat_interval,
             "rlimits": rlimits,
         }
 

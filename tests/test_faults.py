@@ -4,6 +4,7 @@ what the client saw, what `list` shows, and that other sessions kept working."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -468,3 +469,33 @@ def test_a_worker_killed_in_its_first_turn_runs_it_once(supervisor, workdir) -> 
         assert client.run("dies", "echo back").text == "echo back"
         time.sleep(0.5)
         assert runs.read_text() == "ran\n"
+
+
+def test_an_idle_worker_beats_slowly_and_is_hung_only_after_missing_three(
+    supervisor_factory,
+) -> None:
+    """Idle workers heartbeat every idle interval, not every busy one, so
+    thousands of them cost little; a silent idle worker is hung after three
+    missed idle beats, not after the (busy) heartbeat timeout."""
+    sup = supervisor_factory("--heartbeat-timeout", "1", "--idle-heartbeat-interval", "1.5")
+    with sup.client() as client:
+        pid = int(client.run("idle", "pid").text)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            time.sleep(2.5)  # well past the busy timeout, within 3 idle beats
+            assert " hung session=idle" not in sup.log()
+            deadline = stopped + 15
+            while row(client, "idle")["state"] == "idle":
+                assert time.monotonic() < deadline, (
+                    "an idle worker that went silent was never found hung"
+                )
+                time.sleep(0.1)
+            found = time.monotonic() - stopped
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # if it is still there, let it die
+        # Declared hung after 3 idle beats (4.5 s), then killed after its abort grace.
+        assert " hung session=idle" in sup.log() and 4.4 < found < 12, found
+        assert "hung" in (row(client, "idle")["last_exit"] or "")
+        assert client.run("idle", "pid").ok  # and it comes back

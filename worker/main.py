@@ -54,7 +54,7 @@ from .prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
-MAX_POLL_MS = 1000
+MAX_POLL_MS = 60_000
 SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 # The backend's send and recv, unbound: pyzmq's wrappers cost a Python frame
@@ -390,6 +390,9 @@ class WorkerLoop:
         self.cancelling: str | None = None  # the turn a cancel is repeated for
         self.stopping = False
         self.heartbeat = float(req.get("heartbeat", 1.0))
+        # Idle, it beats less often: the supervisor allows an idle worker a
+        # longer silence, and thousands of idle sessions cost little.
+        self.idle_heartbeat = max(self.heartbeat, float(req.get("idle_heartbeat", 0.0)))
         self._next_beat = 0.0
         # The session's first turn, when it came with the spawn request.
         self.first_turn: dict[str, Any] | None = req.get("turn")
@@ -434,7 +437,8 @@ class WorkerLoop:
                 self._send(
                     Message(Kind.HEARTBEAT, {"busy": self.turn is not None}, session=self.key)
                 )
-                self._next_beat = now + self.heartbeat
+                busy = self.turn is not None
+                self._next_beat = now + (self.heartbeat if busy else self.idle_heartbeat)
         self.turns.stop()
         killed = kill_tree()
         if killed:
@@ -509,6 +513,8 @@ class WorkerLoop:
 
     def _start_turn(self, turn_id: str, text: str) -> None:
         self.turn = turn_id
+        # Busy now: the next beat comes at the busy pace, not the idle one.
+        self._next_beat = min(self._next_beat, time.monotonic() + self.heartbeat)
         self.turns.submit(partial(self._run_turn, turn_id, text))
 
     def _cancel(self) -> None:
