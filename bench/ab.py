@@ -65,7 +65,7 @@ def switches(pid: int) -> int:
     return total
 
 
-def paired(other: str, round_trips: int, spawns: int, sup_args: list[str]) -> None:
+def paired(other: str, round_trips: int, spawns: int, sup_args: list[str], idle: int = 0) -> None:
     import run as b
 
     from hermes_sup.protocol import Kind
@@ -77,6 +77,8 @@ def paired(other: str, round_trips: int, spawns: int, sup_args: list[str]) -> No
         for name, c in clients.items():
             c.run("k", "x")
             pids[name] = [sides[name].proc.pid, c.sessions()[0]["pid"]]
+            for i in range(idle):  # sessions left idle, as at scale
+                c.run(f"idle{i}", "x")
 
         def round_trip(name: str) -> float:
             c = clients[name]
@@ -136,6 +138,7 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true", help="both at once, request by request")
     parser.add_argument("--round-trips", type=int, default=3000)
     parser.add_argument("--spawns", type=int, default=200)
+    parser.add_argument("--idle", type=int, default=0, help="idle sessions on each side first")
     parser.add_argument(
         "--sup-args", default="", help="extra `serve` arguments for both, e.g. '--spare-workers 2'"
     )
@@ -147,7 +150,7 @@ def main() -> None:
     if not args.other:
         parser.error("name the other install's python")
     if args.paired:
-        paired(args.other, args.round_trips, args.spawns, args.sup_args.split())
+        paired(args.other, args.round_trips, args.spawns, args.sup_args.split(), args.idle)
         return
     for _ in range(args.rounds):
         for label, python in (("this", sys.executable), ("other", args.other)):
