@@ -206,7 +206,7 @@ class Supervisor:
         self.base_env: dict[str, str] = {}
         self.zygote: Zygote | None = None
         self.records: WorkerRecords | None = None
-        self.spares = SpareDirs(settings.data_dir)
+        self.spare_dirs = SpareDirs(settings.data_dir)
         self._lock = statedir.InstanceLock(settings.state_dir)
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -249,7 +249,7 @@ class Supervisor:
         try:
             self.key = statedir.load_or_create_key(s.state_dir)
             self.records = WorkerRecords(s.state_dir)
-            self.spares.reset()
+            self.spare_dirs.reset()
             for line in self.records.stop_leftovers():
                 log.warning(kv("leftover_worker", detail=line))
             self._size_for_fd_limit()
@@ -1284,10 +1284,10 @@ class Supervisor:
                 # A spare directory moved into place while the worker starts
                 # spares it making its own.
                 custom = session.options.workspace is not None
-                if not self.spares.take(session.dir, with_workspace=not custom):
+                if not self.spare_dirs.take(session.dir, with_workspace=not custom):
                     open_session_dir(self.settings.data_dir, session.key)
                 save_session_meta(session)
-                self.spares.refill()  # one behind each new session
+                self.spare_dirs.refill()  # one behind each new session
             except OSError as exc:
                 # The worker needs the directory too, and says so if it fails.
                 log.error(kv("session_dir_failed", session=session.key, error=exc))

@@ -343,14 +343,20 @@ class Link:
         self.sock.connect(req["endpoint"])
         self.token = bytes(req["token"])
 
+    def send(self, msg: Message) -> None:
+        """Sign and send. Frame by frame with int flags: pyzmq's
+        send_multipart does enum arithmetic per frame, a noticeable share
+        of a small turn."""
+        *more, last = encode(msg, self.token)
+        for frame in more:
+            _send(self.sock, frame, SNDMORE)
+        _send(self.sock, last, 0)
+
     def wait_for_session(self, supervisor_pid: int) -> dict[str, Any] | None:
         """A spare worker's life before its session: say it is ready, then
         wait for the supervisor to assign it one (the spawn request it would
         have been forked with). None: told to stop, or the supervisor is gone."""
-        *more, last = encode(Message(Kind.SPARE, {"pid": os.getpid()}), self.token)
-        for frame in more:
-            _send(self.sock, frame, SNDMORE)
-        _send(self.sock, last, 0)
+        self.send(Message(Kind.SPARE, {"pid": os.getpid()}))
         while os.getppid() == supervisor_pid:
             if not self.sock.poll(MAX_POLL_MS):
                 continue
@@ -380,8 +386,8 @@ class WorkerLoop:
         self.token: bytes = bytes(req["token"])
         self.supervisor_pid = int(req["supervisor_pid"])
         self.agent = agent
-        link = link or Link(req)
-        self.ctx, self.sock = link.ctx, link.sock
+        self.link = link or Link(req)
+        self.ctx, self.sock = self.link.ctx, self.link.sock
         self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
@@ -448,12 +454,7 @@ class WorkerLoop:
         return code
 
     def _send(self, msg: Message) -> None:
-        # Frame by frame with int flags: pyzmq's send_multipart does enum
-        # arithmetic per frame, a noticeable share of a small turn.
-        *more, last = encode(msg, self.token)
-        for frame in more:
-            _send(self.sock, frame, SNDMORE)
-        _send(self.sock, last, 0)
+        self.link.send(msg)
 
     def _drain_wake(self) -> None:
         try:
