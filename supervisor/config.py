@@ -121,7 +121,7 @@ class Settings:
     # full, the least recently used idle session is stopped to make room.
     max_sessions: int | None = None
     # Workers forked ahead of need, connected and waiting: a new session
-    # takes one instead of waiting for a fork (see supervisor/prefork.py).
+    # takes one instead of waiting for a fork (see supervisor/spare_workers.py).
     spare_workers: int = 0
     # Stop sessions idle this long (None: never). Busy sessions never are.
     idle_timeout: float | None = None

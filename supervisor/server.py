@@ -31,7 +31,6 @@ import dataclasses
 import gc
 import logging
 import os
-import re
 import resource
 import secrets
 import shutil
@@ -73,14 +72,15 @@ from .channel import Channel
 from .config import Settings
 from .environment import allowlisted, check_policy, parse_options, worker_env
 from .limits import TreeUsage, safe_max_sessions, scan_trees
+from .logfmt import kv
 from .logs import PipeReader, SessionLog, tail
 from .metrics import Metrics, exit_category
 from .notify import Notifier
-from .prefork import Spare, SparePool
 from .process import WorkerProcess, become_subreaper, kill_processes
 from .records import WorkerRecords
 from .session import Session, Turn, open_session_dir, save_session_meta, session_path
-from .spares import SpareDirs
+from .spare_dirs import SpareDirs
+from .spare_workers import Spare, SparePool
 from .spawner import Zygote, ZygoteError
 from .states import LIVE_STATES, Event, State
 
@@ -114,27 +114,6 @@ UNSTARTED_EXITS = frozenset({WorkerExit.BOOT_FAILED, WorkerExit.RUNTIME_LOAD_FAI
 # spawn request travels as one datagram, bounded by the socket's buffer.
 HANDOVER_TEXT = 16 * 1024
 MAX_LOG_TAIL = 100_000
-
-
-SECRET_NAME = re.compile(r"key|token|secret|password|passwd|credential", re.IGNORECASE)
-SECRET_VALUE = re.compile(r"\b(sk|pk|rk|xox[abp]|ghp|gho|AKIA)[-_A-Za-z0-9]{8,}")
-
-
-def redact(text: str) -> str:
-    """Mask anything shaped like an API key or token."""
-    return SECRET_VALUE.sub(lambda m: m.group(1) + "-[redacted]", text)
-
-
-def kv(event: str, **fields: Any) -> str:
-    """A structured log line: `event key=value ...` (values quoted when needed).
-    Values of secret-sounding fields, and anything shaped like a key, are masked."""
-    parts = [event]
-    for name, value in fields.items():
-        text = "[redacted]" if SECRET_NAME.search(name) else redact(str(value))
-        if not text or any(c in text for c in ' "='):
-            text = '"' + text.replace('"', '\\"') + '"'
-        parts.append(f"{name}={text}")
-    return " ".join(parts)
 
 
 def approx_size(data: Any) -> int:
@@ -1372,7 +1351,7 @@ class Supervisor:
     # ---------------------------------------------------------------- spares
 
     def _fill_spares(self) -> None:
-        """Fork spare workers up to `spare_workers` (see prefork.py)."""
+        """Fork spare workers up to `spare_workers` (see spare_workers.py)."""
         pool = self.spare_workers
         if not self.accepting or self.zygote is None or time.monotonic() < pool.retry_at:
             return

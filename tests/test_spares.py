@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from hermes_sup.supervisor.prefork import Spare, SparePool
+from hermes_sup.supervisor.spare_workers import Spare, SparePool
 
 pytestmark = pytest.mark.e2e
 

@@ -166,7 +166,7 @@ def test_options_compare_by_value() -> None:
 
 
 def test_log_lines_mask_secrets() -> None:
-    from hermes_sup.supervisor.server import kv
+    from hermes_sup.supervisor.logfmt import kv
 
     line = kv(
         "spawned",
@@ -205,7 +205,7 @@ def test_fork_to_parent_makes_a_child_of_the_callers_parent(tmp_path) -> None:
 
 
 def test_spare_session_dirs_move_into_place_and_never_over_a_real_one(tmp_path: Path) -> None:
-    from hermes_sup.supervisor.spares import SpareDirs
+    from hermes_sup.supervisor.spare_dirs import SpareDirs
 
     sessions = tmp_path / "sessions"
     (tmp_path / ".spare-sessions" / "old").mkdir(parents=True)  # left by an earlier run

@@ -6,7 +6,7 @@ stdout/stderr into the session log, cwd = the workspace, and os.environ
 replaced by exactly the environment the supervisor computed for this session.
 Only then does it create a zmq context and connect to the supervisor.
 
-A spare worker (`spare_workers`, see supervisor/prefork.py) is forked before
+A spare worker (`spare_workers`, see supervisor/spare_workers.py) is forked before
 there is a session for it: it does only what no session decides (its own
 process group, death with the supervisor, the zmq connection, a warm-up,
 the turn thread), then waits for the supervisor to assign it a session, and
