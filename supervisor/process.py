@@ -10,22 +10,18 @@ can never hit a recycled pid.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 from typing import Protocol
 
 import psutil
 
-PR_SET_CHILD_SUBREAPER = 36
+from hermes_sup.local.prctl import PR_SET_CHILD_SUBREAPER, prctl
 
 
 def become_subreaper() -> None:
     """Make orphaned descendants re-parent to this process instead of init."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 class ProcessHandle(Protocol):

@@ -182,13 +182,13 @@ def test_log_lines_mask_secrets() -> None:
 
 
 def test_fork_to_parent_makes_a_child_of_the_callers_parent(tmp_path) -> None:
-    from hermes_sup.worker.prctl import can_fork_to_parent
+    from hermes_sup.local.prctl import can_fork_to_parent
 
     if not can_fork_to_parent():
         pytest.skip("no clone(CLONE_PARENT) syscall number for this machine")
     code = (
         "import os, sys\n"
-        "from hermes_sup.worker.prctl import fork_to_parent\n"
+        "from hermes_sup.local.prctl import fork_to_parent\n"
         "pid = fork_to_parent()\n"
         "if pid == 0:\n"
         "    os.write(1, b'%d\\n' % os.getppid()); os._exit(7)\n"

@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 import psutil
 import zmq
 
+from hermes_sup.local.prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 from hermes_sup.protocol import (
     ErrorCode,
     Kind,
@@ -50,7 +51,6 @@ from hermes_sup.protocol import (
 )
 
 from . import runtime as runtime_mod
-from .prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgpack
 
-from hermes_sup.worker.prctl import PR_SET_PDEATHSIG, can_fork_to_parent, fork_to_parent, prctl
+from hermes_sup.local.prctl import PR_SET_PDEATHSIG, can_fork_to_parent, fork_to_parent, prctl
 
 # Imported before the freeze so every worker shares them copy-on-write.
 # (Everything a worker imports after the fork costs it both time and private

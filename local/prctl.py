@@ -1,4 +1,10 @@
-"""The few prctl(2) calls workers and the zygote make (Linux only)."""
+"""The one prctl(2) wrapper, and the clone(CLONE_PARENT) fork (Linux only).
+
+The supervisor (a child subreaper), the zygote (parent-death signal, forking
+workers to the supervisor) and workers all call prctl, in different processes;
+it lives here so that none of them imports another's package for it. It
+imports the standard library only: the zygote imports it before it forks.
+"""
 
 from __future__ import annotations
 
