@@ -5,6 +5,10 @@ Every end-to-end test runs its supervisor on a short private directory under
 process whose command line, working directory or environment mentions that
 directory is a leak: the test fails, and the leaked processes (ours, found
 by pid) are killed so they do not poison the next test.
+
+A test that uses a fixture which starts real processes of ours (a
+supervisor, and so its zygote and workers) is marked e2e here, whether it
+says so or not: `pytest -m "not e2e"` then starts none of them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ import pytest
 import zmq
 
 from hermes_sup.client import Client, NotRunning, Timeout
+
+# Fixtures that start a real supervisor or other real processes of ours,
+# used directly or through another fixture (`supervisor`, `remote`, `web`
+# and `hermes` all stand on `supervisor_factory`). `bench` (test_bench.py)
+# starts the benchmark's supervisor and its peers' forked workers;
+# `service_python` (test_service.py) builds a venv to run `serve` as
+# another user.
+E2E_FIXTURES = frozenset({"supervisor_factory", "bench", "service_python"})
+
+
+# tryfirst: the marks must be on before `-m` deselects by them.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark e2e every test whose fixtures (their whole closure) start real processes."""
+    for item in items:
+        if E2E_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
 
 
 def processes_mentioning(marker: str) -> list[psutil.Process]:
