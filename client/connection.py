@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hermes_sup.supervisor import statedir
-from hermes_sup.supervisor.config import default_state_dir
+from hermes_sup.local import statedir
 
 from .errors import AccessDenied, NotRunning
 
@@ -41,7 +40,7 @@ class Connection:
     @classmethod
     def local(cls, state_dir: Path | str | None = None) -> Connection:
         """The supervisor serving `state_dir` (default: this user's)."""
-        path = Path(state_dir) if state_dir is not None else default_state_dir()
+        path = Path(state_dir) if state_dir is not None else statedir.default_state_dir()
         sock_path = path / statedir.CONTROL_SOCKET
         try:
             sock_path.stat()

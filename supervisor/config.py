@@ -1,13 +1,33 @@
-"""Supervisor settings and where state and data live by default."""
+"""Supervisor settings, and (re-exported) where state and data live by default."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Where state and data live by default is the client's business too (it
+# finds the supervisor by it): hermes_sup.local holds it, re-exported here.
+from hermes_sup.local.statedir import (
+    DATA_DIR_ENV,
+    STATE_DIR_ENV,
+    SYSTEM_DATA_DIR,
+    SYSTEM_STATE_DIR,
+    default_data_dir,
+    default_state_dir,
+)
 from hermes_sup.protocol import DEFAULT_MAX_FRAME_SIZE
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "DEFAULT_PASS_ENV",
+    "STATE_DIR_ENV",
+    "SYSTEM_DATA_DIR",
+    "SYSTEM_STATE_DIR",
+    "Settings",
+    "default_data_dir",
+    "default_state_dir",
+]
 
 # Variables a worker inherits from the supervisor's environment by default.
 # Everything else (API keys, tokens, cloud credentials) stays out of workers
@@ -25,37 +45,6 @@ DEFAULT_PASS_ENV: tuple[str, ...] = (
     "TMPDIR",
     "TERM",
 )
-
-STATE_DIR_ENV = "HERMES_SUP_STATE_DIR"
-DATA_DIR_ENV = "HERMES_SUP_DATA_DIR"
-SYSTEM_STATE_DIR = Path("/run/hermes-sup")
-SYSTEM_DATA_DIR = Path("/var/lib/hermes-sup")
-
-
-def default_state_dir(environ: os._Environ[str] | dict[str, str] = os.environ) -> Path:
-    """Sockets, key and lock: $HERMES_SUP_STATE_DIR, else /run/hermes-sup for
-    root (a system service), else $XDG_RUNTIME_DIR/hermes-sup, else
-    ~/.local/state/hermes-sup."""
-    if environ.get(STATE_DIR_ENV):
-        return Path(environ[STATE_DIR_ENV])
-    if os.geteuid() == 0:
-        return SYSTEM_STATE_DIR
-    if environ.get("XDG_RUNTIME_DIR"):
-        return Path(environ["XDG_RUNTIME_DIR"]) / "hermes-sup"
-    return Path.home() / ".local" / "state" / "hermes-sup"
-
-
-def default_data_dir(environ: os._Environ[str] | dict[str, str] = os.environ) -> Path:
-    """Session workspaces, homes and logs: $HERMES_SUP_DATA_DIR, else
-    /var/lib/hermes-sup for root, else $XDG_DATA_HOME/hermes-sup, else
-    ~/.local/share/hermes-sup."""
-    if environ.get(DATA_DIR_ENV):
-        return Path(environ[DATA_DIR_ENV])
-    if os.geteuid() == 0:
-        return SYSTEM_DATA_DIR
-    if environ.get("XDG_DATA_HOME"):
-        return Path(environ["XDG_DATA_HOME"]) / "hermes-sup"
-    return Path.home() / ".local" / "share" / "hermes-sup"
 
 
 @dataclass

@@ -1,4 +1,10 @@
-"""The state directory: private sockets, the signing key and the single-instance lock."""
+"""The state directory as only the supervisor touches it: making it private,
+creating the signing key and holding the single-instance lock.
+
+What clients read too (file names, endpoints, the key, the lock check) is in
+`hermes_sup.local.statedir`; it is re-exported here, so the supervisor's
+code keeps one name for the directory: `statedir.CONTROL_SOCKET`.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +15,32 @@ import secrets
 import stat
 from pathlib import Path
 
-KEY_FILE = "hmac.key"
-LOCK_FILE = "supervisor.lock"
-CONTROL_SOCKET = "control.sock"
-WORKER_SOCKET = "workers.sock"
+from hermes_sup.local.statedir import (
+    CONTROL_SOCKET,
+    KEY_FILE,
+    LOCK_FILE,
+    MAX_IPC_PATH,
+    WORKER_SOCKET,
+    StateDirError,
+    endpoint,
+    is_locked,
+    read_key,
+)
 
-# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
-MAX_IPC_PATH = 107
-
-
-class StateDirError(Exception):
-    """The state directory cannot be used; the message says why and what to do."""
+__all__ = [
+    "CONTROL_SOCKET",
+    "KEY_FILE",
+    "LOCK_FILE",
+    "MAX_IPC_PATH",
+    "WORKER_SOCKET",
+    "InstanceLock",
+    "StateDirError",
+    "endpoint",
+    "ensure_private_dir",
+    "is_locked",
+    "load_or_create_key",
+    "read_key",
+]
 
 
 def ensure_private_dir(path: Path) -> Path:
@@ -36,17 +57,6 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def endpoint(state_dir: Path, name: str) -> str:
-    """The ipc:// endpoint of a socket in the state directory, checked for length."""
-    path = str(state_dir.absolute() / name)
-    if len(path.encode()) > MAX_IPC_PATH:
-        raise StateDirError(
-            f"socket path {path} is {len(path.encode())} bytes, over the {MAX_IPC_PATH}-byte "
-            "limit of unix sockets; choose a shorter --state-dir"
-        )
-    return f"ipc://{path}"
-
-
 def load_or_create_key(state_dir: Path) -> bytes:
     """Read the signing key, generating it (0600) on first start."""
     path = state_dir / KEY_FILE
@@ -57,23 +67,6 @@ def load_or_create_key(state_dir: Path) -> bytes:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
     return read_key(state_dir)
-
-
-def read_key(state_dir: Path) -> bytes:
-    """Read the signing key that clients and the supervisor share."""
-    path = state_dir / KEY_FILE
-    text = path.read_text().strip()
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise StateDirError(
-            f"{path} does not hold a hex key; delete it to make a new one"
-        ) from None
-    if len(key) < 16:
-        raise StateDirError(
-            f"{path} holds a key shorter than 16 bytes; delete it to make a new one"
-        )
-    return key
 
 
 class InstanceLock:
@@ -107,19 +100,3 @@ class InstanceLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def is_locked(state_dir: Path) -> bool:
-    """True if a live supervisor holds the lock on `state_dir`."""
-    path = state_dir / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
