@@ -19,11 +19,11 @@ import zmq.asyncio
 from hermes_sup.protocol import Kind, Message
 
 from . import core
-from .blocking import LIVENESS_SLICE, close_socket, make_socket, refused
 from .connection import Connection, session_options
 from .core import ClientCore, Killed, Opened, Pending, Pong
 from .errors import AccessDenied, ClientError, NotRunning, Timeout
 from .events import Event, Reply, to_event
+from .sockets import LIVENESS_SLICE, close_socket, make_socket, refused
 
 
 class AsyncClient:

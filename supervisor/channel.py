@@ -20,40 +20,12 @@ from collections.abc import Callable
 
 import zmq
 
+# The frame helpers and plain-int flags are the client's too (hermes_sup.local).
+from hermes_sup.local.frames import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
+
 log = logging.getLogger("hermes_sup.supervisor")
 
 BATCH = 256
-# Plain ints: pyzmq's flag enums cost more per operation than the routing,
-# and its send_multipart/recv_multipart combine them for every frame.
-POLLIN = int(zmq.POLLIN)
-NOBLOCK = int(zmq.NOBLOCK)
-EVENTS = int(zmq.EVENTS)
-SNDMORE = int(zmq.SNDMORE)
-RCVMORE = int(zmq.RCVMORE)
-
-
-# The backend's own send and recv, called unbound: pyzmq's Python-level
-# wrappers around them add a frame of argument handling per zmq frame.
-_send = zmq.backend.Socket.send
-_recv = zmq.backend.Socket.recv
-
-
-def send_frames(sock: zmq.Socket[bytes], frames: list[bytes], flags: int = 0) -> None:
-    """send_multipart for bytes frames, without enum arithmetic per frame."""
-    for frame in frames[:-1]:
-        _send(sock, frame, SNDMORE | flags)
-    _send(sock, frames[-1], flags)
-
-
-def recv_frames(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
-    """recv_multipart, reading each frame's more-flag from the frame itself:
-    getsockopt(RCVMORE) would convert the option to an enum on every call."""
-    frames = []
-    while True:
-        frame = _recv(sock, flags, copy=False)
-        frames.append(frame.bytes)
-        if not frame.more:
-            return frames
 
 
 class Channel:

@@ -24,6 +24,10 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+# The handshake events a client watches too; the supervisor's monitor asks
+# for them here as remote.HANDSHAKE_FAILURES.
+from hermes_sup.local.frames import HANDSHAKE_FAILURES as HANDSHAKE_FAILURES
+
 from . import statedir
 
 log = logging.getLogger("hermes_sup.supervisor")
@@ -34,11 +38,6 @@ SERVER_NAME = "server"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 ZAP_DOMAIN = "hermes-sup"
 LOOPBACK = "127.0.0.1"
-HANDSHAKE_FAILURES = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 
 
 class RemoteError(Exception):
