@@ -1,0 +1,64 @@
+"""Which packages import which: the boundaries the folders promise.
+
+An embedding front end imports the client and must not load the supervisor,
+the worker or the CLI with it (their imports, their globals, their start-up
+cost). Each check runs in a fresh interpreter: this test process has long
+since imported everything.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SERVER_SIDE = {"hermes_sup.supervisor", "hermes_sup.worker", "hermes_sup.cli"}
+# Imports the modules named in argv and prints sys.modules, one name a line.
+PROBE = (
+    "import importlib, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    importlib.import_module(name)\n"
+    "print('\\n'.join(sorted(sys.modules)))\n"
+)
+
+
+def modules_loaded_by(*modules: str) -> list[str]:
+    """The modules a fresh interpreter holds after importing `modules`."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *modules],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.split()
+
+
+def package(module: str) -> str:
+    """hermes_sup.supervisor.statedir -> hermes_sup.supervisor. By package, not
+    by prefix: "hermes_sup.cli" is a prefix of "hermes_sup.client"."""
+    return ".".join(module.split(".")[:2])
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        ("hermes_sup.client",),
+        ("hermes_sup.local.statedir", "hermes_sup.local.frames", "hermes_sup.local.prctl"),
+    ],
+)
+def test_the_client_and_local_do_not_import_the_server_side(modules: tuple[str, ...]) -> None:
+    loaded = modules_loaded_by(*modules)
+    assert set(modules) <= set(loaded)  # the probe did import them
+    assert [m for m in loaded if package(m) in SERVER_SIDE] == []
+
+
+def test_only_the_frames_of_local_import_zmq() -> None:
+    # statedir and prctl are standard library only: reading a state
+    # directory or calling prctl must not pay for zmq.
+    loaded = modules_loaded_by(
+        "hermes_sup.local", "hermes_sup.local.statedir", "hermes_sup.local.prctl"
+    )
+    assert "zmq" not in loaded
+    assert "zmq" in modules_loaded_by("hermes_sup.local.frames")  # the probe sees zmq at all
