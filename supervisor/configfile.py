@@ -216,3 +216,25 @@ def build(
     values = load(path, environ) if path is not None else {}
     values.update(overrides)
     return dataclasses.replace(base, **values)
+
+
+def reload_settings(old: Settings) -> tuple[Settings, list[str], list[str]]:
+    """Read the configuration file again for a running supervisor: the new
+    settings, the fields that changed, and the fields that changed in the
+    file but need a restart (those keep their old values). ConfigError for
+    an invalid file; the caller keeps the old settings then."""
+    assert old.config_file is not None
+    base = Settings(state_dir=old.state_dir, data_dir=old.data_dir)
+    new = build(base, old.config_file, old.overrides)
+    new.config_file, new.overrides = old.config_file, old.overrides
+    if "preload" not in old.overrides and new.preload == ():
+        new.preload = old.preload  # computed at start (e.g. for hermes), not from the file
+    restart = [f for f in RESTART_FIELDS if getattr(new, f) != getattr(old, f)]
+    for name in restart:
+        setattr(new, name, getattr(old, name))
+    changed = [
+        f.name
+        for f in dataclasses.fields(Settings)
+        if f.name not in META_FIELDS and getattr(new, f.name) != getattr(old, f.name)
+    ]
+    return new, changed, restart

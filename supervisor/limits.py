@@ -82,3 +82,11 @@ def safe_max_sessions(fd_limit: int) -> int:
     """The most live sessions this supervisor can hold without running out of
     descriptors (libzmq aborts the whole process when it cannot get one)."""
     return max(1, (fd_limit - FD_RESERVE) // FDS_PER_SESSION)
+
+
+def allowed_sessions(fd_limit: int, spare_workers: int, wanted: int | None) -> int:
+    """How many sessions may run at once under `fd_limit` descriptors, with
+    `spare_workers` spares holding theirs: `wanted` (the setting), lowered
+    to what is safe; what is safe when nothing is wanted."""
+    safe = max(1, safe_max_sessions(fd_limit) - spare_workers)
+    return min(wanted or safe, safe)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from .process import WorkerProcess
+from .states import backoff_delay
 
 
 @dataclass
@@ -80,7 +81,7 @@ class SparePool:
         now = time.monotonic()
         if now - spare.forked_at < young_within:
             self.failures += 1
-            delay = min(cap, base * 2 ** (self.failures - 1))
+            delay = backoff_delay(self.failures, base, cap)
         else:
             self.failures, delay = 0, 0.0
         self.retry_at = now + delay

@@ -90,3 +90,45 @@ def next_state(state: State, event: Event) -> State:
         return TRANSITIONS[(state, event)]
     except KeyError:
         raise InvalidTransition(f"no transition from {state.value} on {event.value}") from None
+
+
+# ------------------------------------------------------------ restart policy
+#
+# What a worker's exit means for its session, beside the table it drives. The
+# lifecycle (lifecycle.py) applies these; they decide, it acts.
+
+
+def exit_event(
+    was: State,
+    *,
+    accepting: bool,
+    load_failed: bool,
+    uptime: float,
+    min_uptime: float,
+    fast_failures: int,
+    max_fast_failures: int,
+) -> tuple[Event, int]:
+    """The event a worker's exit is, and the session's fast failures in a
+    row after it.
+
+    A worker being stopped (or any, while the supervisor shuts down) simply
+    exited. One that cannot load its runtime will never start: give up at
+    once rather than retry in a loop. One that died before its hello, or
+    sooner than `min_uptime` after its start, is a fast failure: back off,
+    and give up after `max_fast_failures` in a row. Any other exit clears
+    the count; the next message starts a fresh worker."""
+    if was is State.STOPPING or not accepting:
+        return Event.EXIT, fast_failures
+    if load_failed:
+        return Event.GIVE_UP, fast_failures
+    if was is State.STARTING or uptime < min_uptime:
+        fast_failures += 1
+        event = Event.GIVE_UP if fast_failures >= max_fast_failures else Event.FAST_EXIT
+        return event, fast_failures
+    return Event.EXIT, 0
+
+
+def backoff_delay(failures: int, base: float, cap: float) -> float:
+    """Seconds to wait before the next start after `failures` (>= 1) fast
+    failures in a row: doubling from `base`, never more than `cap`."""
+    return min(cap, base * 2 ** (failures - 1))

@@ -1,0 +1,202 @@
+"""The supervisor's sockets: where clients and workers reach it, and the
+only place that sends to them.
+
+Two ROUTER sockets are bound in the private state directory: `control.sock`
+for clients and `workers.sock` for workers; with `tcp` set, a third, CURVE
+encrypted and allowlisted, for remote front ends. Only the supervisor
+binds; everyone else connects.
+
+A client id is the routing id behind one byte naming the socket it came in
+on (0: the local control socket, 1: TCP), and replies are signed with that
+socket's key. Sends never block: a client that is gone or too slow is
+dropped, never waited on (see channel.py for how the loop drives them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from hermes_sup.local import statedir
+from hermes_sup.local.frames import HANDSHAKE_FAILURES
+from hermes_sup.protocol import (
+    MAGIC,
+    ErrorCode,
+    Limits,
+    LocalProtocolError,
+    Message,
+    encode,
+    error_message,
+    sign,
+)
+
+from . import remote
+from .channel import Channel
+from .config import Settings
+from .logfmt import kv
+from .session import Session
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+
+class Endpoints:
+    """The bound sockets, and sending on them."""
+
+    def __init__(self, settings: Settings, key: bytes) -> None:
+        self.settings = settings  # as at start: sockets are not rebound on reload
+        self.key = key
+        self.limits = Limits(max_frame_size=settings.max_frame_size)
+        self.control = statedir.endpoint(settings.state_dir, statedir.CONTROL_SOCKET)
+        self.worker = statedir.endpoint(settings.state_dir, statedir.WORKER_SOCKET)
+        self.tcp: str | None = None
+        self.fronts: list[tuple[Channel, bytes]] = []
+        self.tcp_monitor: Channel | None = None
+        self.auth: ThreadAuthenticator | None = None
+
+    def open(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_client: Callable[[int, list[bytes]], None],
+        on_worker: Callable[[list[bytes]], None],
+    ) -> None:
+        """Make the zmq context and bind every socket; `on_client(index,
+        frames)` and `on_worker(frames)` get what arrives."""
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.fronts.append(
+            (Channel(self._bind(self.control), partial(on_client, 0), loop), self.key)
+        )
+        self.auth = self._start_tcp(loop, partial(on_client, 1))
+        self.back = Channel(self._bind(self.worker), on_worker, loop)
+
+    def close(self) -> None:
+        for channel, _ in self.fronts:
+            channel.close()
+        self.back.close()
+        if self.tcp_monitor is not None:
+            self.tcp_monitor.close()
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+
+    def _start_tcp(
+        self, loop: asyncio.AbstractEventLoop, on_client: Callable[[list[bytes]], None]
+    ) -> ThreadAuthenticator | None:
+        """The CURVE endpoint for remote front ends, if configured."""
+        s = self.settings
+        if not s.tcp:
+            return None
+        host, port = remote.parse_tcp(s.tcp)
+        public, secret = remote.server_keys(s.data_dir)
+        # The ZAP handler must run before the socket binds: without one,
+        # libzmq lets every CURVE key in.
+        auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("hermes_sup.zap"))
+        auth.start()
+        auth.configure_curve_callback(remote.ZAP_DOMAIN, remote.Allowlist(s.data_dir))
+        sock = self._router()
+        sock.curve_server = True
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.zap_domain = remote.ZAP_DOMAIN.encode()
+        self.tcp = remote.tcp_endpoint(host, port)
+        try:
+            sock.bind(self.tcp)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            auth.stop()
+            raise remote.RemoteError(f"cannot listen on {self.tcp}: {exc}") from None
+        self.fronts.append((Channel(sock, on_client, loop), remote.remote_hmac_key(s.data_dir)))
+        # Peers that fail the handshake (no CURVE, wrong server key) never
+        # reach ZAP; the socket's monitor is the only place they show.
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+        self.tcp_monitor = Channel(monitor, remote.log_handshake_failure, loop)
+        log.info(
+            kv(
+                "tcp_ready",
+                endpoint=self.tcp,
+                server_public=public.decode(),
+                allowed=len(remote.allowed(s.data_dir)),
+            )
+        )
+        return auth
+
+    def _router(self) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Sends to a peer that is gone raise instead of vanishing silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Frames a little over the limit reach decode and get a clear too_large
+        # reply; far over it, zmq drops the peer before buffering the frame.
+        limit = self.settings.max_frame_size
+        sock.setsockopt(zmq.MAXMSGSIZE, limit + limit // 4 + 4096)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        return sock
+
+    def _bind(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._router()
+        path = endpoint.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)  # stale socket of a dead supervisor: we hold the lock
+        old = os.umask(0o177)
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        return sock
+
+    def client_key(self, index: int) -> bytes:
+        """The key that signs frames on front socket `index`."""
+        return self.fronts[index][1]
+
+    def to_client(self, client: bytes, msg: Message, payload: bytes | None = None) -> bool:
+        """Send to a client without blocking; False if it is gone or too slow.
+        `payload` is a worker's own envelope that already says what `msg`
+        says (same session, same `re`): it is re-signed, not re-encoded."""
+        channel, key = self.fronts[client[0]]
+        try:
+            if payload is not None:
+                frames = [MAGIC, sign(key, payload), payload]
+            else:
+                frames = encode(msg, key, self.limits)
+        except LocalProtocolError as exc:
+            log.error(kv("unsendable", kind=msg.kind.value, error=exc.message))
+            frames = encode(
+                error_message(
+                    ErrorCode.INTERNAL.value, exc.message, re=msg.re, session=msg.session
+                ),
+                key,
+            )
+        try:
+            channel.send([client[1:], *frames])
+            return True
+        except zmq.Again:
+            log.warning(kv("client_slow_dropped", kind=msg.kind.value, re=msg.re))
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug(kv("client_gone", kind=msg.kind.value, re=msg.re))
+        return False
+
+    def error(
+        self, client: bytes, code: ErrorCode, message: str, re: str | None, session: str | None
+    ) -> None:
+        """Send a client an error reply."""
+        self.to_client(client, error_message(code.value, message, re=re, session=session))
+
+    def to_worker(self, session: Session, msg: Message) -> bool:
+        """Send to a session's worker; False if it has none or is gone."""
+        if session.worker_id is None or session.token is None:
+            return False
+        try:
+            self.back.send([session.worker_id, *encode(msg, session.token)])
+            return True
+        except zmq.ZMQError as exc:
+            log.warning(kv("worker_unreachable", session=session.key, error=exc))
+            return False

@@ -1,0 +1,365 @@
+"""The front: what clients ask of the supervisor, one handler per request kind.
+
+`on_frames` checks a request before any handler sees it: its signature (by
+the key of the socket it came in on), that it is not a replay, and that it
+has not outlived its time to live (its sender has given up on it, so it is
+not carried out). A bad request gets an error reply that names what is
+wrong, and the supervisor goes on serving everyone else. A handler refuses
+with `RemoteProtocolError`; any other exception is a bug, logged with its
+traceback and answered as `internal`.
+
+Each handler keeps the order of its side effects: for a `send`, the worker
+is started before the client is acknowledged, so the fork overlaps the
+answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from importlib import metadata
+
+import psutil
+
+from hermes_sup.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Kind,
+    Message,
+    RemoteProtocolError,
+    ReplayGuard,
+    check_session_key,
+    decode,
+)
+
+from .context import Context
+from .endpoints import Endpoints
+from .lifecycle import Lifecycle
+from .limits import TreeUsage, scan_trees
+from .logfmt import kv
+from .logs import tail
+from .pool import WorkerPool
+from .session import Session, Turn
+from .states import State
+from .table import SessionTable
+from .turns import SentTurn, Turns
+from .watchers import Watchers
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+MAX_LOG_TAIL = 100_000
+APPROVAL_CHOICES = ("once", "session", "always", "deny")
+
+
+def version() -> str:
+    """The installed hermes-sup version."""
+    try:
+        return metadata.version("hermes-sup")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Front:
+    """Client requests, checked and dispatched."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        table: SessionTable,
+        turns: Turns,
+        lifecycle: Lifecycle,
+        watchers: Watchers,
+        pool: WorkerPool,
+        endpoints: Endpoints,
+        reload: Callable[[], tuple[list[str], list[str]]],
+    ) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.turns = turns
+        self.lifecycle = lifecycle
+        self.watchers = watchers
+        self.pool = pool
+        self.endpoints = endpoints
+        self.reload = reload
+        self.guard = ReplayGuard()
+        self.handlers: dict[Kind, Callable[[bytes, Message], None]] = {
+            Kind.PING: self.ping,
+            Kind.OPEN: self.open_session,
+            Kind.SEND: self.send,
+            Kind.CANCEL: self.cancel,
+            Kind.LIST: self.list_sessions,
+            Kind.KILL: self.kill,
+            Kind.WATCH: self.watch,
+            Kind.UNWATCH: self.unwatch,
+            Kind.LOGS: self.logs,
+            Kind.STATUS: self.status,
+            Kind.APPROVE: self.approve,
+            Kind.RELOAD: self.reload_request,
+        }
+
+    def on_frames(self, index: int, frames: list[bytes]) -> None:
+        """A request from a client on front socket `index`."""
+        if len(frames) < 2:
+            return
+        client, rest = bytes([index]) + frames[0], frames[1:]
+        endpoints = self.endpoints
+        try:
+            msg = decode(rest, endpoints.client_key(index), endpoints.limits)
+            if msg.kind is Kind.SEND and msg.id in self.turns.sent:
+                self.turns.resend(client, msg)
+                return
+            now = time.time()
+            self.guard.check(msg.id, msg.ts, now)
+            if msg.ttl is not None and now - msg.ts > msg.ttl:
+                # Its sender has stopped waiting and told its caller it failed.
+                raise RemoteProtocolError(
+                    ErrorCode.EXPIRED,
+                    f"the {msg.kind.value!r} request arrived {now - msg.ts:.1f}s after it was "
+                    f"sent, past its {msg.ttl:g}s time to live; it was not carried out",
+                    msg_id=msg.id,
+                )
+        except RemoteProtocolError as exc:
+            log.warning(kv("bad_request", code=exc.code.value, error=exc.message))
+            endpoints.error(client, exc.code, exc.message, exc.msg_id, None)
+            return
+        handler = self.handlers.get(msg.kind)
+        if handler is None:
+            endpoints.error(
+                client,
+                ErrorCode.UNKNOWN_KIND,
+                f"{msg.kind.value!r} is not a request a client can send",
+                msg.id,
+                msg.session,
+            )
+            return
+        try:
+            handler(client, msg)
+        except RemoteProtocolError as exc:
+            endpoints.error(client, exc.code, exc.message, msg.id, msg.session)
+        except Exception as exc:
+            log.exception(kv("bug", kind=msg.kind.value))
+            endpoints.error(
+                client, ErrorCode.INTERNAL, f"internal error: {exc}", msg.id, msg.session
+            )
+
+    def _check_accepting(self) -> None:
+        if not self.ctx.accepting:
+            raise RemoteProtocolError(
+                ErrorCode.SHUTTING_DOWN, "the supervisor is shutting down; try again after restart"
+            )
+
+    # ------------------------------------------------------------ sessions
+
+    def ping(self, client: bytes, msg: Message) -> None:
+        self.endpoints.to_client(
+            client,
+            msg.reply(
+                Kind.PONG,
+                {
+                    "version": version(),
+                    "protocol": PROTOCOL_VERSION,
+                    "pid": os.getpid(),
+                    "uptime": time.time() - self.ctx.started,
+                },
+            ),
+        )
+
+    def open_session(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        self._check_accepting()
+        existing = self.table.get(key)
+        created = existing is None or existing.state is State.EXITED
+        session = self.table.find_or_create(key, msg.body.get("options"))
+        self.lifecycle.admit(session)
+        if session.state is State.EXITED:
+            self.lifecycle.start_worker(session)
+        session.touch()
+        self.endpoints.to_client(
+            client,
+            msg.reply(
+                Kind.OPENED,
+                {"pid": session.pid, "state": session.state.value, "created": created},
+            ),
+        )
+
+    def send(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        self._check_accepting()
+        session = self.table.find_or_create(key, msg.body.get("options"))
+        s = self.ctx.settings
+        turns = self.turns
+        # Refuse a full queue before making room: that may evict another session.
+        if len(session.queue) >= s.max_queue or turns.queued_total >= s.max_queued_total:
+            raise RemoteProtocolError(
+                ErrorCode.BUSY,
+                f"session {key!r} already has {len(session.queue)} turns waiting "
+                f"(limit {s.max_queue}; {turns.queued_total} waiting in all, limit "
+                f"{s.max_queued_total}); try again when it catches up",
+            )
+        self.lifecycle.admit(session)
+        turn = Turn(id=msg.id, client=client, text=msg.body["text"])
+        turns.enqueue(session, turn)
+        turns.remember(msg.id, SentTurn(session=key, turn=turn))
+        session.touch()
+        if session.state is State.IDLE and len(session.queue) == 1:
+            turns.pump(session)  # runs now: its `running` status is the acknowledgement
+            return
+        position = len(session.queue)
+        if session.state is State.EXITED:
+            self.lifecycle.start_worker(session)  # first: the fork starts while we answer
+        elif session.state is State.BACKOFF:
+            self.lifecycle.schedule_retry(session)
+        # Acknowledge at once, so a client can tell a slow turn from a dead supervisor.
+        self.endpoints.to_client(
+            client,
+            msg.reply(
+                Kind.EVENT,
+                {"type": "status", "data": {"state": "queued", "position": position}},
+            ),
+        )
+        turns.pump(session)
+
+    def cancel(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        session = self.table.require(key)
+        cancelled = self.turns.cancel(session, msg.body.get("turn"))
+        self.endpoints.to_client(client, msg.reply(Kind.CANCELLED, {"turn": cancelled}))
+
+    def approve(self, client: bytes, msg: Message) -> None:
+        """An answer to an approval request of the running turn, for its worker."""
+        key = check_session_key(msg.session)
+        session = self.table.require(key)
+        choice = msg.body["choice"]
+        if choice not in APPROVAL_CHOICES:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"approval choice {choice[:20]!r} is not once, session, always or deny",
+            )
+        turn = session.current
+        if turn is None or not self.endpoints.to_worker(
+            session, Message(Kind.APPROVE, {"choice": choice}, session=key)
+        ):
+            raise RemoteProtocolError(
+                ErrorCode.NOTHING_TO_APPROVE, f"session {key!r} has no running turn to approve"
+            )
+        self.watchers.publish(session, "approval_answer", {"choice": choice}, turn=turn.id)
+        self.endpoints.to_client(
+            client, msg.reply(Kind.APPROVED, {"choice": choice, "turn": turn.id})
+        )
+
+    def kill(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        session = self.table.require(key)
+        force = bool(msg.body.get("force", False))
+        purge = bool(msg.body.get("purge", False))
+
+        async def kill_and_reply() -> None:
+            pid, reason = await self.lifecycle.kill_session(session, force=force)
+            if purge and session.state is State.EXITED and self.table.get(key) is session:
+                self.table.purge(session)
+                reason += ", data purged"
+            self.endpoints.to_client(client, msg.reply(Kind.KILLED, {"pid": pid, "reason": reason}))
+
+        self.ctx.spawn(kill_and_reply())
+
+    # ---------------------------------------------------------- observing
+
+    def list_sessions(self, client: bytes, msg: Message) -> None:
+        prefix = msg.body.get("prefix", "")
+        state = msg.body.get("state")
+        chosen = [
+            s
+            for key, s in sorted(self.table.sessions.items())
+            if key.startswith(prefix) and (state is None or s.state.value == state)
+        ]
+        self.ctx.spawn(self._list_reply(client, msg, chosen))
+
+    async def _list_reply(self, client: bytes, msg: Message, chosen: list[Session]) -> None:
+        """Answer `list` with stats sampled now (psutil, in a thread), never
+        from a background stats loop."""
+        pids = [s.pid for s in chosen if s.pid is not None]
+        usage: dict[int, TreeUsage] = {}
+        if pids:
+            usage = await asyncio.get_running_loop().run_in_executor(None, scan_trees, pids, True)
+        now = time.monotonic()
+        rows = []
+        for s in chosen:
+            row = s.describe()
+            # The session's own runtime where it chose one, else the one its
+            # worker was (or would be) started with.
+            row["runtime"] = s.options.runtime or self.ctx.settings_for(s).runtime
+            use = usage.get(s.pid) if s.pid is not None else None
+            if use is None:
+                row.update(rss=None, cpu_percent=None, procs=None)
+            else:
+                since = s.cpu_sample if s.cpu_sample is not None else (0.0, s.spawned_mono)
+                elapsed = max(now - since[1], 1e-6)
+                row.update(
+                    rss=use.rss,
+                    procs=use.procs,
+                    cpu_percent=round(max(0.0, use.cpu - since[0]) / elapsed * 100, 1),
+                )
+                s.cpu_sample = (use.cpu, now)
+            rows.append(row)
+        self.endpoints.to_client(client, msg.reply(Kind.SESSIONS, {"sessions": rows}))
+
+    def status(self, client: bytes, msg: Message) -> None:
+        ctx, endpoints, pool = self.ctx, self.endpoints, self.pool
+        counts = self.table.counts_by_state()
+        me = psutil.Process()
+        with me.oneshot():
+            rss, fds = me.memory_info().rss, me.num_fds()
+        info = {
+            "pid": os.getpid(),
+            "version": version(),
+            "protocol": PROTOCOL_VERSION,
+            "uptime": time.time() - ctx.started,
+            "started": ctx.started,
+            "runtime": ctx.settings.runtime,
+            "endpoints": {
+                "control": endpoints.control,
+                "workers": endpoints.worker,
+                "tcp": endpoints.tcp,
+            },
+            "state_dir": str(ctx.settings.state_dir),
+            "data_dir": str(ctx.settings.data_dir),
+            "zygote_pid": pool.zygote.pid if pool.zygote else None,
+            "sessions": counts,
+            "total_sessions": len(self.table),
+            "max_sessions": ctx.max_sessions,
+            "spare_workers": pool.spares.ready_count(),
+            "queued": self.turns.queued_total,
+            "rss": rss,
+            "fds": fds,
+            "fd_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "accepting": ctx.accepting,
+        }
+        self.endpoints.to_client(client, msg.reply(Kind.INFO, {"supervisor": info}))
+
+    def watch(self, client: bytes, msg: Message) -> None:
+        session = self.table.get(msg.session) if msg.session else None
+        self.watchers.watch(client, msg, session)
+
+    def unwatch(self, client: bytes, msg: Message) -> None:
+        self.watchers.unwatch(client, msg, self.table.sessions.values())
+
+    def logs(self, client: bytes, msg: Message) -> None:
+        key = check_session_key(msg.session)
+        session = self.table.require(key)
+        count = max(0, min(int(msg.body.get("lines", 50)), MAX_LOG_TAIL))
+        lines = tail(session.log_path, count, self.ctx.settings.log_backups) if count else []
+        self.endpoints.to_client(client, msg.reply(Kind.LOG_LINES, {"lines": lines}))
+        if msg.body.get("follow"):
+            session.log_followers[msg.id] = client
+
+    # ------------------------------------------------------------- service
+
+    def reload_request(self, client: bytes, msg: Message) -> None:
+        changed, restart = self.reload()
+        self.endpoints.to_client(
+            client, msg.reply(Kind.RELOADED, {"changed": changed, "restart_needed": restart})
+        )

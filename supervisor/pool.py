@@ -1,0 +1,376 @@
+"""The worker pool: the processes behind the sessions.
+
+Theory of operation
+-------------------
+Workers are forked by the zygote (spawner.py), a process that has no threads
+and no zmq context, so a fork is cheap and clean. A worker is the
+supervisor's own child from the moment it is cloned, but the supervisor
+learns its pid only when the zygote answers: until then the spawn is
+counted in `spawning`, and an orphan cull waits, so that a just-cloned
+worker is never taken for an orphan. An exit reaped before the zygote's
+answer is kept in `unclaimed_exits` for the spawn to claim.
+
+Spare workers (spare_workers.py) are forked ahead and wait; a new session
+takes a ready one and sends it its spawn request (`assign`). The pool keeps
+their number, replaces those that die (with back-off), and kills them at
+shutdown.
+
+The pool indexes workers by routing id and by pid, and claims each reaped
+pid for its session or spare; what an exit means for a session is the
+lifecycle's to decide (lifecycle.py). Processes re-parented to the
+supervisor that are no worker's (what a dead worker left behind) are culled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+import psutil
+import zmq
+
+from hermes_sup.protocol import Kind, Message, RemoteProtocolError, decode, describe_exit, encode
+
+from . import statedir
+from .context import Context
+from .endpoints import Endpoints
+from .environment import worker_env
+from .logfmt import kv
+from .logs import PipeReader
+from .process import WorkerProcess, kill_processes
+from .records import WorkerRecords
+from .session import Session
+from .spare_workers import Spare, SparePool
+from .spawner import Zygote, ZygoteError
+from .watchers import Watchers
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+MAX_UNCLAIMED_EXITS = 4096
+
+
+def new_identity() -> tuple[bytes, bytes]:
+    """A signing token and a routing id for a worker to be forked."""
+    return secrets.token_bytes(32), b"w" + secrets.token_bytes(15)
+
+
+class WorkerPool:
+    """The zygote, the spare workers, and every worker by routing id and pid."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        endpoints: Endpoints,
+        records: WorkerRecords,
+        watchers: Watchers,
+    ) -> None:
+        self.ctx = ctx
+        self.endpoints = endpoints
+        self.records = records
+        self.watchers = watchers
+        self.zygote: Zygote | None = None
+        self.spares = SparePool()
+        self.by_worker_id: dict[bytes, Session] = {}
+        self.by_pid: dict[int, Session] = {}
+        self.unclaimed_exits: dict[int, int] = {}
+        # Spawns between the request to the zygote and the registration of
+        # the new pid: the worker is already our child but not yet known.
+        self.spawning = 0
+        self._cull_pending = False
+
+    # ------------------------------------------------------------- zygote
+
+    def start_zygote(self) -> None:
+        settings = self.ctx.settings
+        home = settings.data_dir / "zygote-home"
+        statedir.ensure_private_dir(home)
+        env = dict(self.ctx.base_env)
+        # The zygote's own HERMES_HOME stays empty: anything preloaded that
+        # captured a path at import would show up there, not in a session.
+        env["HERMES_HOME"] = str(home)
+        if "PYTHONPATH" in self.ctx.environ:
+            env["PYTHONPATH"] = self.ctx.environ["PYTHONPATH"]
+        self.zygote = Zygote(settings.preload, env, cwd=str(settings.data_dir))
+        ready = self.zygote.start()
+        if ready.get("failed"):
+            for mod, why in ready["failed"].items():
+                log.error(kv("preload_failed", module=mod, error=why))
+        log.info(
+            kv(
+                "zygote_ready",
+                pid=ready.get("pid"),
+                preloaded=",".join(ready.get("loaded", [])),
+                seconds=f"{ready.get('seconds', 0):.3f}",
+            )
+        )
+
+    def on_zygote_exit(self, status: int) -> None:
+        assert self.zygote is not None
+        self.zygote.fail_pending("the zygote died")
+        if not self.ctx.accepting:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        log.error(kv("zygote_died", status=code))
+        self.zygote.detach(asyncio.get_running_loop())
+        self.zygote.close()
+        self.start_zygote()
+        self.zygote.attach(asyncio.get_running_loop())
+
+    # ------------------------------------------------------------ workers
+
+    def spawn_request(self, session: Session) -> dict[str, Any]:
+        """What the zygote (or a spare) is told to start `session`'s worker with."""
+        s = self.ctx.settings
+        env = worker_env(
+            self.ctx.base_env, s.env, session.options, session.key, session.home, session.workspace
+        )
+        rlimits = {}
+        if s.max_open_files:
+            rlimits["nofile"] = s.max_open_files
+        if s.cpu_seconds:
+            rlimits["cpu"] = s.cpu_seconds
+        return {
+            "key": session.key,
+            "title": session.key if len(session.key) <= 48 else session.key[:45] + "...",
+            "token": session.token,
+            "worker_id": session.worker_id,
+            "endpoint": self.endpoints.worker,
+            "supervisor_pid": os.getpid(),
+            "env": env,
+            "workspace": str(session.workspace),
+            "home": str(session.home),
+            "runtime": session.options.runtime or s.runtime,
+            "runtime_config": {**s.runtime_config, **session.options.agent},
+            "options": session.options.to_wire(),
+            # Several beats per timeout, so one late beat is never a hang.
+            "heartbeat": min(s.heartbeat_interval, s.heartbeat_timeout / 4),
+            "idle_heartbeat": s.idle_heartbeat_interval,
+            "rlimits": rlimits,
+        }
+
+    def identify(self, session: Session, token: bytes, worker_id: bytes) -> None:
+        """Give the session's next worker its token and routing id."""
+        if session.worker_id is not None:
+            self.by_worker_id.pop(session.worker_id, None)
+        session.token, session.worker_id = token, worker_id
+        self.by_worker_id[worker_id] = session
+
+    def forget_worker(self, session: Session) -> None:
+        """The session's worker is gone: its routing id and token go too."""
+        if session.worker_id is not None:
+            self.by_worker_id.pop(session.worker_id, None)
+        session.worker_id = None
+        session.token = None
+
+    def session_of(self, worker_id: bytes) -> Session | None:
+        return self.by_worker_id.get(worker_id)
+
+    def fork(self, request: dict[str, Any]) -> asyncio.Future[tuple[int, int | None]]:
+        """Ask the zygote for a worker. Counted as spawning from now until
+        `forked()`: the worker is our child as soon as it is cloned, and
+        until it is registered an orphan cull must not take it for one."""
+        assert self.zygote is not None
+        self.spawning += 1
+        return self.zygote.spawn(request)
+
+    def forked(self) -> None:
+        """A spawn counted by `fork` is registered (or failed)."""
+        self.spawning -= 1
+
+    def adopt(self, session: Session, proc: WorkerProcess, out_fd: int | None) -> int | None:
+        """Make a forked (or assigned spare) process the session's worker.
+        Returns its exit status if it was reaped before we knew its pid."""
+        session.proc = proc
+        self.by_pid[proc.pid] = session
+        if out_fd is not None and session.log is not None:
+            reader = PipeReader(
+                out_fd, session.log, lambda lines: self.watchers.log_lines(session, lines)
+            )
+            session.pipe = reader
+            asyncio.get_running_loop().add_reader(out_fd, self.read_pipe, session, reader)
+        self.records.add(proc.pid, session.key, proc.create_time)
+        log.info(kv("spawned", session=session.key, pid=proc.pid))
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.spawns.inc()
+        return self.unclaimed_exits.pop(proc.pid, None)
+
+    def read_pipe(self, session: Session, reader: PipeReader) -> None:
+        """Move a worker's output into its log; at end of file, stop reading."""
+        if not reader.drain():
+            asyncio.get_running_loop().remove_reader(reader.fd)
+            reader.close()
+            if session.pipe is reader:
+                session.pipe = None
+
+    def claim_exit(self, pid: int, status: int) -> Session | None:
+        """A child was reaped: the session whose worker it was (with its
+        output logged and its exit recorded), or None if it was a spare
+        (handled here), or not known yet (kept for its spawn to claim)."""
+        spare = self.spares.by_pid.get(pid)
+        if spare is not None:
+            self._spare_exited(spare, status)
+            return None
+        session = self.by_pid.pop(pid, None)
+        if session is None or session.proc is None or session.proc.pid != pid:
+            # An orphan of a dead worker, or a worker whose pid the zygote has
+            # not told us yet: keep its status for the spawn to claim.
+            if len(self.unclaimed_exits) >= MAX_UNCLAIMED_EXITS:
+                self.unclaimed_exits.pop(next(iter(self.unclaimed_exits)))
+            self.unclaimed_exits[pid] = status
+            return None
+        self.records.remove(pid)
+        if session.pipe is not None:
+            # Every line the worker wrote before it died is logged before its
+            # death is handled (and reported).
+            self.read_pipe(session, session.pipe)
+        session.proc.set_exited(status)
+        return session
+
+    # ------------------------------------------------------------- spares
+
+    def take_spare(self) -> Spare | None:
+        """A ready spare worker for a new session, out of the pool."""
+        return self.spares.take()
+
+    def fill_spares(self) -> None:
+        """Fork spare workers up to `spare_workers` (see spare_workers.py)."""
+        pool = self.spares
+        if not self.ctx.accepting or self.zygote is None or time.monotonic() < pool.retry_at:
+            return
+        wanted = self.ctx.settings.spare_workers
+        while len(pool) < wanted:
+            spare = Spare()
+            pool.add(spare)
+            request = {
+                "spare": True,
+                "worker_id": spare.worker_id,
+                "token": spare.token,
+                "endpoint": self.endpoints.worker,
+                "supervisor_pid": os.getpid(),
+            }
+            # As for a worker: culls wait until it is known.
+            self.ctx.spawn(self._register_spare(spare, self.fork(request)))
+        while len(pool) > wanted:  # fewer since a reload
+            extra = next(iter(pool.by_id.values()))
+            pool.retire(extra)
+            if extra.proc is not None:
+                extra.proc.kill()  # it holds nothing; reaped as any child
+
+    def spares_wanted(self) -> bool:
+        """Fewer spares than configured (or more, after a reload)."""
+        return len(self.spares) != self.ctx.settings.spare_workers
+
+    async def _register_spare(
+        self, spare: Spare, forked: asyncio.Future[tuple[int, int | None]]
+    ) -> None:
+        try:
+            try:
+                pid, out_fd = await forked
+            except ZygoteError as exc:
+                self.spares.discard(spare)
+                self.spares.retry_at = time.monotonic() + 1.0  # not on every tick
+                log.warning(kv("spare_not_forked", error=exc))
+                return
+            proc = WorkerProcess(pid)
+            self.spares.forked(spare, proc, out_fd)
+            self.records.add(pid, "(spare)", proc.create_time)
+            if spare.worker_id not in self.spares.by_id or not self.ctx.accepting:
+                proc.kill()  # trimmed or shutting down while it was forked
+            status = self.unclaimed_exits.pop(pid, None)
+            if status is not None:
+                self.claim_exit(pid, status)
+        finally:
+            self.forked()
+
+    def on_spare(self, spare: Spare, frames: list[bytes]) -> None:
+        """A spare speaks once: `spare`, when it is connected and waiting."""
+        try:
+            msg = decode(frames, spare.token, self.endpoints.limits)
+        except RemoteProtocolError as exc:
+            log.warning(kv("bad_spare_message", error=exc))
+            return
+        if msg.kind is Kind.SPARE:
+            spare.ready = True
+
+    def assign(self, session: Session, spare: Spare, request: dict[str, Any]) -> bool:
+        """Give a new session a ready spare worker: send it the spawn request
+        it would have been forked with. False if it is gone (then fork one)."""
+        assert spare.proc is not None
+        # Everything but the token, which the spare has had since its fork.
+        body = {"request": {k: v for k, v in request.items() if k != "token"}}
+        try:
+            self.endpoints.back.send(
+                [spare.worker_id, *encode(Message(Kind.ASSIGN, body), spare.token)]
+            )
+        except zmq.ZMQError as exc:
+            log.warning(kv("spare_unreachable", pid=spare.proc.pid, error=exc))
+            # Out of the pool already; its exit is still ours to clean up.
+            self.spares.by_pid[spare.proc.pid] = spare
+            spare.proc.kill()
+            return False
+        return True
+
+    def _spare_exited(self, spare: Spare, status: int) -> None:
+        assert spare.proc is not None
+        pid = spare.proc.pid
+        spare.proc.set_exited(status)
+        self.records.remove(pid)
+        output = b""
+        if spare.out_fd is not None:
+            os.set_blocking(spare.out_fd, False)
+            try:
+                output = os.read(spare.out_fd, 65536)
+            except OSError:
+                pass
+            os.close(spare.out_fd)
+        pool, s = self.spares, self.ctx.settings
+        if spare.worker_id not in pool.by_id:
+            pool.discard(spare)  # retired by us
+            return
+        delay = pool.died(spare, s.min_uptime, s.backoff_base, s.backoff_cap)
+        if self.ctx.accepting:
+            why = describe_exit(spare.proc.exit_code, spare.proc.exit_signal)
+            text = output.decode("utf-8", "replace").strip()[-2000:]
+            log.warning(kv("spare_exited", pid=pid, why=why, output=text or "(none)"))
+            asyncio.get_running_loop().call_later(delay, self.fill_spares)
+
+    def kill_spares(self) -> None:
+        """Spares hold nothing: SIGKILL them (reaped as any child)."""
+        for spare in list(self.spares.by_id.values()):
+            if spare.proc is not None and spare.proc.returncode is None:
+                spare.proc.kill()
+
+    # ------------------------------------------------------------ orphans
+
+    def schedule_orphan_cull(self) -> None:
+        if not self._cull_pending:
+            self._cull_pending = True
+            asyncio.get_running_loop().call_later(0.05, self._cull_orphans)
+
+    def _cull_orphans(self) -> None:
+        """Kill processes re-parented to us that are not workers: descendants
+        left behind by a worker that died. Nothing a session started outlives it."""
+        self._cull_pending = False
+        if self.spawning:
+            self.schedule_orphan_cull()  # a new worker may be adopted but not yet known
+            return
+        known = set(self.by_pid) | set(self.spares.by_pid)
+        if self.zygote is not None and self.zygote.pid is not None:
+            known.add(self.zygote.pid)
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        orphans = [p for p in children if p.pid not in known]
+        for proc in orphans:
+            try:
+                tree = proc.children(recursive=True)
+            except psutil.Error:
+                tree = []
+            hit = kill_processes([proc, *tree])
+            if hit:
+                log.warning(kv("orphans_killed", pid=proc.pid, count=hit))

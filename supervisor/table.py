@@ -1,0 +1,144 @@
+"""The session table: every session the supervisor knows, by key, and the one
+place a session's state changes.
+
+A state change goes through `transition`, which applies the table in
+states.py, keeps the count of sessions with a running worker (admission
+reads it on every spawn, so it is kept, not counted), and publishes the
+change to watchers.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections import Counter, deque
+
+from hermes_sup.protocol import ErrorCode, RemoteProtocolError
+
+from .context import Context
+from .environment import check_policy, parse_options
+from .logfmt import kv
+from .logs import SessionLog
+from .session import Session, open_session_dir, save_session_meta, session_path
+from .spare_dirs import SpareDirs
+from .states import LIVE_STATES, Event, State
+from .watchers import Watchers
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+RUNNING_STATES = LIVE_STATES - {State.STOPPING}
+
+
+class SessionTable:
+    """Sessions by key, their state transitions, and their directories."""
+
+    def __init__(self, ctx: Context, watchers: Watchers, spare_dirs: SpareDirs) -> None:
+        self.ctx = ctx
+        self.watchers = watchers
+        self.spare_dirs = spare_dirs
+        self.sessions: dict[str, Session] = {}
+        self.running = 0  # sessions with a worker that is not being stopped
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def get(self, key: str) -> Session | None:
+        return self.sessions.get(key)
+
+    def require(self, key: str) -> Session:
+        """The session `key`, or a `no_such_session` error."""
+        session = self.sessions.get(key)
+        if session is None:
+            raise RemoteProtocolError(ErrorCode.NO_SUCH_SESSION, f"no session {key!r}")
+        return session
+
+    def find_or_create(self, key: str, raw_options: object) -> Session:
+        """Find or create a session; new options on a running one are a conflict."""
+        settings = self.ctx.settings
+        options = parse_options(raw_options) if raw_options is not None else None
+        if options is not None:
+            check_policy(options, settings.workspace_roots, (settings.runtime, *settings.runtimes))
+        session = self.sessions.get(key)
+        if session is None:
+            path = session_path(settings.data_dir, key)
+            fresh = not path.exists()
+            stored = None if fresh else open_session_dir(settings.data_dir, key)[1]
+            defaults = parse_options(settings.session_defaults or None)
+            session = Session(key=key, dir=path, options=options or stored or defaults)
+            session.log = SessionLog(session.log_path, settings.log_max_bytes, settings.log_backups)
+            session.history = deque(maxlen=settings.history)
+            if fresh:
+                session.unsaved = True  # written once its worker is asked for
+            else:
+                save_session_meta(session)
+            self.sessions[key] = session
+            log.info(kv("session_new", session=key, dir=path.name))
+        elif options is not None and options != session.options:
+            if session.state in LIVE_STATES:
+                raise RemoteProtocolError(
+                    ErrorCode.SESSION_CONFLICT,
+                    f"session {key!r} is running with other options; kill it to apply new ones",
+                )
+            session.options = options
+            if not session.unsaved:
+                save_session_meta(session)
+        return session
+
+    def save_new(self, session: Session) -> None:
+        """Write a new session's directory and session.json, once its first
+        worker has been asked for (the fork need not wait for the disk)."""
+        if not session.unsaved:
+            return
+        session.unsaved = False
+        try:
+            # A spare directory moved into place while the worker starts
+            # spares it making its own.
+            custom = session.options.workspace is not None
+            if not self.spare_dirs.take(session.dir, with_workspace=not custom):
+                open_session_dir(self.ctx.settings.data_dir, session.key)
+            save_session_meta(session)
+            self.spare_dirs.refill()  # one behind each new session
+        except OSError as exc:
+            # The worker needs the directory too, and says so if it fails.
+            log.error(kv("session_dir_failed", session=session.key, error=exc))
+
+    def transition(self, session: Session, event: Event, reason: str | None = None) -> None:
+        """Apply `event` to the session (InvalidTransition if the table has
+        no such move), count running workers, and tell watchers."""
+        previous = session.state
+        session.advance(event)
+        self.running += (session.state in RUNNING_STATES) - (previous in RUNNING_STATES)
+        self.watchers.publish(
+            session,
+            "state",
+            {
+                "state": session.state.value,
+                "previous": previous.value,
+                "pid": session.pid,
+                "reason": reason,
+            },
+            bound=128 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
+        )
+
+    def purge(self, session: Session) -> None:
+        """Forget a stopped session and delete its data (kill --purge)."""
+        if session.log is not None:
+            session.log.close()
+        shutil.rmtree(session.dir, ignore_errors=True)
+        del self.sessions[session.key]
+        log.info(kv("purged", session=session.key))
+
+    def counts_by_state(self) -> dict[str, int]:
+        """How many sessions are in each state (only states that occur).
+        Copies the session list first: the metrics thread calls this too."""
+        return dict(Counter(session.state.value for session in list(self.sessions.values())))
+
+    def least_recent_idle(self, excluding: Session) -> Session | None:
+        """The idle session (nothing queued) used longest ago, other than
+        `excluding`: the one to stop when a new worker needs its slot."""
+        idle = [
+            s
+            for s in self.sessions.values()
+            if s.state is State.IDLE and not s.queue and s is not excluding
+        ]
+        return min(idle, key=lambda s: s.last_activity) if idle else None
