@@ -178,6 +178,9 @@ def allowlisted(environ: Mapping[str, str], patterns: tuple[str, ...]) -> dict[s
     }
 
 
+TMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
+
+
 def worker_env(
     base: Mapping[str, str],
     fixed: Mapping[str, str],
@@ -185,6 +188,7 @@ def worker_env(
     key: str,
     home: Path,
     workspace: Path,
+    tmp: Path | None = None,
 ) -> dict[str, str]:
     """The complete os.environ of one session's worker."""
     env = dict(base)
@@ -195,4 +199,8 @@ def worker_env(
     env["HERMES_SESSION_KEY"] = key
     env["HERMES_HOME"] = str(home)
     env["TERMINAL_CWD"] = str(workspace)
+    if tmp is not None:
+        # Every name a program may read its temporary directory from.
+        for name in TMP_VARIABLES:
+            env[name] = str(tmp)
     return env

@@ -126,7 +126,13 @@ class WorkerPool:
         """What the zygote (or a spare) is told to start `session`'s worker with."""
         s = self.ctx.settings
         env = worker_env(
-            self.ctx.base_env, s.env, session.options, session.key, session.home, session.workspace
+            self.ctx.base_env,
+            s.env,
+            session.options,
+            session.key,
+            session.home,
+            session.workspace,
+            session.tmp,
         )
         rlimits = {}
         if s.max_open_files:
@@ -143,6 +149,7 @@ class WorkerPool:
             "env": env,
             "workspace": str(session.workspace),
             "home": str(session.home),
+            "tmp": str(session.tmp),
             "runtime": session.options.runtime or s.runtime,
             "runtime_config": {**s.runtime_config, **session.options.agent},
             "options": session.options.to_wire(),

@@ -104,6 +104,14 @@ class Session:
         return self.dir / "home"
 
     @property
+    def tmp(self) -> Path:
+        """The worker's TMPDIR: its temporary files (Hermes's shell snapshot,
+        a dump of the session's environment, among them) stay in its own
+        data, never in the shared /tmp; emptied at each worker start and
+        removed with the session."""
+        return self.dir / "tmp"
+
+    @property
     def log_path(self) -> Path:
         """Where the worker's stdout and stderr go."""
         return self.dir / "worker.log"

@@ -1,7 +1,7 @@
 """Session directories made ahead of time, so that a new session's worker
 finds its directories there instead of creating them as it starts.
 
-A new session's directory, with its `home/` and `workspace/`, is three
+A new session's directory, with its `home/`, `workspace/` and `tmp/`, is four
 directory creations; on ext4 each is a journalled metadata change of a few
 hundred microseconds, made by the worker between its fork and its first
 reply. A spare made earlier is moved into place with one rename, right after
@@ -74,6 +74,7 @@ class SpareDirs:
                 spare.mkdir(mode=0o700)
                 (spare / "home").mkdir(mode=0o700)
                 (spare / "workspace").mkdir(mode=0o700)
+                (spare / "tmp").mkdir(mode=0o700)
             except OSError as exc:
                 log.warning("cannot make a spare session directory %s: %s", spare, exc)
                 shutil.rmtree(spare, ignore_errors=True)

@@ -135,7 +135,7 @@ def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> 
         d = session_dir(hermes, key)
         for path in d.rglob("*"):
             rel = path.relative_to(d)
-            assert rel.parts[0] in ("home", "workspace", "worker.log", "session.json"), rel
+            assert rel.parts[0] in ("home", "workspace", "tmp", "worker.log", "session.json"), rel
             if path.is_file() and path.suffix in (".log", ".md", ".yaml", ".json", ".txt"):
                 content = path.read_text(errors="replace")
                 for other in keys:
@@ -143,6 +143,16 @@ def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> 
                         assert session_dir_name(other) not in content, (path, other)
         assert (d / "home" / "state.db").exists()
         assert (d / "home" / "config.yaml").read_text().startswith("approvals")  # template
+        # Hermes's terminal wrote its shell snapshot (the session's whole
+        # environment) into the session's own tmp/, not the shared /tmp.
+        snaps = list((d / "tmp").glob("hermes-snap-*.sh"))
+        assert snaps and f"HERMES_SESSION_KEY={key}" in snaps[0].read_text().replace('"', "")
+    shared = [
+        p
+        for p in Path("/tmp").glob("hermes-*")
+        if p.is_file() and str(hermes.data_dir) in p.read_text(errors="replace")
+    ]
+    assert shared == []
     known = ("sessions", "zygote-home", ".spare-sessions")
     leftovers = [p for p in hermes.data_dir.iterdir() if p.name not in known]
     assert leftovers == []

@@ -204,3 +204,37 @@ def test_directories_are_private(supervisor) -> None:
         session_dir / "workspace" / "notes.txt",
     ):
         assert path.stat().st_mode & 0o777 == 0o600, path
+
+
+def test_each_session_has_its_own_temporary_directory_emptied_at_start_and_purged(
+    supervisor,
+) -> None:
+    """Temporary files (Hermes's shell snapshot is a full dump of a session's
+    environment) go to the session's own tmp/, never to the shared /tmp."""
+    dirs = {k: supervisor.data_dir / "sessions" / session_dir_name(k) for k in ("ta", "tb")}
+    with supervisor.client() as client:
+        for key, d in dirs.items():
+            out = client.run(key, "sh echo $TMPDIR:$TMP:$TEMP").events[-1].data
+            assert out == ":".join([str(d / "tmp")] * 3)
+            # Python's own choice in the worker too, though the zygote chose before.
+            script = "import tempfile; print(tempfile.gettempdir())"
+            out = client.run(key, f"sh python3 -c '{script}'").events[-1].data
+            assert out == str(d / "tmp")
+            client.run(key, f'sh echo "secret of {key}" > "$TMPDIR/dump.sh"')
+            assert (d / "tmp").stat().st_mode & 0o777 == 0o700
+        assert (dirs["ta"] / "tmp" / "dump.sh").read_text() == "secret of ta\n"
+        # A new worker of the session starts with it empty: the last one left
+        # with os._exit, and nothing it wrote there outlives it.
+        client.kill("ta")
+        assert client.run("ta", "sh ls -A $TMPDIR | wc -l").events[-1].data.strip() == "0"
+        assert (dirs["tb"] / "tmp" / "dump.sh").exists()
+        client.kill("tb", purge=True)
+    assert not dirs["tb"].exists()
+    assert not [p for p in Path("/tmp").glob("*") if "secret of t" in _text(p)]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace") if path.is_file() else ""
+    except OSError:
+        return ""

@@ -25,8 +25,10 @@ import logging
 import os
 import queue
 import resource
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -152,6 +154,8 @@ def _serve_session(
     home = Path(req["home"])
     for d in (workspace, home):
         _make_dir(d)
+    if req.get("tmp"):
+        _fresh_tmp(Path(req["tmp"]))
     os.chdir(workspace)
     # Exactly the session's environment, changing only what differs from
     # the zygote's (most of it is the same base): every key touched is
@@ -199,6 +203,17 @@ def _make_dir(path: Path) -> None:
         except FileNotFoundError:
             if attempt == 2:
                 raise
+
+
+def _fresh_tmp(path: Path) -> None:
+    """The session's own temporary directory, emptied: what an earlier
+    worker of the session left there (it exits with os._exit, so programs'
+    own clean-up never runs) goes, and nothing is ever written to the
+    shared /tmp. `tempfile` may have cached the zygote's choice: forget it."""
+    if path.exists() and any(path.iterdir()):
+        shutil.rmtree(path, ignore_errors=True)
+    _make_dir(path)
+    tempfile.tempdir = str(path)
 
 
 RLIMITS = {"nofile": resource.RLIMIT_NOFILE, "cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS}
