@@ -43,7 +43,7 @@ from .limits import TreeUsage, scan_trees
 from .logfmt import kv
 from .logs import tail
 from .pool import WorkerPool
-from .session import Session, Turn
+from .session import Session, StoredSession, Turn
 from .states import State
 from .table import SessionTable
 from .turns import SentTurn, Turns
@@ -110,7 +110,7 @@ class Front:
         try:
             msg = decode(rest, endpoints.client_key(index), endpoints.limits)
             if msg.kind is Kind.SEND and msg.id in self.turns.sent:
-                self.turns.resend(client, msg)
+                self.turns.resend(client, msg)  # refused (replayed) unless its own client's
                 return
             now = time.time()
             self.guard.check(msg.id, msg.ts, now)
@@ -203,7 +203,7 @@ class Front:
         self.lifecycle.admit(session)
         turn = Turn(id=msg.id, client=client, text=msg.body["text"])
         turns.enqueue(session, turn)
-        turns.remember(msg.id, SentTurn(session=key, turn=turn))
+        turns.remember(msg.id, SentTurn(session=key, turn=turn, client=client))
         session.touch()
         if session.state is State.IDLE and len(session.queue) == 1:
             turns.pump(session)  # runs now: its `running` status is the acknowledgement
@@ -273,12 +273,20 @@ class Front:
         state = msg.body.get("state")
         chosen = [
             s
-            for key, s in sorted(self.table.sessions.items())
+            for key, s in self.table.sessions.items()
             if key.startswith(prefix) and (state is None or s.state.value == state)
         ]
-        self.ctx.spawn(self._list_reply(client, msg, chosen))
+        # Sessions an earlier run left on disk are exited ones, too.
+        stored = [
+            s
+            for key, s in self.table.stored.items()
+            if key.startswith(prefix) and state in (None, State.EXITED.value)
+        ]
+        self.ctx.spawn(self._list_reply(client, msg, chosen, stored))
 
-    async def _list_reply(self, client: bytes, msg: Message, chosen: list[Session]) -> None:
+    async def _list_reply(
+        self, client: bytes, msg: Message, chosen: list[Session], stored: list[StoredSession]
+    ) -> None:
         """Answer `list` with stats sampled now (psutil, in a thread), never
         from a background stats loop."""
         pids = [s.pid for s in chosen if s.pid is not None]
@@ -305,6 +313,17 @@ class Front:
                 )
                 s.cpu_sample = (use.cpu, now)
             rows.append(row)
+        default_runtime = self.ctx.settings.runtime
+        for stored_session in stored:
+            row = stored_session.describe()
+            row.update(
+                runtime=stored_session.runtime or default_runtime,
+                rss=None,
+                cpu_percent=None,
+                procs=None,
+            )
+            rows.append(row)
+        rows.sort(key=lambda row: row["key"])
         self.endpoints.to_client(client, msg.reply(Kind.SESSIONS, {"sessions": rows}))
 
     def status(self, client: bytes, msg: Message) -> None:
@@ -345,16 +364,19 @@ class Front:
         self.watchers.watch(client, msg, session)
 
     def unwatch(self, client: bytes, msg: Message) -> None:
-        self.watchers.unwatch(client, msg, self.table.sessions.values())
+        self.watchers.unwatch(client, msg)
 
     def logs(self, client: bytes, msg: Message) -> None:
         key = check_session_key(msg.session)
         session = self.table.require(key)
+        follow = bool(msg.body.get("follow"))
+        if follow:
+            self.watchers.check_room(client)  # `busy` before any line is sent
         count = max(0, min(int(msg.body.get("lines", 50)), MAX_LOG_TAIL))
         lines = tail(session.log_path, count, self.ctx.settings.log_backups) if count else []
         self.endpoints.to_client(client, msg.reply(Kind.LOG_LINES, {"lines": lines}))
-        if msg.body.get("follow"):
-            session.log_followers[msg.id] = client
+        if follow:
+            self.watchers.follow(client, msg.id, session)
 
     # ------------------------------------------------------------- service
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hermes_sup.protocol import session_dir_name
+from hermes_sup.protocol import RemoteProtocolError, check_session_key, session_dir_name
 
 from .config import Settings
 from .environment import SessionOptions, parse_options
@@ -20,6 +20,7 @@ from .process import WorkerProcess
 from .states import Event, State, next_state
 
 SESSION_FILE = "session.json"
+LOG_FILE = "worker.log"
 
 
 @dataclass
@@ -114,7 +115,7 @@ class Session:
     @property
     def log_path(self) -> Path:
         """Where the worker's stdout and stderr go."""
-        return self.dir / "worker.log"
+        return self.dir / LOG_FILE
 
     @property
     def pid(self) -> int | None:
@@ -151,6 +152,33 @@ class Session:
         }
 
 
+@dataclass(frozen=True)
+class StoredSession:
+    """A session whose directory a previous run of the supervisor left: known
+    by its session.json, shown as exited, without a worker or a `Session`
+    until a request names it."""
+
+    key: str
+    created: float
+    last_activity: float  # when its log (else its session.json) last changed
+    runtime: str | None  # the runtime it chose, if it chose one
+
+    def describe(self) -> dict[str, Any]:
+        """The session as a `sessions` list entry, as `Session.describe` has it."""
+        return {
+            "key": self.key,
+            "state": State.EXITED.value,
+            "pid": None,
+            "started": None,
+            "last_activity": self.last_activity,
+            "turns": 0,
+            "queued": 0,
+            "exits": 0,
+            "last_exit": None,
+            "fast_failures": 0,
+        }
+
+
 def sessions_dir(data_dir: Path) -> Path:
     """Where every session's directory is."""
     return data_dir / "sessions"
@@ -165,17 +193,22 @@ def open_session_dir(data_dir: Path, key: str) -> tuple[Path, SessionOptions | N
     """The session's directory (created 0700) and the options stored there, if any."""
     path = session_path(data_dir, key)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    meta = path / SESSION_FILE
-    try:
-        stored = json.loads(meta.read_text())
-    except (FileNotFoundError, ValueError):
-        return path, None
+    return path, stored_options(read_session_meta(path), key, path)
+
+
+def stored_options(stored: dict[str, Any] | None, key: str, path: Path) -> SessionOptions | None:
+    """The options in a session.json's content, if it has usable ones; one
+    that names another key is refused (RuntimeError)."""
+    if stored is None:
+        return None
     if stored.get("key") != key:
-        raise RuntimeError(f"{meta} belongs to key {stored.get('key')!r}, not {key!r}")
+        raise RuntimeError(
+            f"{path / SESSION_FILE} belongs to key {stored.get('key')!r}, not {key!r}"
+        )
     try:
-        return path, parse_options(stored.get("options"))
+        return parse_options(stored.get("options"))
     except Exception:
-        return path, None
+        return None
 
 
 def save_session_meta(session: Session) -> None:
@@ -187,3 +220,56 @@ def save_session_meta(session: Session) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     os.replace(tmp, meta)
+
+
+def read_session_meta(path: Path) -> dict[str, Any] | None:
+    """What a session directory's session.json holds (key, options,
+    created), or None if it has none that can be read."""
+    try:
+        with open(path / SESSION_FILE, "rb") as f:
+            stored = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def scan_sessions(data_dir: Path) -> tuple[dict[str, StoredSession], int]:
+    """Every session directory under `data_dir` with a readable session.json
+    whose key is the one its directory is named for, and how many other
+    directories there were. One directory read and two file reads or stats
+    per session, no parsing of options: it runs at every start."""
+    found: dict[str, StoredSession] = {}
+    skipped = 0
+    try:
+        entries = list(os.scandir(sessions_dir(data_dir)))
+    except FileNotFoundError:
+        return found, 0
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        stored = read_session_meta(Path(entry.path))
+        key = None if stored is None else stored.get("key")
+        try:
+            check_session_key(key)
+        except RemoteProtocolError:
+            skipped += 1
+            continue
+        assert isinstance(key, str) and stored is not None
+        if session_dir_name(key) != entry.name:
+            skipped += 1  # copied or renamed by hand: not the key's directory
+            continue
+        created = stored.get("created")
+        created = float(created) if isinstance(created, (int, float)) else 0.0
+        options = stored.get("options")
+        runtime = options.get("runtime") if isinstance(options, dict) else None
+        try:
+            changed = os.stat(os.path.join(entry.path, LOG_FILE)).st_mtime
+        except OSError:
+            changed = created
+        found[key] = StoredSession(
+            key=key,
+            created=created,
+            last_activity=changed,
+            runtime=runtime if isinstance(runtime, str) else None,
+        )
+    return found, skipped

@@ -5,12 +5,18 @@ A state change goes through `transition`, which applies the table in
 states.py, keeps the count of sessions with a running worker (admission
 reads it on every spawn, so it is kept, not counted), and publishes the
 change to watchers.
+
+Sessions a previous run left on disk are read at start (their
+session.json, not their data) into `stored`: `list` shows them as exited,
+and a request that names one (`logs`, `kill --purge`, a `send`) loads it as
+an exited `Session` of the table, without starting a worker.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections import Counter, deque
 
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
@@ -19,7 +25,16 @@ from .context import Context
 from .environment import check_policy, parse_options
 from .logfmt import kv
 from .logs import SessionLog
-from .session import Session, open_session_dir, save_session_meta, session_path
+from .session import (
+    Session,
+    StoredSession,
+    open_session_dir,
+    read_session_meta,
+    save_session_meta,
+    scan_sessions,
+    session_path,
+    stored_options,
+)
 from .spare_dirs import SpareDirs
 from .states import LIVE_STATES, Event, State
 from .watchers import Watchers
@@ -38,6 +53,24 @@ class SessionTable:
         self.spare_dirs = spare_dirs
         self.sessions: dict[str, Session] = {}
         self.running = 0  # sessions with a worker that is not being stopped
+        # Sessions on disk from an earlier run, not loaded yet (never also in `sessions`).
+        self.stored: dict[str, StoredSession] = {}
+        self.load_stored()
+
+    def load_stored(self) -> None:
+        """Read which sessions an earlier run left on disk (see scan_sessions)."""
+        started = time.perf_counter()
+        found, skipped = scan_sessions(self.ctx.settings.data_dir)
+        self.stored = {key: s for key, s in found.items() if key not in self.sessions}
+        if found or skipped:
+            log.info(
+                kv(
+                    "sessions_on_disk",
+                    found=len(found),
+                    skipped=skipped,
+                    ms=round((time.perf_counter() - started) * 1000, 1),
+                )
+            )
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -46,10 +79,13 @@ class SessionTable:
         return self.sessions.get(key)
 
     def require(self, key: str) -> Session:
-        """The session `key`, or a `no_such_session` error."""
+        """The session `key` (loaded from disk if an earlier run left it
+        there), or a `no_such_session` error."""
         session = self.sessions.get(key)
         if session is None:
-            raise RemoteProtocolError(ErrorCode.NO_SUCH_SESSION, f"no session {key!r}")
+            if key not in self.stored:
+                raise RemoteProtocolError(ErrorCode.NO_SUCH_SESSION, f"no session {key!r}")
+            session = self.find_or_create(key, None)
         return session
 
     def find_or_create(self, key: str, raw_options: object) -> Session:
@@ -61,10 +97,15 @@ class SessionTable:
         session = self.sessions.get(key)
         if session is None:
             path = session_path(settings.data_dir, key)
+            self.stored.pop(key, None)
             fresh = not path.exists()
-            stored = None if fresh else open_session_dir(settings.data_dir, key)[1]
+            meta = None if fresh else read_session_meta(path)
+            stored = None if fresh else stored_options(meta, key, path)
             defaults = parse_options(settings.session_defaults or None)
             session = Session(key=key, dir=path, options=options or stored or defaults)
+            created = None if meta is None else meta.get("created")
+            if isinstance(created, (int, float)) and not isinstance(created, bool):
+                session.created_at = float(created)  # the session's, not this load's
             session.log = SessionLog(session.log_path, settings.log_max_bytes, settings.log_backups)
             session.history = deque(maxlen=settings.history)
             if fresh:
@@ -124,8 +165,10 @@ class SessionTable:
         """Forget a stopped session and delete its data (kill --purge)."""
         if session.log is not None:
             session.log.close()
+        self.watchers.forget_follows(session)
         shutil.rmtree(session.dir, ignore_errors=True)
         del self.sessions[session.key]
+        self.stored.pop(session.key, None)
         log.info(kv("purged", session=session.key))
 
     def counts_by_state(self) -> dict[str, int]:

@@ -5,11 +5,15 @@ Every event of a session is recorded in its history (large data is noted by
 size, not kept) and sent to each watcher of it; a watcher that is gone or
 too slow is forgotten. Log followers (`logs --follow`) are kept per session
 and fed the worker's output lines as they are logged.
+
+Watches and log follows are capped together: MAX_WATCHERS in all, and
+MAX_PER_CLIENT for one client connection, so that one client can neither
+take every slot nor have each log line sent to it thousands of times.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +24,9 @@ from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, c
 from .endpoints import Endpoints
 from .session import Session
 
+# Watches and log follows open at once, of every client, and of one.
 MAX_WATCHERS = 1024
+MAX_PER_CLIENT = 32
 # Event data larger than this is not kept in a session's replay history.
 HISTORY_DATA_LIMIT = 8192
 
@@ -46,11 +52,38 @@ class Watcher:
 
 
 class Watchers:
-    """Every watcher, by the id of its `watch` request."""
+    """Every watcher, by the id of its `watch` request, and every log follow."""
 
     def __init__(self, endpoints: Endpoints) -> None:
         self.endpoints = endpoints
         self.by_id: dict[str, Watcher] = {}
+        # Log follows by the id of their `logs` request: the session followed.
+        self.follows: dict[str, Session] = {}
+        # Watches and follows open, per client connection.
+        self.per_client: Counter[bytes] = Counter()
+
+    def check_room(self, client: bytes) -> None:
+        """Raise `busy` if `client` may not start one more watch or follow."""
+        total = len(self.by_id) + len(self.follows)
+        if total >= MAX_WATCHERS:
+            raise RemoteProtocolError(
+                ErrorCode.BUSY,
+                f"too many watchers: the supervisor already has {total} watches and log "
+                f"follows open (limit {MAX_WATCHERS}); try again when some have ended",
+            )
+        if self.per_client[client] >= MAX_PER_CLIENT:
+            raise RemoteProtocolError(
+                ErrorCode.BUSY,
+                f"this client already has {self.per_client[client]} watches and log follows "
+                f"open (limit {MAX_PER_CLIENT} per client); end one (unwatch) first",
+            )
+
+    def _release(self, client: bytes) -> None:
+        left = self.per_client[client] - 1
+        if left > 0:
+            self.per_client[client] = left
+        else:
+            del self.per_client[client]
 
     def publish(
         self,
@@ -77,16 +110,16 @@ class Watchers:
                 continue
             msg = Message(Kind.EVENT, body, session=session.key, re=watcher.id)
             if not self.endpoints.to_client(watcher.client, msg):
-                self.by_id.pop(watcher.id, None)
+                self._end_watch(watcher.id)
 
     def watch(self, client: bytes, msg: Message, session: Session | None) -> None:
         """Start a watch (of `msg.session`, or of every session), replaying
         up to `replay` events of the session's history first."""
         if msg.session is not None:
             check_session_key(msg.session)
-        if len(self.by_id) >= MAX_WATCHERS:
-            raise RemoteProtocolError(ErrorCode.BUSY, f"too many watchers (limit {MAX_WATCHERS})")
+        self.check_room(client)
         self.by_id[msg.id] = Watcher(client, msg.id, msg.session)
+        self.per_client[client] += 1
         to_client = self.endpoints.to_client
         to_client(client, msg.reply(Kind.EVENT, {"type": "watching", "data": None}))
         replay = msg.body.get("replay", 0)
@@ -97,24 +130,48 @@ class Watchers:
                     Message(Kind.EVENT, {**body, "replayed": True}, session=session.key, re=msg.id),
                 )
 
-    def unwatch(self, client: bytes, msg: Message, sessions: Iterable[Session]) -> None:
+    def follow(self, client: bytes, follow_id: str, session: Session) -> None:
+        """Send `client` the session's new log lines from now on, under the
+        id of its `logs` request (`busy` if it has no room: see check_room)."""
+        self.check_room(client)
+        session.log_followers[follow_id] = client
+        self.follows[follow_id] = session
+        self.per_client[client] += 1
+
+    def unwatch(self, client: bytes, msg: Message) -> None:
         """End a watch or a log follow that this client started."""
         watch_id = msg.body["watch"]
         watcher = self.by_id.get(watch_id)
         if watcher is not None and watcher.client == client:
-            del self.by_id[watch_id]
-        for session in sessions:
-            if session.log_followers.get(watch_id) == client:
-                del session.log_followers[watch_id]
+            self._end_watch(watch_id)
+        session = self.follows.get(watch_id)
+        if session is not None and session.log_followers.get(watch_id) == client:
+            self._end_follow(session, watch_id)
         self.endpoints.to_client(client, msg.reply(Kind.EVENT, {"type": "unwatched", "data": None}))
+
+    def _end_watch(self, watch_id: str) -> None:
+        watcher = self.by_id.pop(watch_id, None)
+        if watcher is not None:
+            self._release(watcher.client)
+
+    def _end_follow(self, session: Session, follow_id: str) -> None:
+        client = session.log_followers.pop(follow_id, None)
+        self.follows.pop(follow_id, None)
+        if client is not None:
+            self._release(client)
+
+    def forget_follows(self, session: Session) -> None:
+        """End every log follow of a session that is going away (purged)."""
+        for follow_id in list(session.log_followers):
+            self._end_follow(session, follow_id)
 
     def log_lines(self, session: Session, lines: list[str]) -> None:
         """Send a worker's new output lines to the session's log followers."""
-        for watch_id, client in list(session.log_followers.items()):
+        for follow_id, client in list(session.log_followers.items()):
             for line in lines:
                 msg = Message(
-                    Kind.EVENT, {"type": "log", "data": line}, session=session.key, re=watch_id
+                    Kind.EVENT, {"type": "log", "data": line}, session=session.key, re=follow_id
                 )
                 if not self.endpoints.to_client(client, msg):
-                    session.log_followers.pop(watch_id, None)
+                    self._end_follow(session, follow_id)
                     break
