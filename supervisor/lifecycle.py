@@ -197,7 +197,10 @@ class Lifecycle:
         timeout is armed for this generation."""
         status = self.pool.adopt(session, proc, out_fd)
         asyncio.get_running_loop().call_later(
-            self.ctx.settings.start_timeout, self._check_started, session, session.generation
+            self.ctx.settings_for(session).start_timeout,
+            self._check_started,
+            session,
+            session.generation,
         )
         return status
 
@@ -205,7 +208,7 @@ class Lifecycle:
         if session.generation == generation and session.state is State.STARTING:
             self.terminate(
                 session,
-                f"did not say hello within {self.ctx.settings.start_timeout:g}s of its start",
+                f"did not say hello within {self.ctx.settings_for(session).start_timeout:g}s of its start",
             )
 
     def on_hello(self, session: Session, msg: Message) -> None:
