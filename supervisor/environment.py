@@ -25,7 +25,14 @@ ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 SESSION_ENV_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 MAX_VALUE_LENGTH = 4096
 MAX_ENTRIES = 64
+# `env` and `session_env` together, as NAME=VALUE strings in UTF-8: what
+# every program the session runs gets, and exec(2) refuses (E2BIG) an
+# environment and arguments over a quarter of the stack limit (2 MiB with
+# the usual 8 MiB). The largest ASCII values fit (64 x 4,096 in each, about
+# 530 KiB); the same in 4-byte characters would not.
+MAX_ENVIRONMENT_BYTES = 1024 * 1024
 # Set by the supervisor for each session; a front end may not override them.
+SESSION_PREFIX = "HERMES_SESSION_"
 RESERVED = frozenset({"HERMES_HOME", "TERMINAL_CWD", "HERMES_SESSION_KEY"})
 OPTION_NAMES = ("session_env", "env", "agent", "workspace", "runtime")
 # What a front end may choose per session for the agent runtime. Secrets
@@ -104,12 +111,25 @@ def parse_options(raw: object) -> SessionOptions:
     clash = sorted(RESERVED & env.keys())
     if clash:
         raise _bad(f"option env.{clash[0]} is set by the supervisor for each session")
+    size = _environment_bytes(env, "") + _environment_bytes(session_env, SESSION_PREFIX)
+    if size > MAX_ENVIRONMENT_BYTES:
+        raise _bad(
+            f"options env and session_env make {size} bytes of environment (NAME=VALUE, "
+            f"UTF-8); at most {MAX_ENVIRONMENT_BYTES}, so that the session's programs can start"
+        )
     return SessionOptions(
         session_env=session_env,
         env=env,
         agent=_check_agent(raw.get("agent", {})),
         workspace=_check_string(raw, "workspace"),
         runtime=_check_string(raw, "runtime"),
+    )
+
+
+def _environment_bytes(variables: dict[str, str], prefix: str) -> int:
+    """Bytes the variables take in a process's environment block."""
+    return sum(
+        len(prefix) + len(name) + len(value.encode()) + 2 for name, value in variables.items()
     )
 
 
@@ -195,7 +215,7 @@ def worker_env(
     env.update(fixed)
     env.update(options.env)
     for name, value in options.session_env.items():
-        env[f"HERMES_SESSION_{name}"] = value
+        env[f"{SESSION_PREFIX}{name}"] = value
     env["HERMES_SESSION_KEY"] = key
     env["HERMES_HOME"] = str(home)
     env["TERMINAL_CWD"] = str(workspace)

@@ -3,7 +3,11 @@
 The zygote is a fresh interpreter (posix_spawn, so it inherits no sockets,
 threads or zmq context of ours) that preloads what workers need, freezes its
 gc and then forks one worker per request. Requests and replies are msgpack
-datagrams over a SOCK_SEQPACKET socketpair.
+over a SOCK_SEQPACKET socketpair. A request can be larger than one datagram
+may be (a spawn request holds a whole environment and the session's
+options), so it goes as parts (hermes_sup.local.datagrams); a reply is one
+datagram, with the worker's output pipe attached. Requests wait in an
+outbox while the socket is full (many spawns at once), never failing for it.
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ import os
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
 import msgpack
 
+from hermes_sup.local import datagrams
+
 log = logging.getLogger("hermes_sup.supervisor")
 
-MAX_DATAGRAM = 1 << 20
+# The largest reply: a pid or an error, so far from it.
+MAX_REPLY = 64 * 1024
 
 
 class ZygoteError(Exception):
@@ -41,6 +49,10 @@ class Zygote:
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, int | None]]] = {}
+        # Parts of requests not yet taken by the socket, oldest first.
+        self._outbox: deque[bytes] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writing = False
 
     def start(self, timeout: float = 30.0) -> dict[str, Any]:
         """Start the zygote and wait (blocking) until its preload is done.
@@ -64,7 +76,7 @@ class Zygote:
         theirs.close()
         ours.settimeout(timeout)
         try:
-            data = ours.recv(MAX_DATAGRAM)
+            data = ours.recv(MAX_REPLY)
         except TimeoutError:
             raise ZygoteError(
                 f"zygote (pid {self.pid}) did not get ready in {timeout:.0f}s"
@@ -80,12 +92,17 @@ class Zygote:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the zygote's replies from the event loop."""
         assert self._sock is not None
+        self._loop = loop
         loop.add_reader(self._sock.fileno(), self._on_readable)
 
     def detach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Stop reading replies (before close)."""
+        """Stop reading replies and writing requests (before close)."""
         if self._sock is not None:
             loop.remove_reader(self._sock.fileno())
+            if self._writing:
+                loop.remove_writer(self._sock.fileno())
+                self._writing = False
+        self._loop = None
 
     def spawn(self, request: dict[str, Any]) -> asyncio.Future[tuple[int, int | None]]:
         """Ask for one worker now; the future gives its pid once forked, and
@@ -96,18 +113,39 @@ class Zygote:
             return fut
         req_id = next(self._ids)
         self._pending[req_id] = fut
-        try:
-            self._sock.send(msgpack.packb({"op": "spawn", "id": req_id, **request}))
-        except OSError as exc:
-            del self._pending[req_id]
-            fut.set_exception(ZygoteError(f"cannot reach the zygote: {exc}"))
+        self._outbox.extend(
+            datagrams.split(msgpack.packb({"op": "spawn", "id": req_id, **request}))
+        )
+        self._flush()
         return fut
+
+    def _flush(self) -> None:
+        """Send waiting parts until the socket is full; then again once it
+        is writable. A socket error means the zygote is gone: every request
+        in flight fails (the supervisor restarts the zygote)."""
+        sock = self._sock
+        while self._outbox and sock is not None:
+            try:
+                sock.send(self._outbox[0])
+            except BlockingIOError:
+                if not self._writing and self._loop is not None:
+                    self._loop.add_writer(sock.fileno(), self._flush)
+                    self._writing = True
+                return
+            except OSError as exc:
+                self._outbox.clear()
+                self.fail_pending(f"cannot reach the zygote: {exc}")
+                break
+            self._outbox.popleft()
+        if self._writing and self._loop is not None and sock is not None:
+            self._loop.remove_writer(sock.fileno())
+            self._writing = False
 
     def _on_readable(self) -> None:
         assert self._sock is not None
         while True:
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_DATAGRAM, 1)
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_REPLY, 1)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -132,6 +170,7 @@ class Zygote:
 
     def fail_pending(self, why: str) -> None:
         """Fail every request in flight (the zygote died)."""
+        self._outbox.clear()
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():

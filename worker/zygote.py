@@ -34,6 +34,7 @@ from typing import Any
 
 import msgpack
 
+from hermes_sup.local import datagrams
 from hermes_sup.local.prctl import PR_SET_PDEATHSIG, can_fork_to_parent, fork_to_parent, prctl
 
 # Imported before the freeze so every worker shares them copy-on-write.
@@ -178,17 +179,22 @@ def kill_workers(workers: dict[int, float | None]) -> int:
 
 
 def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
-    """Answer spawn requests until the supervisor closes its end."""
+    """Answer spawn requests until the supervisor closes its end. A request
+    may come in several parts (see hermes_sup.local.datagrams)."""
+    joiner = datagrams.Joiner()
     while True:
         try:
-            data = sock.recv(1 << 20)
+            data = sock.recv(datagrams.DATAGRAM_SIZE)
         except InterruptedError:
             continue
         except OSError:
             return 0
         if not data or _parent_gone:
             return 0  # the supervisor is gone: fork nothing more
-        request = msgpack.unpackb(data, raw=False)
+        whole = joiner.add(data)
+        if whole is None:
+            continue  # more parts to come
+        request = msgpack.unpackb(whole, raw=False)
         reply: dict[str, Any] = {"id": request.get("id")}
         out_fd: int | None = None
         try:
