@@ -10,20 +10,41 @@ A heartbeat is life, not activity. A hello makes the session ready (the
 lifecycle's); everything else belongs to the running turn (the turns').
 A turn's end is also when the spare pool is refilled: after a reply, not on
 a new session's way to its first one.
+
+A worker's message over the frame limit (`max_frame_size`) is not dropped in
+silence, which would leave its turn waiting until the worker is taken for
+hung. Once its signature checks out, its kind decides: an event becomes a
+`too_large` event naming its type and size; a reply or error ends the turn
+with a `too_large` error. Workers are told the limit and do the same
+themselves, so this is for a worker that does not know it.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
+from typing import Any
 
-from hermes_sup.protocol import Kind, RemoteProtocolError, decode
+import msgpack
+
+from hermes_sup.protocol import (
+    ErrorCode,
+    Kind,
+    Message,
+    RemoteProtocolError,
+    decode,
+    encode,
+    error_message,
+    sign,
+)
 
 from .context import Context
 from .endpoints import Endpoints
 from .lifecycle import Lifecycle
 from .logfmt import kv
 from .pool import WorkerPool
+from .session import Session
 from .turns import Turns
 
 log = logging.getLogger("hermes_sup.supervisor")
@@ -61,7 +82,10 @@ class Back:
         try:
             msg = decode(frames[1:], session.token, self.endpoints.limits)
         except RemoteProtocolError as exc:
-            log.warning(kv("bad_worker_message", session=session.key, error=exc))
+            if exc.code is not ErrorCode.TOO_LARGE:
+                log.warning(kv("bad_worker_message", session=session.key, error=exc))
+            elif self._too_large(session, frames[2], frames[3]):
+                self._turn_ended()
             return
         if msg.session != session.key:
             log.warning(kv("worker_wrong_session", session=session.key, claimed=msg.session))
@@ -74,5 +98,68 @@ class Back:
             self.lifecycle.on_hello(session, msg)
             return
         if self.turns.on_answer(session, msg, frames[3]):
-            if len(pool.spares) < self.ctx.settings.spare_workers:
-                pool.fill_spares()  # after a turn, not on a new session's way to its reply
+            self._turn_ended()
+
+    def _turn_ended(self) -> None:
+        if len(self.pool.spares) < self.ctx.settings.spare_workers:
+            self.pool.fill_spares()  # after a turn, not on a new session's way to its reply
+
+    def _too_large(self, session: Session, signature: bytes, payload: bytes) -> bool:
+        """A message of `session`'s worker over the frame limit: said in a
+        few words to the turn's client instead (see the module docstring).
+        True if that ended the turn."""
+        token = session.token
+        assert token is not None
+        if not hmac.compare_digest(signature, sign(token, payload)):
+            log.warning(kv("bad_worker_message", session=session.key, error="bad signature"))
+            return False
+        envelope = _envelope(payload)
+        kind, re = envelope.get("kind"), envelope.get("re")
+        limit = self.endpoints.limits.max_frame_size
+        log.warning(
+            kv(
+                "worker_message_too_large",
+                session=session.key,
+                kind=kind,
+                bytes=len(payload),
+                limit=limit,
+            )
+        )
+        turn = session.current
+        if turn is None or re != turn.id or envelope.get("session") != session.key:
+            return False
+        session.last_heartbeat = time.monotonic()
+        if kind == Kind.EVENT.value:
+            body = envelope.get("body")
+            event = body.get("type") if isinstance(body, dict) else None
+            stand_in = Message(
+                Kind.EVENT,
+                {
+                    "type": "too_large",
+                    "data": {"event": str(event), "bytes": len(payload), "limit": limit},
+                },
+                session=session.key,
+                re=turn.id,
+            )
+        elif kind in (Kind.REPLY.value, Kind.ERROR.value):
+            stand_in = error_message(
+                ErrorCode.TOO_LARGE.value,
+                f"the turn's {kind} is {len(payload)} bytes, over the {limit}-byte frame "
+                "limit (max_frame_size); it was not delivered",
+                re=turn.id,
+                session=session.key,
+            )
+        else:
+            return False
+        # The stand-in goes on as the worker's own would: its payload is
+        # re-signed for the client (any key will do to encode it here).
+        return self.turns.on_answer(session, stand_in, encode(stand_in, token)[2])
+
+
+def _envelope(payload: bytes) -> dict[str, Any]:
+    """The envelope of a signed payload, or {} if it is not one."""
+    try:
+        envelope = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises many types for bad input
+        return {}
+    return envelope if isinstance(envelope, dict) else {}

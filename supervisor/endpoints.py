@@ -26,6 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from hermes_sup.local import statedir
 from hermes_sup.local.frames import HANDSHAKE_FAILURES
 from hermes_sup.protocol import (
+    DEFAULT_MAX_FRAME_SIZE,
     MAGIC,
     ErrorCode,
     Limits,
@@ -44,6 +45,18 @@ from .session import Session
 
 log = logging.getLogger("hermes_sup.supervisor")
 
+# A turn carries a client's text of up to the frame limit, in an envelope of
+# its own: room for that envelope on the way to a worker.
+ENVELOPE_ROOM = 64 * 1024
+
+
+def worker_limits(max_frame_size: int) -> Limits:
+    """What the supervisor and its workers may send each other. Workers are
+    told `max_frame_size` and keep to it, but one that was not (or a runtime
+    that bypasses it) encodes up to the default: its message must still
+    arrive whole, to be answered for (back.py), not cut off by zmq."""
+    return Limits(max_frame_size=max(max_frame_size, DEFAULT_MAX_FRAME_SIZE) + ENVELOPE_ROOM)
+
 
 class Endpoints:
     """The bound sockets, and sending on them."""
@@ -52,6 +65,7 @@ class Endpoints:
         self.settings = settings  # as at start: sockets are not rebound on reload
         self.key = key
         self.limits = Limits(max_frame_size=settings.max_frame_size)
+        self.worker_limits = worker_limits(settings.max_frame_size)
         self.control = statedir.endpoint(settings.state_dir, statedir.CONTROL_SOCKET)
         self.worker = statedir.endpoint(settings.state_dir, statedir.WORKER_SOCKET)
         self.tcp: str | None = None
@@ -72,7 +86,9 @@ class Endpoints:
             (Channel(self._bind(self.control), partial(on_client, 0), loop), self.key)
         )
         self.auth = self._start_tcp(loop, partial(on_client, 1))
-        self.back = Channel(self._bind(self.worker), on_worker, loop)
+        self.back = Channel(
+            self._bind(self.worker, self.worker_limits.max_frame_size), on_worker, loop
+        )
 
     def close(self) -> None:
         for channel, _ in self.fronts:
@@ -125,21 +141,22 @@ class Endpoints:
         )
         return auth
 
-    def _router(self) -> zmq.Socket[bytes]:
+    def _router(self, limit: int | None = None) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Sends to a peer that is gone raise instead of vanishing silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Frames a little over the limit reach decode and get a clear too_large
         # reply; far over it, zmq drops the peer before buffering the frame.
-        limit = self.settings.max_frame_size
+        if limit is None:
+            limit = self.settings.max_frame_size
         sock.setsockopt(zmq.MAXMSGSIZE, limit + limit // 4 + 4096)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         return sock
 
-    def _bind(self, endpoint: str) -> zmq.Socket[bytes]:
-        sock = self._router()
+    def _bind(self, endpoint: str, limit: int | None = None) -> zmq.Socket[bytes]:
+        sock = self._router(limit)
         path = endpoint.removeprefix("ipc://")
         if os.path.exists(path):
             os.unlink(path)  # stale socket of a dead supervisor: we hold the lock
@@ -195,8 +212,11 @@ class Endpoints:
         if session.worker_id is None or session.token is None:
             return False
         try:
-            self.back.send([session.worker_id, *encode(msg, session.token)])
+            self.back.send([session.worker_id, *encode(msg, session.token, self.worker_limits)])
             return True
+        except LocalProtocolError as exc:
+            log.error(kv("unsendable", kind=msg.kind.value, session=session.key, error=exc.message))
+            return False
         except zmq.ZMQError as exc:
             log.warning(kv("worker_unreachable", session=session.key, error=exc))
             return False

@@ -42,8 +42,10 @@ import zmq
 
 from hermes_sup.local.prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 from hermes_sup.protocol import (
+    DEFAULT_MAX_FRAME_SIZE,
     ErrorCode,
     Kind,
+    Limits,
     Message,
     RemoteProtocolError,
     WorkerExit,
@@ -68,6 +70,10 @@ CANCEL_REPEAT_MS = 50
 # The signal the kernel sends us when the supervisor dies. It only wakes the
 # main loop, which checks getppid() and cleans up; it must not kill us first.
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
+# What the supervisor may send us: a client's text of up to the frame limit,
+# in a turn's envelope (as supervisor/endpoints.py's worker_limits).
+ENVELOPE_ROOM = 64 * 1024
+UNBOUNDED = Limits(max_frame_size=sys.maxsize)
 
 log = logging.getLogger("hermes_sup.worker")
 
@@ -357,12 +363,30 @@ class Link:
         self.sock.setsockopt(zmq.ROUTING_ID, bytes(req["worker_id"]))
         self.sock.connect(req["endpoint"])
         self.token = bytes(req["token"])
+        self.set_limit(req)
+
+    def set_limit(self, req: dict[str, Any]) -> None:
+        """Take the supervisor's frame limit from a spawn request (a spare
+        learns it with its session)."""
+        self.limit = int(req.get("max_frame_size") or DEFAULT_MAX_FRAME_SIZE)
+        self.receive_limits = Limits(
+            max_frame_size=max(self.limit, DEFAULT_MAX_FRAME_SIZE) + ENVELOPE_ROOM
+        )
 
     def send(self, msg: Message) -> None:
         """Sign and send. Frame by frame with int flags: pyzmq's
         send_multipart does enum arithmetic per frame, a noticeable share
-        of a small turn."""
-        *more, last = encode(msg, self.token)
+        of a small turn. A message over the supervisor's frame limit would
+        never reach the turn's client: a short one saying so goes instead."""
+        *more, last = encode(msg, self.token, UNBOUNDED)
+        if len(last) > self.limit:
+            log.warning(
+                "a %s of %d bytes is over the %d-byte frame limit; sent a too_large notice instead",
+                msg.kind.value,
+                len(last),
+                self.limit,
+            )
+            *more, last = encode(too_large_stand_in(msg, len(last), self.limit), self.token)
         for frame in more:
             _send(self.sock, frame, SNDMORE)
         _send(self.sock, last, 0)
@@ -376,7 +400,7 @@ class Link:
             if not self.sock.poll(MAX_POLL_MS):
                 continue
             try:
-                msg = decode(self.sock.recv_multipart(), self.token)
+                msg = decode(self.sock.recv_multipart(), self.token, self.receive_limits)
             except RemoteProtocolError as exc:
                 log.warning("dropped a bad frame from the supervisor: %s", exc)
                 continue
@@ -385,6 +409,26 @@ class Link:
             if msg.kind is Kind.STOP:
                 return None
         return None
+
+
+def too_large_stand_in(msg: Message, size: int, limit: int) -> Message:
+    """What is sent instead of `msg`, `size` bytes encoded, over the
+    supervisor's frame limit: for an event, a `too_large` event naming its
+    type and size; for a turn's final answer, a `too_large` error (the turn
+    ends, the worker goes on). The supervisor says the same for a worker
+    that did not keep to the limit (supervisor/back.py)."""
+    if msg.kind is Kind.EVENT:
+        data = {"event": str(msg.body.get("type")), "bytes": size, "limit": limit}
+        return Message(
+            Kind.EVENT, {"type": "too_large", "data": data}, session=msg.session, re=msg.re
+        )
+    return error_message(
+        ErrorCode.TOO_LARGE.value,
+        f"the turn's {msg.kind.value} is {size} bytes, over the {limit}-byte frame limit "
+        "(max_frame_size); it was not delivered",
+        re=msg.re,
+        session=msg.session,
+    )
 
 
 class WorkerLoop:
@@ -402,6 +446,7 @@ class WorkerLoop:
         self.supervisor_pid = int(req["supervisor_pid"])
         self.agent = agent
         self.link = link or Link(req)
+        self.link.set_limit(req)
         self.ctx, self.sock = self.link.ctx, self.link.sock
         self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -492,7 +537,7 @@ class WorkerLoop:
                 return
             more = bool(int(self.sock.getsockopt(EVENTS)) & POLLIN)  # not one recv too many
             try:
-                msg = decode(frames, self.token)
+                msg = decode(frames, self.token, self.link.receive_limits)
             except RemoteProtocolError as exc:
                 log.warning("dropped a bad frame from the supervisor: %s", exc)
                 continue
