@@ -13,7 +13,7 @@ $(BIN)/python:
 
 # Install (or refresh) the package and its test tools into the venv.
 install: $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics]'
+	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http]'
 
 # Running needs only the package; the test extras (hermes-agent among them) are for tests.
 run: $(BIN)/python
@@ -43,7 +43,7 @@ lint: $(BIN)/python
 typecheck: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/mypy --strict protocol
-	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli client
+	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli client httpapi
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

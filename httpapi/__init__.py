@@ -1,0 +1,27 @@
+"""hermes-sup's HTTP endpoint: Hermes's API-server contract, one session per
+conversation.
+
+Hermes's own front ends (the messaging gateway in proxy mode, hermes-webui
+with its api_server backend) and any OpenAI-compatible client speak the
+HTTP API that Hermes's API server serves (hermes-agent's
+`gateway/platforms/api_server.py`). This package serves that API as a client
+of the supervisor (`AsyncClient`): each conversation is a hermes-sup session,
+so its own worker process, environment, working directory and HERMES_HOME.
+
+    app.py       the ASGI app (Starlette): routes, auth, errors, /v1/models,
+                 /v1/capabilities, health
+    chat.py      POST /v1/chat/completions, streaming and not
+    runs.py      the runs API: /v1/runs, status, events, approval, stop
+    sessions.py  which session a request is, and its turn's text
+    turns.py     reading one turn in its own task, bounded per stream
+    keys.py      bearer keys (`hermes-sup keys http ...`)
+    errors.py    OpenAI-style errors and statuses
+    serve.py     running it with uvicorn: beside `serve`, or on its own
+
+Starlette and uvicorn come with the `http` extra: `pip install 'hermes-sup[http]'`.
+"""
+
+from .app import ApiSettings, create_app
+from .keys import KeyStore
+
+__all__ = ["ApiSettings", "KeyStore", "create_app"]

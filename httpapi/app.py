@@ -1,0 +1,322 @@
+"""The ASGI app: Hermes's API-server routes, each request a client call.
+
+`create_app(settings, keys, connect)` builds a Starlette app around one
+`AsyncClient` (made by `connect`, on first use and again after it failed,
+so the endpoint may start before its supervisor). Every route but the
+health checks needs a bearer key from `keys`, compared in constant time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from hermes_sup.client import AsyncClient, ClientError
+from hermes_sup.supervisor.logfmt import kv
+
+from . import chat
+from .errors import ApiError, from_client_error
+from .keys import KeyStore
+from .runs import Runs
+from .sessions import SessionRef, header_id, ref_for
+from .turns import OpenTurn, open_turn
+
+log = logging.getLogger("hermes_sup.httpapi")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass
+class ApiSettings:
+    """What an operator may tune (hermes-sup http --help)."""
+
+    model: str = "hermes-agent"  # the model id clients see (/v1/models)
+    max_body: int = 10_000_000  # bytes of a request body, as Hermes's API server
+    stall_timeout: float = 30.0  # a stream whose reader took nothing this long is cut
+    keepalive: float = 30.0  # seconds of silence before an SSE comment line
+    stream_queue: int = 1024  # events waiting for one slow stream reader
+    run_events: int = 10_000  # events a run keeps for late subscribers
+    run_ttl: float = 3600.0  # seconds an ended run stays readable
+    max_runs: int = 10_000  # ended runs kept at most
+
+
+def version() -> str:
+    try:
+        return metadata.version("hermes-sup")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Api:
+    """The app's shared state: settings, keys, the supervisor client, runs."""
+
+    def __init__(
+        self, settings: ApiSettings, keys: KeyStore, connect: Callable[[], AsyncClient]
+    ) -> None:
+        self.settings = settings
+        self.keys = keys
+        self._connect = connect
+        self._client: AsyncClient | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()  # turn pumps
+        self.runs = Runs(self)
+        self._mapped: set[str] = set()
+
+    def client(self) -> AsyncClient:
+        """The supervisor client, made now if it is not yet (or could not be)."""
+        if self._client is None:
+            try:
+                self._client = self._connect()
+            except ClientError as exc:
+                raise from_client_error(exc) from None
+        return self._client
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+    # ------------------------------------------------------------ requests
+
+    def check_auth(self, request: Request) -> str:
+        """The name of the key the request carries; 401 if none matches."""
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        name = self.keys.check(token.strip()) if scheme.lower() == "bearer" and token else None
+        if name is None:
+            log.warning(kv("http_auth_refused", peer=_peer(request), path=request.url.path))
+            raise ApiError(401, "Invalid API key", "invalid_api_key")
+        return name
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object: 413 when too large, 400 when not JSON."""
+        limit = self.settings.max_body
+        length = request.headers.get("Content-Length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                raise ApiError(
+                    400, "Invalid Content-Length header.", "invalid_content_length"
+                ) from None
+            if declared > limit:
+                raise ApiError(
+                    413, f"Request body too large (limit {limit} bytes).", "body_too_large"
+                )
+        body = bytearray()
+        async for piece in request.stream():  # chunked bodies carry no length
+            body += piece
+            if len(body) > limit:
+                raise ApiError(
+                    413, f"Request body too large (limit {limit} bytes).", "body_too_large"
+                )
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "Invalid JSON in request body", "invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "The request body must be a JSON object", "invalid_json")
+        return data
+
+    def ref(self, original: str) -> SessionRef:
+        """The session for a client's id, with the mapping logged once."""
+        ref = ref_for(original)
+        if ref.mapped and ref.key not in self._mapped:
+            if len(self._mapped) > 100_000:
+                self._mapped.clear()
+            self._mapped.add(ref.key)
+            log.info(kv("http_session_key", session=ref.key, id=original))
+        return ref
+
+    def header_ref(self, request: Request) -> SessionRef | None:
+        named = header_id(request.headers)
+        return None if named is None else self.ref(named)
+
+    def model_of(self, body: dict[str, Any]) -> str:
+        """The model a request names (echoed back), else ours."""
+        model = body.get("model")
+        return model if isinstance(model, str) and model else self.settings.model
+
+    async def open_turn(self, ref: SessionRef, text: str) -> OpenTurn:
+        return await open_turn(self.client(), ref.key, text)
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "-"
+
+
+# ---------------------------------------------------------------- handlers
+
+
+def _capabilities(api: Api) -> dict[str, Any]:
+    """What this endpoint serves, in Hermes's capabilities contract: only
+    what works here is advertised."""
+    endpoints = {
+        "health": ("GET", "/health"),
+        "models": ("GET", "/v1/models"),
+        "chat_completions": ("POST", "/v1/chat/completions"),
+        "runs": ("POST", "/v1/runs"),
+        "run_status": ("GET", "/v1/runs/{run_id}"),
+        "run_events": ("GET", "/v1/runs/{run_id}/events"),
+        "run_approval": ("POST", "/v1/runs/{run_id}/approval"),
+        "run_stop": ("POST", "/v1/runs/{run_id}/stop"),
+    }
+    return {
+        "object": "hermes.api_server.capabilities",
+        "platform": "hermes-agent",
+        "model": api.settings.model,
+        "auth": {"type": "bearer", "required": True},
+        "runtime": {
+            "mode": "server_agent",
+            "tool_execution": "server",
+            "split_runtime": False,
+            "isolation": "process_per_session",
+            "description": (
+                "hermes-sup: each conversation is served by its own Hermes agent in its own "
+                "process, with its own environment, working directory and HERMES_HOME."
+            ),
+        },
+        "features": {
+            "chat_completions": True,
+            "chat_completions_streaming": True,
+            "responses_api": False,
+            "responses_streaming": False,
+            "run_submission": True,
+            "run_status": True,
+            "run_events_sse": True,
+            "run_stop": True,
+            "run_approval_response": True,
+            "tool_progress_events": True,
+            "approval_events": True,
+            "session_resources": False,
+            "session_chat": False,
+            "session_chat_streaming": False,
+            "session_fork": False,
+            "admin_config_rw": False,
+            "jobs_admin": False,
+            "memory_write_api": False,
+            "skills_api": False,
+            "audio_api": False,
+            "realtime_voice": False,
+            "session_continuity_header": "X-Hermes-Session-Id",
+            "session_key_header": "X-Hermes-Session-Key",
+            "cors": False,
+        },
+        "endpoints": {
+            name: {"method": method, "path": path} for name, (method, path) in endpoints.items()
+        },
+    }
+
+
+def create_app(
+    settings: ApiSettings, keys: KeyStore, connect: Callable[[], AsyncClient]
+) -> Starlette:
+    """The endpoint as an ASGI app (serve it with uvicorn, or any ASGI server)."""
+    api = Api(settings, keys, connect)
+
+    def authed(handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            api.check_auth(request)
+            return await handler(request)
+
+        return wrapped
+
+    async def health(request: Request) -> Response:
+        """Alive, and whether the supervisor answers (503 if not)."""
+        body: dict[str, Any] = {"status": "ok", "platform": "hermes-agent", "version": version()}
+        try:
+            await api.client().ping(timeout=5.0)
+        except (ClientError, ApiError) as exc:
+            body["status"] = "unavailable"
+            body["error"] = str(exc)
+            return JSONResponse(body, 503, headers={"Retry-After": "5"})
+        return JSONResponse(body)
+
+    async def models(request: Request) -> Response:
+        name = settings.model
+        now = int(time.time())
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "hermes",
+                        "permission": [],
+                        "root": name,
+                        "parent": None,
+                    }
+                ],
+            }
+        )
+
+    async def capabilities(request: Request) -> Response:
+        return JSONResponse(_capabilities(api))
+
+    async def completions(request: Request) -> Response:
+        return await chat.chat_completions(api, request)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def on_client_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ClientError)
+        return from_client_error(exc).response()
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), code).response()
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        log.error(kv("bug", where=request.url.path), exc_info=exc)
+        return ApiError(
+            500, "internal error in hermes-sup's HTTP endpoint", "internal", "server_error"
+        ).response()
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await api.close()
+
+    routes = [
+        Route("/health", health),
+        Route("/v1/health", health),
+        Route("/v1/models", authed(models)),
+        Route("/v1/capabilities", authed(capabilities)),
+        Route("/v1/chat/completions", authed(completions), methods=["POST"]),
+        Route("/v1/runs", authed(api.runs.create), methods=["POST"]),
+        Route("/v1/runs/{run_id}", authed(api.runs.status)),
+        Route("/v1/runs/{run_id}/events", authed(api.runs.events)),
+        Route("/v1/runs/{run_id}/approval", authed(api.runs.approval), methods=["POST"]),
+        Route("/v1/runs/{run_id}/stop", authed(api.runs.stop), methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            ApiError: on_api_error,
+            ClientError: on_client_error,
+            HTTPException: on_http_error,
+            Exception: on_bug,
+        },
+    )
+    app.state.api = api
+    return app

@@ -1,0 +1,291 @@
+"""`POST /v1/chat/completions`, as Hermes's API server answers it.
+
+Streaming: a `chat.completion.chunk` with the assistant role, one chunk per
+piece of text the agent streams, tool activity as `event:
+hermes.tool.progress` lines (`tool`, `emoji`, `label`, `toolCallId`,
+`status` running, then `tool`, `toolCallId`, `status` completed), a last
+chunk with `finish_reason` and `usage`, then `data: [DONE]`. A failure
+after the stream has started ends it with `finish_reason: "error"`, an
+`error` object and `data: [DONE]`, as Hermes does. Not streaming: one
+`chat.completion` object; an agent failure is a 502 error.
+
+Chat completions has no way to answer an approval. Hermes's API server
+does not run a command that needs one there (no approval callback is
+registered, so the command stays unapproved and the agent is told so); we
+do the same by answering `deny` at once. Use the runs API to approve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from hermes_sup.client import (
+    ApprovalRequest,
+    ClientError,
+    Event,
+    Reply,
+    SupervisorError,
+    Token,
+    ToolComplete,
+    ToolStart,
+)
+from hermes_sup.supervisor.logfmt import kv
+
+from .errors import ApiError, from_client_error
+from .sessions import SESSION_ID_HEADER, SESSION_KEY_HEADER, derive_chat_session_id, parse_chat
+from .turns import END, OpenTurn, Pump, QueueSink
+
+if TYPE_CHECKING:
+    from .app import Api
+
+log = logging.getLogger("hermes_sup.httpapi")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_data(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def usage_of(reply: Reply | None) -> dict[str, int]:
+    """OpenAI `usage` from the reply's data (zeros when the runtime has none)."""
+    data = reply.data if reply is not None and isinstance(reply.data, dict) else {}
+    nested = data.get("usage")
+    raw: dict[str, Any] = nested if isinstance(nested, dict) else data
+
+    def count(*names: str) -> int:
+        for name in names:
+            value = raw.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return 0
+
+    prompt = count("input_tokens", "prompt_tokens")
+    completion = count("output_tokens", "completion_tokens")
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": count("total_tokens") or prompt + completion,
+    }
+
+
+def rest_of_reply(streamed: str, reply: Reply) -> str:
+    """Text of the reply the client has not seen: all of it if nothing was
+    streamed (a runtime that does not stream), the tail if the stream was
+    its start; nothing if the stream already showed something else (Hermes
+    streams interim text around tool calls, then answers with the last part)."""
+    if not streamed:
+        return reply.text
+    if reply.text.startswith(streamed):
+        return reply.text[len(streamed) :]
+    return ""
+
+
+def _tool_display(name: str, data: Any) -> tuple[str, str]:
+    """The emoji and label Hermes shows for a tool call."""
+    d = data if isinstance(data, dict) else {}
+    emoji, label = d.get("emoji"), d.get("label") or d.get("preview")
+    if isinstance(emoji, str) and isinstance(label, str):
+        return emoji, label
+    try:  # the agent's own display helpers, when hermes-agent is installed here
+        from agent.display import build_tool_preview, get_tool_emoji
+
+        args = d.get("args") if isinstance(d.get("args"), dict) else {}
+        return str(get_tool_emoji(name)), str(build_tool_preview(name, args) or name)
+    except Exception:  # not installed, or it could not describe this call
+        return "⚙️", name
+
+
+class ToolProgress:
+    """Hermes's `hermes.tool.progress` payloads, paired by tool call id."""
+
+    def __init__(self) -> None:
+        self.started: set[str] = set()
+
+    def payload(self, event: Event) -> dict[str, Any] | None:
+        if isinstance(event, ToolStart):
+            if not event.id or event.name.startswith("_"):
+                return None  # internal tools stay off the wire, as in Hermes
+            self.started.add(event.id)
+            emoji, label = _tool_display(event.name, event.data)
+            return {
+                "tool": event.name,
+                "emoji": emoji,
+                "label": label,
+                "toolCallId": event.id,
+                "status": "running",
+            }
+        if isinstance(event, ToolComplete) and event.id in self.started:
+            self.started.discard(event.id)
+            return {"tool": event.name, "toolCallId": event.id, "status": "completed"}
+        return None
+
+
+async def chat_completions(api: Api, request: Request) -> Response:
+    body = await api.read_json(request)
+    chat = parse_chat(body)
+    stream = body.get("stream") in (True, "true", "True", "1", 1)
+    named = api.header_ref(request)
+    ref = named or api.ref(derive_chat_session_id(chat.system, chat.first_user))
+    model = api.model_of(body)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
+    created = int(time.time())
+    opened = await api.open_turn(ref, chat.text)
+    headers = {SESSION_ID_HEADER: ref.original}
+    key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
+    if key_header:
+        headers[SESSION_KEY_HEADER] = key_header
+
+    async def deny_approvals(event: Event) -> None:
+        if isinstance(event, ApprovalRequest):
+            log.info(kv("http_approval_denied", session=ref.key, command=event.command[:200]))
+            try:
+                await opened.client.approve(ref.key, "deny")
+            except ClientError as exc:
+                log.warning(kv("http_approval_deny_failed", session=ref.key, error=exc))
+
+    if not stream:
+        return await _complete(
+            api, request, opened, deny_approvals, completion_id, created, model, headers
+        )
+    sink = QueueSink(api.settings.stream_queue, api.settings.stall_timeout, f"chat {ref.key}")
+    pump = Pump(opened, sink, api.tasks, on_event=deny_approvals)
+    chunks = _chunks(api, pump, sink, completion_id, created, model)
+    return StreamingResponse(
+        chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+    )
+
+
+async def _complete(
+    api: Api,
+    request: Request,
+    opened: OpenTurn,
+    on_event: Any,
+    completion_id: str,
+    created: int,
+    model: str,
+    headers: dict[str, str],
+) -> Response:
+    """The non-streaming answer; a client that hangs up cancels the turn."""
+    items: list[Any] = []
+
+    async def keep(item: Any) -> bool:
+        if not isinstance(item, Token):  # the reply holds the text
+            items.append(item)
+        return True
+
+    pump = Pump(opened, keep, api.tasks, on_event=on_event)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({pump.task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not pump.task.done():
+        pump.abandon()
+        await asyncio.gather(pump.task, return_exceptions=True)
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    end = items[-1] if items else None
+    if isinstance(end, ClientError):
+        raise from_client_error(end)
+    if not isinstance(end, Reply):
+        raise ApiError(502, "the turn ended without a reply", "agent_incomplete", "server_error")
+    if not end.ok:
+        raise ApiError(502, end.text or "the agent failed", "agent_error", "server_error")
+    return JSONResponse(
+        {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": end.text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": usage_of(end),
+        },
+        headers=headers,
+    )
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (its body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _chunks(
+    api: Api, pump: Pump, sink: QueueSink, completion_id: str, created: int, model: str
+) -> AsyncIterator[bytes]:
+    """The SSE body. Ends the turn (through its pump) if the client leaves."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+
+    tools = ToolProgress()
+    streamed: list[str] = []
+    finished = False
+    try:
+        yield sse_data(chunk({"role": "assistant"}))
+        while True:
+            try:
+                item = await asyncio.wait_for(sink.queue.get(), api.settings.keepalive)
+            except TimeoutError:
+                yield b": keepalive\n\n"
+                continue
+            if isinstance(item, Token):
+                if item.text:
+                    streamed.append(item.text)
+                    yield sse_data(chunk({"content": item.text}))
+            elif isinstance(item, (ToolStart, ToolComplete)):
+                progress = tools.payload(item)
+                if progress is not None:
+                    yield f"event: hermes.tool.progress\ndata: {json.dumps(progress)}\n\n".encode()
+            elif isinstance(item, Reply):
+                rest = rest_of_reply("".join(streamed), item)
+                if rest:
+                    yield sse_data(chunk({"content": rest}))
+                last = chunk({}, "stop" if item.ok else "error")
+                last["usage"] = usage_of(item)
+                if not item.ok:
+                    last["error"] = {"message": item.text, "type": "agent_error"}
+                finished = True
+                yield sse_data(last)
+                yield b"data: [DONE]\n\n"
+                return
+            elif isinstance(item, ClientError) or item is END:
+                if item is END:
+                    message, code = "the stream fell behind and its turn was cancelled", "stalled"
+                elif isinstance(item, SupervisorError):
+                    message, code = item.message, item.code
+                else:
+                    message, code = str(item), type(item).__name__
+                last = chunk({}, "error")
+                last["usage"] = usage_of(None)
+                last["error"] = {"message": message, "type": code}
+                finished = True
+                yield sse_data(last)
+                yield b"data: [DONE]\n\n"
+                return
+    finally:
+        if not finished:
+            pump.abandon()  # the client went away mid-stream: cancel its turn

@@ -1,0 +1,362 @@
+"""The runs API: a turn started now and followed by id, as Hermes's API
+server serves it (hermes-webui uses it for approvals and stop).
+
+    POST /v1/runs                    202 {run_id, status: "started"}
+    GET  /v1/runs/{id}               {object: "hermes.run", run_id, status, ...}
+    GET  /v1/runs/{id}/events        SSE: `data: {"event": ..., "run_id", "timestamp", ...}`
+    POST /v1/runs/{id}/approval      {choice} -> {object: "hermes.run.approval_response", ...}
+    POST /v1/runs/{id}/stop          {run_id, status: "stopping"}
+
+A run's turn goes on whether or not anyone follows its events. Its events
+are kept (up to `run_events` of them) so a subscriber that comes late, or
+a second one, sees the run from its start; each subscriber has a bounded
+queue, and one that falls behind by more than that is cut off (its stream
+ends with a comment saying so) rather than let memory grow. Status:
+queued, running, waiting_for_approval, stopping, then completed, failed or
+cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from hermes_sup.client import (
+    ApprovalRequest,
+    ApprovalTimeout,
+    ClientError,
+    Event,
+    Queued,
+    Reply,
+    Running,
+    SupervisorError,
+    Token,
+    ToolComplete,
+    ToolStart,
+)
+from hermes_sup.supervisor.logfmt import kv
+
+from .chat import SSE_HEADERS, usage_of
+from .errors import ApiError
+from .sessions import SESSION_KEY_HEADER, SessionRef, text_of
+from .turns import Pump
+
+if TYPE_CHECKING:
+    from .app import Api
+
+log = logging.getLogger("hermes_sup.httpapi")
+
+ENDED = ("completed", "failed", "cancelled")
+CHOICE_ALIASES = {"approve": "once", "approved": "once", "allow": "once"}
+CHOICES = ("once", "session", "always", "deny")
+_CLOSE = object()  # a subscriber's stream ends after what it already has
+_DROPPED = object()  # a subscriber fell too far behind
+
+
+@dataclass
+class Run:
+    """One run: its status, its events so far, and who follows them."""
+
+    id: str
+    ref: SessionRef
+    model: str
+    max_events: int
+    created_at: float = field(default_factory=time.time)
+    status: str = "queued"
+    turn: str | None = None
+    stopping: bool = False
+    waiting_approval: bool = False
+    fields: dict[str, Any] = field(default_factory=dict)
+    events: deque[dict[str, Any]] = field(init=False)
+    subscribers: set[asyncio.Queue[Any]] = field(default_factory=set)
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.events = deque(maxlen=self.max_events)
+        self.updated_at = self.created_at
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+    def describe(self) -> dict[str, Any]:
+        """GET /v1/runs/{id}."""
+        return {
+            "object": "hermes.run",
+            "run_id": self.id,
+            "status": self.status,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "session_id": self.ref.original,
+            "model": self.model,
+            **self.fields,
+        }
+
+    def set_status(self, status: str, **fields: Any) -> None:
+        self.status = status
+        self.updated_at = time.time()
+        self.fields.update(fields)
+
+    def publish(self, event: str, **data: Any) -> None:
+        """Record an event and hand it to every subscriber."""
+        record = {"event": event, "run_id": self.id, "timestamp": time.time(), **data}
+        self.events.append(record)
+        self.fields["last_event"] = event
+        self.updated_at = record["timestamp"]
+        for queue in list(self.subscribers):
+            self._offer(queue, record)
+        if self.ended:
+            for queue in list(self.subscribers):
+                self._offer(queue, _CLOSE)
+
+    def _offer(self, queue: asyncio.Queue[Any], item: Any) -> None:
+        try:
+            queue.put_nowait(item)
+        except asyncio.QueueFull:
+            # Cut this subscriber off: what it has not read is dropped, so
+            # memory stays bounded, and it is told when it reads again.
+            self.subscribers.discard(queue)
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(_DROPPED)
+
+    def subscribe(self, size: int) -> asyncio.Queue[Any]:
+        """A queue with every event so far, then each new one."""
+        queue: asyncio.Queue[Any] = asyncio.Queue(max(size, len(self.events) + 1))
+        for record in self.events:
+            queue.put_nowait(record)
+        if self.ended:
+            queue.put_nowait(_CLOSE)
+        else:
+            self.subscribers.add(queue)
+        return queue
+
+
+class Runs:
+    """Every run this endpoint knows, by id."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.by_id: dict[str, Run] = {}
+
+    def get(self, run_id: str) -> Run:
+        run = self.by_id.get(run_id)
+        if run is None:
+            raise ApiError(404, f"Run not found: {run_id}", "run_not_found")
+        return run
+
+    def _sweep(self) -> None:
+        """Forget ended runs past their time to live, and the oldest ended
+        ones beyond the limit; a run still going is never forgotten."""
+        s = self.api.settings
+        now = time.time()
+        ended = [r for r in self.by_id.values() if r.ended]
+        for run in ended:
+            if now - run.updated_at > s.run_ttl:
+                del self.by_id[run.id]
+        extra = len(self.by_id) - s.max_runs
+        if extra > 0:
+            for run in sorted((r for r in ended if r.id in self.by_id), key=lambda r: r.updated_at)[
+                :extra
+            ]:
+                del self.by_id[run.id]
+
+    # ------------------------------------------------------------ handlers
+
+    async def create(self, request: Request) -> Response:
+        api = self.api
+        body = await api.read_json(request)
+        raw_input = body.get("input")
+        if not raw_input:
+            raise ApiError(400, "Missing 'input' field", "missing_input")
+        if isinstance(raw_input, list):
+            last = raw_input[-1]
+            content = last.get("content") if isinstance(last, dict) else last
+            text = text_of(content, "input[-1].content")
+        else:
+            text = text_of(raw_input, "input")
+        if not text.strip():
+            raise ApiError(400, "No user message found in input", "missing_input")
+        history = body.get("conversation_history")
+        if history is not None and history != []:
+            # Checked as Hermes checks it; the session's worker keeps its own
+            # conversation, so it is not passed on (README: what is not served).
+            if not isinstance(history, list) or not all(
+                isinstance(e, dict) and "role" in e and "content" in e for e in history
+            ):
+                raise ApiError(
+                    400,
+                    "'conversation_history' must be an array of objects with 'role' and 'content'",
+                    "invalid_conversation_history",
+                )
+        run_id = f"run_{uuid.uuid4().hex}"
+        session_id = body.get("session_id")
+        if session_id is not None and not isinstance(session_id, str):
+            raise ApiError(400, "'session_id' must be a string", "invalid_session_id")
+        ref = api.header_ref(request) or api.ref(session_id or run_id)
+        model = api.model_of(body)
+        self._sweep()
+        opened = await api.open_turn(ref, text)
+        run = Run(run_id, ref, model, api.settings.run_events)
+        run.turn = opened.id
+        self.by_id[run_id] = run
+        log.info(kv("http_run", run=run_id, session=ref.key, turn=opened.id))
+
+        async def record(item: Any) -> bool:
+            self._record(run, item)
+            return True
+
+        Pump(opened, record, api.tasks)
+        headers = {}
+        key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
+        if key_header:
+            headers[SESSION_KEY_HEADER] = key_header
+        return JSONResponse({"run_id": run_id, "status": "started"}, 202, headers=headers)
+
+    def _record(self, run: Run, item: Event | ClientError) -> None:
+        """A turn's event, as the run's status and events."""
+        if isinstance(item, Queued):
+            run.set_status("queued")
+        elif isinstance(item, Running):
+            if not run.stopping:
+                run.set_status("running")
+        elif isinstance(item, Token):
+            if item.text:
+                run.publish("message.delta", delta=item.text)
+        elif isinstance(item, ToolStart):
+            if not item.name.startswith("_"):
+                d = item.data if isinstance(item.data, dict) else {}
+                preview = d.get("preview") or d.get("label")
+                run.publish("tool.started", tool=item.name, preview=preview, tool_call_id=item.id)
+        elif isinstance(item, ToolComplete):
+            if not item.name.startswith("_"):
+                d = item.data if isinstance(item.data, dict) else {}
+                run.publish(
+                    "tool.completed",
+                    tool=item.name,
+                    duration=d.get("duration", 0),
+                    error=bool(d.get("is_error", False)),
+                    tool_call_id=item.id,
+                )
+        elif isinstance(item, ApprovalRequest):
+            run.waiting_approval = True
+            run.set_status("waiting_for_approval")
+            d = item.data if isinstance(item.data, dict) else {}
+            keys = d.get("pattern_keys") if isinstance(d.get("pattern_keys"), list) else []
+            run.publish(
+                "approval.request",
+                command=item.command,
+                description=item.description,
+                pattern_key=keys[0] if keys else None,
+                pattern_keys=keys,
+                allow_permanent=item.allow_permanent,
+                choices=list(item.choices),
+            )
+        elif isinstance(item, ApprovalTimeout):
+            run.waiting_approval = False
+            if not run.stopping:
+                run.set_status("running")
+            run.publish("approval.responded", choice="deny", resolved=0, reason="timeout")
+        elif isinstance(item, Reply):
+            run.waiting_approval = False
+            cancelled = run.stopping or (isinstance(item.data, dict) and item.data.get("cancelled"))
+            if cancelled:
+                run.set_status("cancelled")
+                run.publish("run.cancelled")
+            elif not item.ok:
+                run.set_status("failed", error=item.text)
+                run.publish("run.failed", error=item.text)
+            else:
+                usage = usage_of(item)
+                u = {
+                    "input_tokens": usage["prompt_tokens"],
+                    "output_tokens": usage["completion_tokens"],
+                    "total_tokens": usage["total_tokens"],
+                }
+                run.set_status("completed", output=item.text, usage=u)
+                run.publish("run.completed", output=item.text, usage=u)
+        elif isinstance(item, ClientError):
+            run.waiting_approval = False
+            message = item.message if isinstance(item, SupervisorError) else str(item)
+            if run.stopping:
+                run.set_status("cancelled")
+                run.publish("run.cancelled")
+            else:
+                run.set_status("failed", error=message)
+                run.publish("run.failed", error=message)
+
+    async def status(self, request: Request) -> Response:
+        return JSONResponse(self.get(request.path_params["run_id"]).describe())
+
+    async def events(self, request: Request) -> Response:
+        run = self.get(request.path_params["run_id"])
+        queue = run.subscribe(self.api.settings.stream_queue)
+        return StreamingResponse(
+            self._stream(run, queue), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    async def _stream(self, run: Run, queue: asyncio.Queue[Any]) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.api.settings.keepalive)
+                except TimeoutError:
+                    yield b": keepalive\n\n"
+                    continue
+                if item is _CLOSE:
+                    yield b": stream closed\n\n"
+                    return
+                if item is _DROPPED:
+                    yield b": this stream fell too far behind and was closed; events were dropped\n\n"
+                    return
+                yield f"data: {json.dumps(item)}\n\n".encode()
+        finally:
+            run.subscribers.discard(queue)
+
+    async def approval(self, request: Request) -> Response:
+        run = self.get(request.path_params["run_id"])
+        body = await self.api.read_json(request)
+        raw = str(body.get("choice", "")).strip().lower()
+        choice = CHOICE_ALIASES.get(raw, raw)
+        if choice not in CHOICES:
+            raise ApiError(
+                400,
+                "Invalid approval choice; expected one of: once, session, always, deny",
+                "invalid_approval_choice",
+            )
+        if run.ended or not run.waiting_approval:
+            raise ApiError(409, f"Run has no pending approval: {run.id}", "approval_not_pending")
+        await self.api.client().approve(run.ref.key, choice)
+        run.waiting_approval = False
+        run.set_status("stopping" if run.stopping else "running")
+        run.publish("approval.responded", choice=choice, resolved=1)
+        return JSONResponse(
+            {
+                "object": "hermes.run.approval_response",
+                "run_id": run.id,
+                "choice": choice,
+                "resolved": 1,
+            }
+        )
+
+    async def stop(self, request: Request) -> Response:
+        run = self.get(request.path_params["run_id"])
+        if run.ended:
+            return JSONResponse({"run_id": run.id, "status": run.status})
+        run.stopping = True
+        run.set_status("stopping", last_event="run.stopping")
+        try:
+            await self.api.client().cancel(run.ref.key, run.turn)
+        except ClientError as exc:
+            log.warning(kv("http_run_stop_failed", run=run.id, error=exc))
+        return JSONResponse({"run_id": run.id, "status": "stopping"})

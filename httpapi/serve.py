@@ -1,0 +1,231 @@
+"""Running the endpoint: uvicorn in a process of its own.
+
+Two ways, one code path (`run`):
+
+- `hermes-sup serve --http [HOST:]PORT`: `start_beside_supervisor` runs in
+  the serve command before the supervisor starts. It binds the listening
+  socket (so a taken port or a missing key fails `serve` at once, with a
+  clear message), then starts `python -m hermes_sup.httpapi` through a
+  double fork: the endpoint is not the supervisor's child, so the
+  supervisor's reaper and its orphan cull (which kills any child that is
+  not a worker) never see it, and the supervisor gets no thread, no event
+  loop and no socket of it. It inherits the listening socket and the read
+  end of a pipe whose write end only the supervisor process holds
+  (close-on-exec, so no worker or zygote inherits it): when the supervisor
+  exits, however it exits, the pipe reads EOF and the endpoint stops. It
+  connects as a local client of the state directory, like any front end,
+  and answers 503 until the supervisor is ready. Its log lines go to the
+  supervisor's stderr.
+- `hermes-sup http --connection FILE [--listen HOST:PORT]`: the same
+  endpoint as a process of its own, on another host, a remote client over
+  CURVE (a connection file from `hermes-sup keys generate`). It runs until
+  stopped (SIGTERM / Ctrl-C); while its supervisor is unreachable it
+  answers 503.
+
+Either way the bearer keys are read from a data directory's
+`http/keys/` (`hermes-sup keys http generate NAME`), and with none there
+the endpoint does not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hermes_sup.client import AsyncClient
+from hermes_sup.supervisor.logfmt import kv
+
+from .app import ApiSettings, create_app
+from .keys import KeyStore
+
+log = logging.getLogger("hermes_sup.httpapi")
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORT = 8642  # Hermes's API server's port: front ends default to it
+
+
+class HttpSetupError(Exception):
+    """The endpoint cannot start; the message says why and what to do."""
+
+
+def parse_listen(spec: str) -> tuple[str, int]:
+    """'PORT' (loopback) or 'HOST:PORT'; every interface only when asked by
+    name ('0.0.0.0:PORT', '[::]:PORT'), never with '*'."""
+    host, sep, port_text = spec.rpartition(":")
+    if not sep:
+        host, port_text = LOOPBACK, spec
+    host = host.strip("[]") or LOOPBACK
+    if host == "*":
+        raise HttpSetupError(f"http {spec!r}: write 0.0.0.0 to listen on every interface")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise HttpSetupError(f"http {spec!r}: the port must be a number") from None
+    if not 0 <= port < 65536:
+        raise HttpSetupError(f"http {spec!r}: port {port} is out of range")
+    return host, port
+
+
+def require_keys(data_dir: Path) -> KeyStore:
+    """The key store; refuses when it holds no key (no key, no service)."""
+    keys = KeyStore(data_dir)
+    if not keys.names():
+        raise HttpSetupError(
+            f"no HTTP API key is configured in {keys.dir}: make one with "
+            f"`hermes-sup keys http generate NAME --data-dir {data_dir}` "
+            "(the endpoint never serves without a key)"
+        )
+    return keys
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so a taken port fails with its reason."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise HttpSetupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run(
+    sock: socket.socket,
+    keys: KeyStore,
+    connect: Callable[[], AsyncClient],
+    settings: ApiSettings | None = None,
+    watch_fd: int | None = None,
+    log_level: str = "info",
+) -> None:
+    """Serve on `sock` until SIGTERM/SIGINT, or until `watch_fd` reads EOF."""
+    import uvicorn
+
+    app = create_app(settings or ApiSettings(), keys, connect)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        log_config=None,  # our logging setup, on stderr like the supervisor's
+    )
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        if watch_fd is not None:
+            loop = asyncio.get_running_loop()
+
+            def parent_gone() -> None:
+                loop.remove_reader(watch_fd)
+                log.info(kv("http_stopping", reason="the supervisor exited"))
+                server.should_exit = True
+
+            loop.add_reader(watch_fd, parent_gone)
+        log.info(
+            kv("http_ready", url=url_of(sock), pid=os.getpid(), model=app.state.api.settings.model)
+        )
+        await server.serve(sockets=[sock])
+
+    asyncio.run(main())
+
+
+def start_beside_supervisor(
+    state_dir: Path, data_dir: Path, listen: str, log_level: str = "info"
+) -> str:
+    """Start the endpoint for the supervisor about to run in this process
+    (see the module docstring). Call before the supervisor starts: it forks,
+    so this process must have no threads and no zmq context yet. Returns
+    the URL it listens on."""
+    host, port = parse_listen(listen)
+    require_keys(data_dir)
+    sock = bind(host, port)
+    url = url_of(sock)
+    watch_r, watch_w = os.pipe()  # both close-on-exec: no worker inherits them
+    argv = [
+        sys.executable,
+        "-m",
+        "hermes_sup.httpapi",
+        "--state-dir",
+        str(state_dir),
+        "--data-dir",
+        str(data_dir),
+        "--fd",
+        str(sock.fileno()),
+        "--watch-fd",
+        str(watch_r),
+        "--log-level",
+        log_level,
+    ]
+    middle = os.fork()
+    if middle == 0:  # the intermediate: spawn the endpoint, then leave it to init
+        code = 1
+        try:
+            os.close(watch_w)
+            sock.set_inheritable(True)
+            os.set_inheritable(watch_r, True)
+            os.posix_spawn(sys.executable, argv, dict(os.environ), setsid=True)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(middle, 0)
+    os.close(watch_r)
+    sock.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        os.close(watch_w)
+        raise HttpSetupError("could not start the HTTP endpoint's process")
+    # watch_w stays open, unused, for as long as this process lives.
+    return url
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hermes_sup.httpapi`: the process `serve --http` starts."""
+    parser = argparse.ArgumentParser(prog="python -m hermes_sup.httpapi")
+    parser.add_argument("--state-dir", type=Path, help="the local supervisor's state directory")
+    parser.add_argument("--connection", type=Path, help="a remote supervisor's connection file")
+    parser.add_argument("--data-dir", type=Path, required=True, help="where http/keys/ is")
+    parser.add_argument("--fd", type=int, help="an inherited listening socket")
+    parser.add_argument("--listen", default=str(DEFAULT_PORT), help="[HOST:]PORT without --fd")
+    parser.add_argument("--watch-fd", type=int, help="stop when this pipe reads EOF")
+    parser.add_argument("--model", default=ApiSettings.model)
+    parser.add_argument("--max-body", type=int, default=ApiSettings.max_body)
+    parser.add_argument("--stall-timeout", type=float, default=ApiSettings.stall_timeout)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        keys = require_keys(args.data_dir)
+        if args.fd is not None:
+            sock = socket.socket(fileno=args.fd)
+        else:
+            sock = bind(*parse_listen(args.listen))
+    except HttpSetupError as exc:
+        log.error(kv("http_failed", error=exc))
+        sys.exit(1)
+    if args.connection is not None:
+        path = args.connection
+
+        def connect() -> AsyncClient:
+            return AsyncClient.from_connection_file(path)
+    else:
+        state_dir = args.state_dir
+
+        def connect() -> AsyncClient:
+            return AsyncClient(state_dir)
+
+    settings = ApiSettings(
+        model=args.model, max_body=args.max_body, stall_timeout=args.stall_timeout
+    )
+    run(sock, keys, connect, settings, args.watch_fd, args.log_level)

@@ -1,0 +1,151 @@
+"""Which hermes-sup session an HTTP request belongs to, and what its turn is.
+
+A conversation is one session, so one worker:
+
+1. `X-Hermes-Session-Key` (a stable per-channel scope; hermes-webui sends
+   `webui:<id>`), else
+2. `X-Hermes-Session-Id` (the Hermes gateway's proxy mode sends its session
+   id), else
+3. for chat completions, the id Hermes's own API server derives for clients
+   that resend the whole history (Open WebUI, LibreChat): `api-` and the
+   first 16 hex digits of SHA-256 of the system prompt, a newline and the
+   first user message; so every turn of one such conversation reaches the
+   same worker.
+
+An id that breaks our key rules (protocol/keys.py: no `/`, spaces,
+non-ASCII, at most 128 characters) is mapped to a key that keeps a readable
+part of it: its allowed characters (others become `_`), cut to 80, then `=`
+and 16 hex digits of SHA-256 of the whole id. Different ids never share a
+session (but for a hash collision), and `hermes-sup list` still shows what
+the id looked like; the endpoint logs the exact mapping (`http_session_key`).
+
+Only the newest user message is sent as the turn: the session's worker
+keeps the conversation itself (Hermes in the session's own state.db).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from hermes_sup.protocol import RemoteProtocolError, check_session_key
+
+from .errors import ApiError
+
+MAX_HEADER_ID = 256  # as Hermes's API server: longer ids are refused
+READABLE_PART = 80
+_NOT_KEY_CHAR = re.compile(r"[^A-Za-z0-9._:@+=-]")
+_UNSAFE = re.compile(r"[\r\n\x00]")
+
+SESSION_KEY_HEADER = "X-Hermes-Session-Key"
+SESSION_ID_HEADER = "X-Hermes-Session-Id"
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """A request's session: the key we use, and the id the client sent."""
+
+    key: str
+    original: str
+
+    @property
+    def mapped(self) -> bool:
+        return self.key != self.original
+
+
+def derive_chat_session_id(system_prompt: str | None, first_user_message: str) -> str:
+    """The session id Hermes's API server derives from a conversation's start."""
+    seed = f"{system_prompt or ''}\n{first_user_message}"
+    return "api-" + hashlib.sha256(seed.encode("utf-8")).hexdigest()[:16]
+
+
+def key_for(original: str) -> str:
+    """A valid session key for a client's id: the id itself when it fits."""
+    try:
+        return check_session_key(original)
+    except RemoteProtocolError:
+        pass
+    readable = _NOT_KEY_CHAR.sub("_", original)[:READABLE_PART].lstrip("._:@+=-")
+    digest = hashlib.sha256(original.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"{readable}={digest}" if readable else f"id={digest}"
+
+
+def header_id(headers: Any) -> str | None:
+    """The session id a request names in its headers, checked; None if none."""
+    for name, what in ((SESSION_KEY_HEADER, "session key"), (SESSION_ID_HEADER, "session ID")):
+        raw = str(headers.get(name, "")).strip()
+        if not raw:
+            continue
+        if _UNSAFE.search(raw):
+            raise ApiError(400, f"Invalid {what} in {name}", "invalid_session_id")
+        if len(raw) > MAX_HEADER_ID:
+            raise ApiError(
+                400,
+                f"{what.capitalize()} too long in {name} (at most {MAX_HEADER_ID})",
+                "invalid_session_id",
+            )
+        return raw
+    return None
+
+
+def ref_for(original: str) -> SessionRef:
+    return SessionRef(key_for(original), original)
+
+
+# ------------------------------------------------------------------ content
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's text: a string, or the text parts of a content array.
+    Other parts (images, files) are not passed on yet."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+        return "\n".join(parts)
+    raise ApiError(400, f"{where} must be a string or an array of content parts", "invalid_content")
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """What a chat-completions request asks: the newest user message, the
+    system prompt, and the first user message (for the derived id)."""
+
+    text: str
+    system: str | None
+    first_user: str
+
+
+def parse_chat(body: dict[str, Any]) -> ChatTurn:
+    """Read `messages` as Hermes's API server does; 400 when there is no turn."""
+    messages = body.get("messages")
+    if not messages or not isinstance(messages, list):
+        raise ApiError(400, "Missing or invalid 'messages' field", "invalid_messages")
+    system: str | None = None
+    users: list[str] = []
+    last_role = ""
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", "invalid_messages")
+        role = msg.get("role")
+        if role == "system" or role == "developer":
+            text = text_of(msg.get("content"), f"messages[{i}].content")
+            system = text if system is None else system + "\n" + text
+        elif role in ("user", "assistant"):
+            last_role = role
+            if role == "user":
+                users.append(text_of(msg.get("content"), f"messages[{i}].content"))
+    if not users or last_role != "user" or not users[-1].strip():
+        raise ApiError(400, "No user message found in messages", "no_user_message")
+    return ChatTurn(users[-1], system, users[0])

@@ -1,0 +1,417 @@
+"""The HTTP endpoint (Hermes's API-server contract) against a real
+supervisor with the probe runtime, over real HTTP on 127.0.0.1, driven by
+clients nobody here wrote: the openai SDK, and raw HTTP shaped as
+hermes-webui and the Hermes gateway send it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hermes_sup.client import AsyncClient, Reply
+from hermes_sup.httpapi.keys import KeyStore
+from hermes_sup.httpapi.turns import Pump, QueueSink, open_turn
+
+READY = re.compile(r"http_ready url=(\S+)")
+
+
+@dataclass
+class Endpoint:
+    url: str
+    key: str
+    sup: object  # tests.conftest.Supervisor
+    proc: subprocess.Popen[bytes] | None
+    log_path: Path
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}", **extra}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0)
+
+
+def wait_ready(log_path: Path, proc: subprocess.Popen[bytes] | None, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        found = READY.search(text)
+        if found:
+            return found.group(1)
+        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+            raise AssertionError(f"the endpoint did not start:\n{text}")
+        time.sleep(0.05)
+
+
+def start_endpoint(sup, workdir: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    log_path = workdir / "http.log"
+    log = open(log_path, "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hermes_sup.httpapi",
+            "--state-dir",
+            str(sup.state_dir),
+            "--data-dir",
+            str(sup.data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    return proc, log_path
+
+
+@pytest.fixture
+def endpoint_factory(supervisor_factory, workdir):
+    """make(*serve_args): a supervisor (probe runtime) and the endpoint in front of it."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def make(*serve_args: str) -> Endpoint:
+        sup = supervisor_factory(*serve_args)
+        key = KeyStore(sup.data_dir).generate("test")
+        proc, log_path = start_endpoint(sup, workdir)
+        procs.append(proc)
+        return Endpoint(wait_ready(log_path, proc), key, sup, proc, log_path)
+
+    yield make
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def endpoint(endpoint_factory) -> Endpoint:
+    return endpoint_factory()
+
+
+def sse_lines(response: httpx.Response) -> list[str]:
+    return [line for line in response.iter_lines() if line]
+
+
+# ------------------------------------------------------------------ openai SDK
+
+
+def test_the_openai_sdk_chats_streaming_and_not(endpoint) -> None:
+    client = endpoint.openai()
+    done = client.chat.completions.create(
+        model="hermes-agent",
+        messages=[{"role": "user", "content": "stream the quick brown fox"}],
+        extra_headers={"X-Hermes-Session-Id": "sdk-1"},
+    )
+    assert done.object == "chat.completion"
+    assert done.choices[0].message.content == "the quick brown fox"
+    assert done.choices[0].finish_reason == "stop"
+    assert done.usage is not None and done.usage.total_tokens == 0  # the probe counts none
+
+    chunks = list(
+        client.chat.completions.create(
+            model="hermes-agent",
+            messages=[{"role": "user", "content": "stream jumps over the dog"}],
+            stream=True,
+            extra_headers={"X-Hermes-Session-Key": "webui:sdk-2"},
+        )
+    )
+    pieces = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert pieces == ["jumps", " over", " the", " dog"]  # token by token, in order
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage is not None
+
+    # A reply that was not streamed arrives whole; models and capabilities answer.
+    echo = client.chat.completions.create(
+        model="hermes-agent", messages=[{"role": "user", "content": "hello"}], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in echo if c.choices) == "hello"
+    assert [m.id for m in client.models.list()] == ["hermes-agent"]
+    caps = httpx.get(endpoint.url + "/v1/capabilities", headers=endpoint.headers()).json()
+    assert caps["object"] == "hermes.api_server.capabilities"
+    assert caps["platform"] == "hermes-agent" and caps["auth"] == {
+        "type": "bearer",
+        "required": True,
+    }
+    features = caps["features"]
+    assert features["chat_completions"] and features["chat_completions_streaming"]
+    assert features["approval_events"] and features["run_approval_response"]
+    assert features["responses_api"] is False and features["session_resources"] is False
+    health = httpx.get(endpoint.url + "/health").json()
+    assert health["status"] == "ok" and health["platform"] == "hermes-agent"
+
+
+def test_each_conversation_is_its_own_worker(endpoint) -> None:
+    client = endpoint.openai()
+
+    def say(text: str, **headers: str) -> str:
+        return (
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": text}], extra_headers=headers
+            )
+            .choices[0]
+            .message.content
+        )
+
+    alice = {"X-Hermes-Session-Id": "alice"}
+    bob = {"X-Hermes-Session-Key": "webui:bob", "X-Hermes-Session-Id": "rotating-1"}
+    assert say("setenv SECRET alice-only", **alice) == "SECRET=alice-only"
+    pids = {say("pid", **alice), say("pid", **bob)}
+    assert len(pids) == 2  # two workers
+    assert say("env SECRET", **alice) == "alice-only"
+    assert say("env SECRET", **bob) == ""  # never another session's export
+    assert say("env HERMES_SESSION_KEY", **alice) == "alice"
+    assert say("env HERMES_SESSION_KEY", **bob) == "webui:bob"  # the key header wins
+    assert say("pid", **alice) in pids and say("cwd", **alice) != say("cwd", **bob)
+
+    # A client that resends the whole history and names no session gets the
+    # id Hermes derives from the conversation's start: one worker per chat.
+    history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "pid"}]
+    first = client.chat.completions.create(model="m", messages=history)
+    pid = first.choices[0].message.content
+    history += [{"role": "assistant", "content": pid}, {"role": "user", "content": "pid"}]
+    assert (
+        client.chat.completions.create(model="m", messages=history).choices[0].message.content
+        == pid
+    )
+
+    # An id that breaks the key rules still gets its own session, named readably.
+    odd = "chat 42/#1"
+    assert say("env HERMES_SESSION_KEY", **{"X-Hermes-Session-Id": odd}).startswith("chat_42_")
+    with endpoint.sup.client() as hs:
+        keys = {row["key"] for row in hs.sessions()}
+    assert {"alice", "webui:bob"} <= keys
+    assert any(k.startswith("api-") for k in keys)
+    assert any(k.startswith("chat_42__1=") for k in keys)
+    assert 'id="chat 42/#1"' in endpoint.log()  # the exact id, for the operator
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_errors_are_openai_shaped_with_the_right_status(endpoint) -> None:
+    url = endpoint.url
+    chat = url + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "pid"}]}
+
+    def error(response: httpx.Response, status: int, code: str) -> None:
+        assert response.status_code == status, response.text
+        err = response.json()["error"]
+        assert err["code"] == code and err["message"] and err["type"]
+
+    error(httpx.post(chat, json=body), 401, "invalid_api_key")
+    error(
+        httpx.post(chat, json=body, headers={"Authorization": "Bearer nope"}),
+        401,
+        "invalid_api_key",
+    )
+    error(httpx.get(url + "/v1/models"), 401, "invalid_api_key")
+    auth = endpoint.headers(**{"Content-Type": "application/json"})
+    error(httpx.post(chat, content=b"{not json", headers=auth), 400, "invalid_json")
+    error(httpx.post(chat, json={"messages": []}, headers=auth), 400, "invalid_messages")
+    no_user = {"messages": [{"role": "system", "content": "hi"}]}
+    error(httpx.post(chat, json=no_user, headers=auth), 400, "no_user_message")
+    bad_id = {**auth, "X-Hermes-Session-Id": "x" * 300}
+    error(httpx.post(chat, json=body, headers=bad_id), 400, "invalid_session_id")
+    error(httpx.get(url + "/v1/runs/run_nope", headers=auth), 404, "run_not_found")
+    error(httpx.post(url + "/v1/runs/run_nope/stop", headers=auth), 404, "run_not_found")
+
+    # Too large: by its declared length (nothing read), and chunked without one.
+    address = httpx.URL(url)
+    with socket.create_connection((address.host, address.port)) as raw:
+        raw.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {endpoint.key}\r\n".encode()
+            + b"Content-Type: application/json\r\nContent-Length: 20000000\r\n\r\n"
+        )
+        head = raw.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413") and "body_too_large" in head
+
+    def big() -> object:
+        for _ in range(10):
+            yield b" " * 1_000_000
+        yield b" "  # one byte over: the endpoint reads it all, then refuses
+
+    error(httpx.post(chat, content=big(), headers=auth), 413, "body_too_large")
+    # The supervisor keeps serving everyone after all that.
+    assert httpx.post(chat, json=body, headers=auth).status_code == 200
+
+
+def test_overloaded_is_503_with_retry_after(endpoint_factory) -> None:
+    endpoint = endpoint_factory("--max-sessions", "1")
+    chat = endpoint.url + "/v1/chat/completions"
+    busy = {"messages": [{"role": "user", "content": "sleep 30"}], "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", chat, json=busy, headers=endpoint.headers()) as held:
+            assert held.status_code == 200
+            next(held.iter_lines())  # the role chunk: the only slot is busy now
+            other = http.post(
+                chat,
+                json={"messages": [{"role": "user", "content": "pid"}]},
+                headers=endpoint.headers(**{"X-Hermes-Session-Id": "other"}),
+            )
+            assert other.status_code == 503 and other.headers["Retry-After"]
+            assert other.json()["error"]["code"] == "overloaded"
+
+
+# ------------------------------------------------------------------ streams
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_turn(endpoint) -> None:
+    chat = endpoint.url + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "sleep 60"}], "stream": True}
+    headers = endpoint.headers(**{"X-Hermes-Session-Id": "leaver"})
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", chat, json=body, headers=headers) as response:
+            next(response.iter_lines())
+        # Hung up. The turn ends cancelled, not after its 60 s.
+        with endpoint.sup.client() as hs:
+            for event in hs.watch("leaver", replay=20):
+                if isinstance(event, Reply):
+                    assert event.data == {"cancelled": True}
+                    break
+        # The session takes the next turn at once.
+        again = http.post(
+            chat, json={"messages": [{"role": "user", "content": "pid"}]}, headers=headers
+        )
+    assert again.status_code == 200
+    assert "http_turn_cancelled" in endpoint.log()
+
+
+def test_a_stalled_reader_cancels_its_turn_and_stalls_nobody_else(supervisor) -> None:
+    """The pump of a stream nobody reads gives up after its stall timeout and
+    cancels the turn, while another session's turn on the same client runs."""
+
+    async def main() -> tuple[object, str, bool]:
+        async with AsyncClient(supervisor.state_dir) as client:
+            tasks: set[asyncio.Task[object]] = set()
+            opened = await open_turn(client, "stuck", "stream " + "w " * 200)
+            sink = QueueSink(maxsize=2, stall_timeout=0.5, what="test")
+            pump = Pump(opened, sink, tasks)  # nobody reads sink.queue
+            other = await client.run("other", "stream a b c")
+            await pump.wait()
+            async for event in client.watch("stuck", replay=400):
+                if isinstance(event, Reply):
+                    return event.data, other.text, sink.stalled
+        raise AssertionError("unreachable")
+
+    data, other, stalled = asyncio.run(main())
+    assert stalled and data == {"cancelled": True} and other == "a b c"
+
+
+def test_tool_progress_and_approvals_on_chat_completions(endpoint) -> None:
+    """Chat completions cannot answer an approval: the command is denied at
+    once (Hermes does not run it either), and the reply says so."""
+    client = endpoint.openai()
+    reply = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "ask touch should-not-exist"}],
+        extra_headers={"X-Hermes-Session-Id": "asker"},
+    )
+    assert reply.choices[0].message.content == "denied: touch should-not-exist"
+    ls = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "sh ls"}],
+        extra_headers={"X-Hermes-Session-Id": "asker"},
+    )
+    assert "should-not-exist" not in (ls.choices[0].message.content or "")
+    assert "http_approval_denied" in endpoint.log()
+
+
+# ------------------------------------------------------------------ runs API
+
+
+def run_events(endpoint: Endpoint, run_id: str, until: str) -> list[dict]:
+    """Follow a run's SSE events until one named `until` (or the stream ends)."""
+    seen = []
+    with httpx.stream(
+        "GET", f"{endpoint.url}/v1/runs/{run_id}/events", headers=endpoint.headers(), timeout=30
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                seen.append(json.loads(line[6:]))
+                if seen[-1]["event"] == until:
+                    break
+    return seen
+
+
+def test_runs_with_approvals_and_stop(endpoint) -> None:
+    url, auth = endpoint.url, endpoint.headers()
+    # hermes-webui's shape: headers, input, session_id, instructions, history.
+    webui = endpoint.headers(**{"X-Hermes-Session-Id": "w1", "X-Hermes-Session-Key": "webui:w1"})
+
+    def start(text: str) -> str:
+        response = httpx.post(
+            url + "/v1/runs",
+            json={
+                "model": "default",
+                "input": text,
+                "session_id": "w1",
+                "instructions": "be careful",
+                "conversation_history": [{"role": "user", "content": "earlier"}],
+            },
+            headers=webui,
+        )
+        assert response.status_code == 202, response.text
+        assert response.json()["status"] == "started"
+        return response.json()["run_id"]
+
+    # Denied: the target survives.
+    denied = start("ask touch denied.txt")
+    events = run_events(endpoint, denied, "approval.request")
+    request = events[-1]
+    assert request["command"] == "touch denied.txt" and "deny" in request["choices"]
+    status = httpx.get(f"{url}/v1/runs/{denied}", headers=auth).json()
+    assert status["object"] == "hermes.run" and status["status"] == "waiting_for_approval"
+    bad = httpx.post(f"{url}/v1/runs/{denied}/approval", json={"choice": "maybe"}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_approval_choice"
+    answer = httpx.post(f"{url}/v1/runs/{denied}/approval", json={"choice": "deny"}, headers=auth)
+    assert answer.json() == {
+        "object": "hermes.run.approval_response",
+        "run_id": denied,
+        "choice": "deny",
+        "resolved": 1,
+    }
+    events = run_events(endpoint, denied, "run.completed")
+    names = [e["event"] for e in events]
+    assert names == ["approval.request", "approval.responded", "run.completed"]
+    assert events[-1]["output"] == "denied: touch denied.txt"
+    again = httpx.post(f"{url}/v1/runs/{denied}/approval", json={"choice": "once"}, headers=auth)
+    assert again.status_code == 409
+
+    # Approved ("approve" is Hermes's alias for once): the command runs.
+    allowed = start("ask touch allowed.txt")
+    run_events(endpoint, allowed, "approval.request")
+    httpx.post(f"{url}/v1/runs/{allowed}/approval", json={"choice": "approve"}, headers=auth)
+    assert run_events(endpoint, allowed, "run.completed")[-1]["output"] == "exit 0"
+    with endpoint.sup.client() as hs:
+        shown = [e.line for e in hs.run("webui:w1", "sh ls").events if hasattr(e, "line")]
+    assert "allowed.txt" in shown and "denied.txt" not in shown
+
+    # Stopped: the run ends cancelled, long before its sleep would.
+    slow = start("sleep 60")
+    stop = httpx.post(f"{url}/v1/runs/{slow}/stop", headers=auth)
+    assert stop.json() == {"run_id": slow, "status": "stopping"}
+    assert run_events(endpoint, slow, "run.cancelled")[-1]["event"] == "run.cancelled"
+    assert httpx.get(f"{url}/v1/runs/{slow}", headers=auth).json()["status"] == "cancelled"
+    # And a stop waiting on an approval denies it: nothing is run.
+    pending = start("ask touch never.txt")
+    run_events(endpoint, pending, "approval.request")
+    httpx.post(f"{url}/v1/runs/{pending}/stop", headers=auth)
+    assert run_events(endpoint, pending, "run.cancelled")[-1]["event"] == "run.cancelled"
