@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +38,8 @@ from hermes_sup.supervisor.config import (
     default_state_dir,
 )
 from hermes_sup.supervisor.configfile import OPTIONAL_FIELDS
+
+from .show import STATE_ORDER, duration, session_table, size, use_color
 
 EXIT_NOT_RUNNING = 3
 
@@ -477,46 +478,6 @@ def send(
                 click.echo("" if streamed else event.text)
 
 
-STATE_ORDER = ["busy", "starting", "idle", "stopping", "backoff", "failed", "exited"]
-STATE_COLORS = {
-    "busy": "yellow",
-    "idle": "green",
-    "starting": "cyan",
-    "stopping": "cyan",
-    "backoff": "magenta",
-    "failed": "red",
-    "exited": None,
-}
-
-
-def use_color(ctx: click.Context) -> bool:
-    """Colour only on a terminal, and never when NO_COLOR is set."""
-    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "K", "M", "G"):
-        if n < 1024 or unit == "G":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n}"
-
-
 def parse_duration(text: str) -> float:
     """'90', '90s', '10m', '2h', '1h30m', '1d' -> seconds."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -534,11 +495,6 @@ def parse_duration(text: str) -> float:
     if not text.strip():
         raise click.BadParameter("empty duration")
     return total
-
-
-def shorten(key: str, width: int) -> str:
-    """Fit a key in `width` columns, marking the cut visibly."""
-    return key if len(key) <= width else key[: width - 1] + "…"
 
 
 @cli.command(name="list")
@@ -575,36 +531,8 @@ def list_(ctx: click.Context, as_json: bool, prefix: str, state: str | None) -> 
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    rows.sort(key=lambda r: (STATE_ORDER.index(r["state"]), r["key"]))
-    color = use_color(ctx)
-    now = time.time()
-    header = (
-        f"{'SESSION':<24} {'STATE':<8} {'PID':>7} {'UPTIME':>7} {'IDLE':>6} "
-        f"{'TURNS':>5} {'RSS':>7} {'CPU%':>5}"
-    )
-    click.echo(click.style(header, bold=True) if color else header)
-    total_rss = 0
-    for r in rows:
-        up = now - r["started"] if r["pid"] and r["started"] else None
-        cpu = "-" if r.get("cpu_percent") is None else f"{r['cpu_percent']:.1f}"
-        total_rss += r.get("rss") or 0
-        state_cell = f"{r['state']:<8}"
-        if color and STATE_COLORS.get(r["state"]):
-            state_cell = click.style(state_cell, fg=STATE_COLORS[r["state"]])
-        click.echo(
-            f"{shorten(r['key'], 24):<24} {state_cell} {r['pid'] or '-':>7} {_duration(up):>7} "
-            f"{_duration(now - r['last_activity']):>6} {r['turns']:>5} "
-            f"{_size(r.get('rss')):>7} {cpu:>5}"
-        )
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
-    by_state = ", ".join(f"{counts[s]} {s}" for s in STATE_ORDER if s in counts)
-    runtime = rows[0]["runtime"] if rows else "-"
-    click.echo(
-        f"{len(rows)} session(s){': ' + by_state if by_state else ''}; "
-        f"RSS {_size(total_rss)}; runtime {runtime}"
-    )
+    for line in session_table(rows, use_color(ctx), time.time()):
+        click.echo(line)
 
 
 @cli.command()
@@ -625,7 +553,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(info["sessions"].items())) or "none"
     lines = [
         f"hermes-sup {info['version']} (protocol {info['protocol']}), pid {info['pid']}, "
-        f"up {_duration(info['uptime'])}",
+        f"up {duration(info['uptime'])}",
         f"runtime:   {info['runtime']}   zygote pid {info['zygote_pid']}",
         f"control:   {info['endpoints']['control']}",
         f"workers:   {info['endpoints']['workers']}",
@@ -633,7 +561,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         f"sessions:  {info['total_sessions']} ({counts}); at most {info['max_sessions']} live; "
         f"{info['queued']} turn(s) queued"
         + (f"; {info['spare_workers']} spare worker(s) ready" if info.get("spare_workers") else ""),
-        f"memory:    {_size(info['rss'])} RSS; {info['fds']} of {info['fd_limit']} fds",
+        f"memory:    {size(info['rss'])} RSS; {info['fds']} of {info['fd_limit']} fds",
     ]
     if info["endpoints"].get("tcp"):
         lines.insert(4, f"tcp:       {info['endpoints']['tcp']} (CURVE; hermes-sup keys list)")
