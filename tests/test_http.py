@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -415,3 +416,67 @@ def test_runs_with_approvals_and_stop(endpoint) -> None:
     run_events(endpoint, pending, "approval.request")
     httpx.post(f"{url}/v1/runs/{pending}/stop", headers=auth)
     assert run_events(endpoint, pending, "run.cancelled")[-1]["event"] == "run.cancelled"
+
+
+# ------------------------------------------------------------------ Hermes's gateway
+
+GATEWAY_SCRIPT = """
+import asyncio, json, sys
+from gateway.config import GatewayConfig, Platform
+from gateway.run import GatewayRunner
+from gateway.session import SessionSource
+
+async def main():
+    runner = GatewayRunner(GatewayConfig())
+
+    async def chat(chat_id, texts):
+        source = SessionSource(platform=Platform.TELEGRAM, chat_id=chat_id, user_id="u" + chat_id)
+        replies = []
+        for text in texts:
+            result = await runner._run_agent(
+                message=text, context_prompt="You are on Telegram.", history=[], source=source,
+                session_id="tg-" + chat_id, session_key="agent:main:telegram:dm:" + chat_id,
+            )
+            replies.append(result["final_response"])
+        return replies
+
+    chats = json.loads(sys.argv[1])
+    replies = await asyncio.gather(*(chat(c, texts) for c, texts in chats.items()))
+    print(json.dumps(dict(zip(chats, replies))))
+
+asyncio.run(main())
+"""
+
+
+def test_hermes_gateway_proxy_mode_runs_each_chat_in_its_own_worker(endpoint, workdir) -> None:
+    """Hermes's own gateway code (GATEWAY_PROXY_URL) pointed at the endpoint:
+    two chats at once, each reply to its own chat, each in its own worker."""
+    if not os.environ.get("HSUP_REQUIRE_ALL"):
+        pytest.importorskip("aiohttp", reason="Hermes's proxy mode needs aiohttp")
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    home = workdir / "gateway-home"
+    home.mkdir()
+    env = {
+        **os.environ,
+        "HERMES_HOME": str(home),
+        "GATEWAY_PROXY_URL": endpoint.url,
+        "GATEWAY_PROXY_KEY": endpoint.key,
+    }
+    chats = {
+        "1": ["setenv TOKEN one", "env TOKEN", "env HERMES_SESSION_KEY", "stream streamed to one"],
+        "2": ["env TOKEN", "env HERMES_SESSION_KEY", "stream streamed to two", "cwd"],
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", GATEWAY_SCRIPT, json.dumps(chats)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    replies = json.loads(done.stdout.strip().splitlines()[-1])
+    assert replies["1"] == ["TOKEN=one", "one", "tg-1", "streamed to one"]
+    # Chat 2 never sees chat 1's export (Hermes shows an empty reply so).
+    assert replies["2"][:3] == ["(No response from remote agent)", "tg-2", "streamed to two"]
+    with endpoint.sup.client() as hs:
+        assert hs.run("tg-1", "cwd").text != replies["2"][3]
