@@ -27,13 +27,9 @@ from hermes_sup.client import (
     session_options,
 )
 from hermes_sup.protocol import Kind
-from hermes_sup.supervisor.config import (
-    DATA_DIR_ENV,
-    STATE_DIR_ENV,
-    default_data_dir,
-    default_state_dir,
-)
+from hermes_sup.supervisor.config import STATE_DIR_ENV, default_state_dir
 
+from .keys import keys
 from .serve import config, parse_pairs, serve
 from .show import STATE_ORDER, duration, session_table, size, use_color
 
@@ -77,6 +73,7 @@ def cli(ctx: click.Context, state_dir: Path | None, timeout: float) -> None:
 
 cli.add_command(serve)
 cli.add_command(config)
+cli.add_command(keys)
 
 
 @contextmanager
@@ -448,103 +445,6 @@ def reload(ctx: click.Context) -> None:
     click.echo("reloaded; changed: " + (", ".join(body["changed"]) or "nothing"))
     if body["restart_needed"]:
         click.echo("needs a restart to change: " + ", ".join(body["restart_needed"]))
-
-
-DATA_DIR = click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar=DATA_DIR_ENV,
-    default=None,
-    help=f"The supervisor's data directory [env {DATA_DIR_ENV}; default as for serve].",
-)
-
-
-@cli.group()
-def keys() -> None:
-    """CURVE keys of remote front ends (serve --tcp).
-
-    The allowlist is read at every connection: changes need no restart.
-    """
-
-
-@keys.command(name="generate")
-@click.argument("name")
-@click.option(
-    "--endpoint",
-    required=True,
-    help="HOST:PORT the front end will connect to (the address of serve --tcp).",
-)
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Where to write the connection file [default: NAME.json here].",
-)
-@DATA_DIR
-def keys_generate(name: str, endpoint: str, output: Path | None, data_dir: Path | None) -> None:
-    """Make a key pair for the front end NAME, allow it, and write its
-    connection file (0600: it holds secrets; copy it to the front end's host).
-
-    \b
-    Example:
-      hermes-sup keys generate web-eu --endpoint hs.internal:7788
-      # on the front end: Client.from_connection_file("web-eu.json")
-    """
-    import zmq
-
-    from hermes_sup.client.connection import write_connection_file
-    from hermes_sup.supervisor import remote
-
-    data = data_dir or default_data_dir()
-    output = output or Path(f"{name}.json")
-    try:
-        host, port = remote.parse_tcp(endpoint)
-        server_public, _ = remote.server_keys(data)
-        public, secret = zmq.curve_keypair()
-        if output.exists():
-            raise remote.RemoteError(f"{output} exists; choose another --output")
-        remote.allow(data, name, public)
-        write_connection_file(
-            output,
-            remote.tcp_endpoint(host, port),
-            remote.remote_hmac_key(data),
-            server_public.decode(),
-            public.decode(),
-            secret.decode(),
-        )
-    except (remote.RemoteError, OSError) as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"allowed {name} ({public.decode()})\nwrote {output}")
-
-
-@keys.command(name="list")
-@DATA_DIR
-def keys_list(data_dir: Path | None) -> None:
-    """The allowed front ends and their public keys."""
-    from hermes_sup.supervisor import remote
-
-    clients = remote.allowed(data_dir or default_data_dir())
-    if not clients:
-        click.echo("no remote front ends are allowed")
-    for name, public in clients.items():
-        click.echo(f"{name}  {public.decode()}")
-
-
-@keys.command(name="revoke")
-@click.argument("name")
-@DATA_DIR
-def keys_revoke(name: str, data_dir: Path | None) -> None:
-    """Refuse the front end NAME from its next connection on."""
-    from hermes_sup.supervisor import remote
-
-    try:
-        found = remote.revoke(data_dir or default_data_dir(), name)
-    except remote.RemoteError as exc:
-        raise click.ClickException(str(exc)) from None
-    if not found:
-        raise click.ClickException(f"no front end named {name!r} is allowed")
-    click.echo(f"revoked {name}")
 
 
 @cli.command(name="install-service")
