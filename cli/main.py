@@ -1,4 +1,8 @@
-"""The `hermes-sup` command line: serve, and a thin client for everything else.
+"""The `hermes-sup` command group and its client commands: ping, send, list,
+status, kill, logs, attach and reload, each a thin client of the running
+supervisor. Other commands live beside this module and are added to the
+group here: serve and config (serve.py), keys (keys.py), install-service
+(service.py); show.py formats what the client commands print.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running.
 """
@@ -31,6 +35,7 @@ from hermes_sup.supervisor.config import STATE_DIR_ENV, default_state_dir
 
 from .keys import keys
 from .serve import config, parse_pairs, serve
+from .service import install_service
 from .show import STATE_ORDER, duration, session_table, size, use_color
 
 EXIT_NOT_RUNNING = 3
@@ -74,6 +79,7 @@ def cli(ctx: click.Context, state_dir: Path | None, timeout: float) -> None:
 cli.add_command(serve)
 cli.add_command(config)
 cli.add_command(keys)
+cli.add_command(install_service)
 
 
 @contextmanager
@@ -445,49 +451,6 @@ def reload(ctx: click.Context) -> None:
     click.echo("reloaded; changed: " + (", ".join(body["changed"]) or "nothing"))
     if body["restart_needed"]:
         click.echo("needs a restart to change: " + ", ".join(body["restart_needed"]))
-
-
-@cli.command(name="install-service")
-@click.option(
-    "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=Path("/etc/systemd/system/hermes-sup.service"),
-    show_default=True,
-    help="Where to write the unit file.",
-)
-@click.option(
-    "--user",
-    default="hermes-sup",
-    show_default=True,
-    help="The dedicated user the service runs as.",
-)
-def install_service(output: Path, user: str) -> None:
-    """Write a systemd unit (Type=notify, hardened) for this install.
-
-    It runs `hermes-sup serve` as a dedicated user, with sockets in
-    /run/hermes-sup and sessions in /var/lib/hermes-sup (both 0700), and
-    KillMode=control-group so no worker outlives the service.
-
-    \b
-    Example:
-      sudo hermes-sup install-service
-      sudo useradd --system --no-create-home hermes-sup
-      sudo systemctl daemon-reload && sudo systemctl enable --now hermes-sup
-    """
-    from .service import render
-
-    exe = Path(sys.argv[0]).resolve() if Path(sys.argv[0]).name == "hermes-sup" else None
-    exec_start = str(exe) if exe else f"{Path(sys.executable).resolve()} -m hermes_sup.cli"
-    try:
-        output.write_text(render(exec_start, user))
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {output}: {exc}") from None
-    click.echo(
-        f"wrote {output}\nnext:\n"
-        f"  useradd --system --no-create-home --shell /usr/sbin/nologin {user}\n"
-        "  systemctl daemon-reload\n  systemctl enable --now hermes-sup\n"
-        "  HERMES_SUP_STATE_DIR=/run/hermes-sup hermes-sup status"
-    )
 
 
 def main() -> None:
