@@ -17,6 +17,7 @@ import pytest
 
 from hermes_sup.client import Client, SupervisorError, Timeout
 from hermes_sup.protocol import Kind, Message, session_dir_name
+from hermes_sup.supervisor.turns import DEDUP_BYTES, KEEP_ANSWER_LIMIT
 from hermes_sup.supervisor.watchers import MAX_PER_CLIENT, MAX_WATCHERS
 
 pytestmark = pytest.mark.e2e
@@ -176,6 +177,25 @@ def test_large_replies_are_not_kept_for_resends(supervisor) -> None:
         assert not_kept.value.code == "too_large"
         assert "too large to keep" in not_kept.value.message
         assert "not run again" in not_kept.value.message
+
+
+def test_kept_answers_give_way_to_newer_ones_beyond_the_byte_budget(supervisor) -> None:
+    text = "y" * (KEEP_ANSWER_LIMIT - 1024)  # kept, and DEDUP_BYTES holds few of them
+    count = DEDUP_BYTES // len(text) + 4
+    with supervisor.client() as client:
+        ids = []
+        for _ in range(count):
+            turn = client.send("kept", text)
+            turn.collect()
+            ids.append(turn.id)
+        client.submit(Kind.SEND, {"text": text}, session="kept", msg_id=ids[-1])
+        assert client.answer(ids[-1]).body["text"] == text  # the newest is kept
+        client.submit(Kind.SEND, {"text": text}, session="kept", msg_id=ids[0])
+        with pytest.raises(SupervisorError) as gone:
+            client.answer(ids[0])
+        assert gone.value.code == "expired" and "no longer kept" in gone.value.message
+        assert client.run("kept", "sh echo ran").events  # still served
+        assert len(client.sessions()) == 1
 
 
 # ----------------------------------------------------- sessions on disk
