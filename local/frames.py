@@ -19,6 +19,8 @@ NOBLOCK = int(zmq.NOBLOCK)
 EVENTS = int(zmq.EVENTS)
 SNDMORE = int(zmq.SNDMORE)
 RCVMORE = int(zmq.RCVMORE)
+# zmq_msg_get's property: the descriptor of the connection a frame came in on.
+SRCFD = int(zmq.SRCFD)
 
 # The socket monitor events of a failed CURVE handshake: the supervisor logs
 # them, a client turns them into an error that says which side is wrong.
@@ -50,3 +52,18 @@ def recv_frames(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
         frames.append(frame.bytes)
         if not frame.more:
             return frames
+
+
+def recv_frames_from(sock: zmq.Socket[bytes], flags: int = 0) -> tuple[list[bytes], int]:
+    """recv_frames, and the descriptor of the connection the message came
+    in on (-1 if zmq does not say)."""
+    frames = []
+    while True:
+        frame = _recv(sock, flags, copy=False)
+        frames.append(frame.bytes)
+        if not frame.more:
+            try:
+                fd = int(frame.get(SRCFD))
+            except zmq.ZMQError:
+                fd = -1
+            return frames, fd

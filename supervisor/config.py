@@ -109,6 +109,10 @@ class Settings:
     # Live workers at most (None: derived from the open-file limit). When
     # full, the least recently used idle session is stopped to make room.
     max_sessions: int | None = None
+    # Client connections at once, local and TCP together (None: what the
+    # open-file limit leaves after sessions; with tcp, half each). One over
+    # it is refused with `overloaded` (see supervisor/gate.py).
+    max_clients: int | None = None
     # Workers forked ahead of need, connected and waiting: a new session
     # takes one instead of waiting for a fork (see supervisor/spare_workers.py).
     spare_workers: int = 0

@@ -9,7 +9,7 @@ one's meaning and default), plus two tables:
     [session_defaults]  options a new session gets when its front end passes
                         none (session_env, env, agent), as in an `open`
 
-For limits that can be off (max_sessions, idle_timeout, turn_timeout,
+For limits that can be off (max_sessions, max_clients, idle_timeout, turn_timeout,
 memory_limit_mb, max_procs, max_open_files, cpu_seconds), 0 means off.
 `pass_env` adds to the built-in allowlist. Every error names the file, the
 key and what is wrong.
@@ -43,6 +43,7 @@ AGENT_KEYS: dict[str, type] = {
 }
 OPTIONAL_FIELDS = {
     "max_sessions",
+    "max_clients",
     "idle_timeout",
     "turn_timeout",
     "memory_limit_mb",
@@ -60,6 +61,7 @@ RESTART_FIELDS = (
     "max_frame_size",
     "metrics",
     "tcp",
+    "max_clients",
 )
 # Bookkeeping, not settings: never reported as changed.
 META_FIELDS = ("config_file", "overrides")

@@ -10,6 +10,11 @@ A client id is the routing id behind one byte naming the socket it came in
 on (0: the local control socket, 1: TCP), and replies are signed with that
 socket's key. Sends never block: a client that is gone or too slow is
 dropped, never waited on (see channel.py for how the loop drives them).
+
+Client connections are counted and capped per socket by the gate
+(gate.py), so that no number of them runs the supervisor out of file
+descriptors; a request on a connection over the cap is answered
+`overloaded` here, and the connection shut.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 from collections.abc import Callable
 from functools import partial
 
@@ -32,6 +38,8 @@ from hermes_sup.protocol import (
     Limits,
     LocalProtocolError,
     Message,
+    RemoteProtocolError,
+    decode,
     encode,
     error_message,
     sign,
@@ -40,6 +48,7 @@ from hermes_sup.protocol import (
 from . import remote
 from .channel import Channel
 from .config import Settings
+from .gate import REFUSAL_LINGER, Gate, client_caps, shut
 from .logfmt import kv
 from .session import Session
 
@@ -48,6 +57,8 @@ log = logging.getLogger("hermes_sup.supervisor")
 # A turn carries a client's text of up to the frame limit, in an envelope of
 # its own: room for that envelope on the way to a worker.
 ENVELOPE_ROOM = 64 * 1024
+# How long a TCP peer may take to complete its CURVE handshake.
+TCP_HANDSHAKE_MS = 10_000
 
 
 def worker_limits(max_frame_size: int) -> Limits:
@@ -70,8 +81,8 @@ class Endpoints:
         self.worker = statedir.endpoint(settings.state_dir, statedir.WORKER_SOCKET)
         self.tcp: str | None = None
         self.fronts: list[tuple[Channel, bytes]] = []
-        self.tcp_monitor: Channel | None = None
         self.auth: ThreadAuthenticator | None = None
+        self.caps = (0, 0)  # client connections at most: local, TCP
 
     def open(
         self,
@@ -82,26 +93,73 @@ class Endpoints:
         """Make the zmq context and bind every socket; `on_client(index,
         frames)` and `on_worker(frames)` get what arrives."""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.fronts.append(
-            (Channel(self._bind(self.control), partial(on_client, 0), loop), self.key)
+        self.loop = loop
+        self.gate = Gate(self.ctx)
+        s = self.settings
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.caps = client_caps(
+            fd_limit, s.spare_workers, s.max_sessions, s.max_clients, bool(s.tcp)
         )
-        self.auth = self._start_tcp(loop, partial(on_client, 1))
-        self.back = Channel(
-            self._bind(self.worker, self.worker_limits.max_frame_size), on_worker, loop
-        )
+        path = self.control.removeprefix("ipc://")
+        control = self._router()
+        self.gate.watch(control, 0, "control", self.caps[0], lambda addr: addr == path)
+        self._bind(control, self.control)
+        self.fronts.append((self._front(control, 0, on_client, loop), self.key))
+        self.auth = self._start_tcp(loop, on_client)
+        self.gate.start()
+        log.info(kv("client_limit", local=self.caps[0], tcp=self.caps[1], fd_limit=fd_limit))
+        back = self._router(self.worker_limits.max_frame_size)
+        self.back = Channel(self._bind(back, self.worker), on_worker, loop)
+
+    def _front(
+        self,
+        sock: zmq.Socket[bytes],
+        index: int,
+        on_client: Callable[[int, list[bytes]], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> Channel:
+        """A client socket's channel: requests go to `on_client`, but one
+        from a connection the gate refused gets the refusal instead."""
+        channel = Channel(sock, partial(on_client, index), loop)
+        channel.screen(self.gate.refusing, partial(self._refuse, index))
+        return channel
 
     def close(self) -> None:
+        self.gate.stop()
         for channel, _ in self.fronts:
             channel.close()
         self.back.close()
-        if self.tcp_monitor is not None:
-            self.tcp_monitor.close()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
 
+    def _refuse(self, index: int, fd: int, frames: list[bytes]) -> bool:
+        """A request on descriptor `fd`, which the gate may have refused:
+        if so, answer `overloaded` (to the request, when it can be read),
+        and shut the connection once the answer is out. False: not refused,
+        serve it."""
+        refusal = self.gate.take_refusal(fd)
+        if refusal is None:
+            return False
+        if len(frames) >= 2:
+            try:
+                re: str | None = decode(frames[1:], self.client_key(index), self.limits).id
+            except RemoteProtocolError as exc:
+                re = exc.msg_id
+            self.error(
+                bytes([index]) + frames[0],
+                ErrorCode.OVERLOADED,
+                f"the supervisor already has {refusal.cap} client connections on its "
+                f"{refusal.name} socket, its limit: this connection is refused. Close idle "
+                "clients, or raise max_clients or the supervisor's open-file limit",
+                re,
+                None,
+            )
+        self.loop.call_later(REFUSAL_LINGER, shut, fd, refusal.inode)
+        return True
+
     def _start_tcp(
-        self, loop: asyncio.AbstractEventLoop, on_client: Callable[[list[bytes]], None]
+        self, loop: asyncio.AbstractEventLoop, on_client: Callable[[int, list[bytes]], None]
     ) -> ThreadAuthenticator | None:
         """The CURVE endpoint for remote front ends, if configured."""
         s = self.settings
@@ -119,6 +177,20 @@ class Endpoints:
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.zap_domain = remote.ZAP_DOMAIN.encode()
+        # A peer that connects and never completes its handshake holds a
+        # place among the TCP connections; not for long.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, TCP_HANDSHAKE_MS)
+        # Peers that fail the handshake (no CURVE, wrong server key) never
+        # reach ZAP; the socket's monitor is the only place they show.
+        self.gate.watch(
+            sock,
+            1,
+            "tcp",
+            self.caps[1],
+            lambda addr: isinstance(addr, tuple) and addr[1] == port,
+            HANDSHAKE_FAILURES,
+            remote.log_handshake_failure,
+        )
         self.tcp = remote.tcp_endpoint(host, port)
         try:
             sock.bind(self.tcp)
@@ -126,11 +198,9 @@ class Endpoints:
             sock.close(0)
             auth.stop()
             raise remote.RemoteError(f"cannot listen on {self.tcp}: {exc}") from None
-        self.fronts.append((Channel(sock, on_client, loop), remote.remote_hmac_key(s.data_dir)))
-        # Peers that fail the handshake (no CURVE, wrong server key) never
-        # reach ZAP; the socket's monitor is the only place they show.
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
-        self.tcp_monitor = Channel(monitor, remote.log_handshake_failure, loop)
+        self.fronts.append(
+            (self._front(sock, 1, on_client, loop), remote.remote_hmac_key(s.data_dir))
+        )
         log.info(
             kv(
                 "tcp_ready",
@@ -155,8 +225,7 @@ class Endpoints:
         sock.setsockopt(zmq.RCVHWM, 100_000)
         return sock
 
-    def _bind(self, endpoint: str, limit: int | None = None) -> zmq.Socket[bytes]:
-        sock = self._router(limit)
+    def _bind(self, sock: zmq.Socket[bytes], endpoint: str) -> zmq.Socket[bytes]:
         path = endpoint.removeprefix("ipc://")
         if os.path.exists(path):
             os.unlink(path)  # stale socket of a dead supervisor: we hold the lock

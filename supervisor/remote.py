@@ -12,6 +12,9 @@ reboots (the state directory may not):
 
 The allowlist is read at every handshake: `hermes-sup keys allow/revoke`
 take effect for the next connection, without a restart.
+
+Refusals and failed handshakes are logged through throttles (throttle.py):
+any peer on the network can cause them, as fast as it likes.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ import zmq.auth
 from hermes_sup.local.frames import HANDSHAKE_FAILURES as HANDSHAKE_FAILURES
 
 from . import statedir
+from .throttle import Throttle
 
 log = logging.getLogger("hermes_sup.supervisor")
+REFUSED = Throttle(log, "remote_client_refused")
+HANDSHAKE_FAILED = Throttle(log, "remote_handshake_failed")
 
 CURVE_DIR = "curve"
 CLIENTS_DIR = "clients"
@@ -147,10 +153,9 @@ class Allowlist:
         if names:
             log.info("remote_client_allowed name=%s", names[0])
             return True
-        log.warning(
-            "remote_client_refused key=%s reason=not in the allowlist (%s)",
-            key.decode(),
-            self.data_dir / CURVE_DIR / CLIENTS_DIR,
+        REFUSED.warning(
+            f"remote_client_refused key={key.decode()} reason=not in the allowlist "
+            f"({self.data_dir / CURVE_DIR / CLIENTS_DIR})"
         )
         return False
 
@@ -162,9 +167,8 @@ def log_handshake_failure(frames: list[bytes]) -> None:
     event = parse_monitor_message(frames)
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return  # the allowlist already said why
-    log.warning(
-        "remote_handshake_failed peer=%s reason=%s",
-        event["endpoint"].decode(errors="replace"),
-        "not CURVE, or the wrong server key (a client needs a connection file "
-        "from `hermes-sup keys generate`)",
+    HANDSHAKE_FAILED.warning(
+        f"remote_handshake_failed peer={event['endpoint'].decode(errors='replace')} "
+        "reason=not CURVE, or the wrong server key (a client needs a connection file "
+        "from `hermes-sup keys generate`)"
     )

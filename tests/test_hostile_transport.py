@@ -6,7 +6,12 @@ real processes, real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +19,7 @@ import psutil
 import pytest
 import zmq
 
-from hermes_sup.client import SupervisorError
+from hermes_sup.client import Overloaded, SupervisorError, Timeout
 from hermes_sup.protocol import Kind, Message
 
 
@@ -188,3 +193,192 @@ def test_a_worker_told_the_limit_sends_a_notice_instead(workdir, zmq_context) ->
     finally:
         link.sock.close(0)
         link.ctx.term()
+
+
+# ------------------------------------------------------- connection floods
+
+LOW_FDS = 512
+
+FLOOD = r"""
+import resource, socket, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+kind, target, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held = []
+for _ in range(count):
+    if kind == "ipc":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(target)
+    else:
+        s = socket.create_connection(("127.0.0.1", int(target)))
+    held.append(s)
+print(len(held), flush=True)
+sys.stdin.read()  # hold them all until told
+"""
+
+
+def low_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_FDS, LOW_FDS))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def flood(kind: str, target: str, count: int):  # noqa: ANN201
+    """Another process holding `count` connections to the supervisor."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FLOOD, kind, target, str(count)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == str(count), "the flood could not connect"
+        yield proc
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(20)
+
+
+def refused_and_told(sup) -> str:  # noqa: ANN001
+    """A new local client's request is answered `overloaded`; its message.
+    (A client that connects while earlier refusals still wait to be told
+    is shut at once and times out: try again.)"""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with sup.client(timeout=3) as late:
+            try:
+                late.ping()
+            except Overloaded as exc:
+                return exc.message
+            except Timeout:
+                continue
+        raise AssertionError("a client over the cap was served")
+    raise AssertionError("no client over the cap was told why")
+
+
+def test_a_connection_flood_at_a_low_fd_limit_is_refused_not_fatal(supervisor_factory) -> None:
+    sup = supervisor_factory(start=False)
+    sup.start(preexec_fn=low_fd_limit)
+    control = str(sup.state_dir / "control.sock")
+    with sup.client() as early:
+        before = early.run("before", "pid").text
+        with flood("ipc", control, LOW_FDS + 200):
+            # Alive, and serving: the client that was connected before, its
+            # session's worker, and a new session (whose worker's connection
+            # needs a descriptor too).
+            assert early.run("before", "pid").text == before
+            assert early.run("during", "env HERMES_SESSION_KEY").text == "during"
+            # A new client over the cap is refused, and told why.
+            message = refused_and_told(sup)
+            assert "client connections" in message and "max_clients" in message
+        # Once the flood is gone, new clients are served again.
+        with sup.client() as after:
+            assert wait_for(lambda: _pings(after))
+            assert after.run("before", "pid").text == before
+    assert sup.proc.poll() is None
+    log = sup.log()
+    assert "Too many open files" not in log
+    assert "client_refused socket=control" in log
+    assert sum("client_refused" in line for line in log.splitlines()) <= 4  # throttled
+
+
+def _pings(client) -> bool:  # noqa: ANN001
+    try:
+        client.ping(timeout=2)
+        return True
+    except (Overloaded, Timeout):
+        return False
+
+
+def test_a_tcp_connection_flood_never_locks_local_clients_out(supervisor_factory) -> None:
+    port = free_port()
+    sup = supervisor_factory("--tcp", str(port), start=False)
+    sup.start(preexec_fn=low_fd_limit)
+    with flood("tcp", str(port), LOW_FDS + 200):
+        with sup.client() as local:
+            assert local.run("local", "env HERMES_SESSION_KEY").text == "local"
+    assert sup.proc.poll() is None
+    log = sup.log()
+    assert "Too many open files" not in log
+    assert "client_refused socket=tcp" in log
+
+
+# --------------------------------------------------- failed handshake floods
+
+# A ZMTP 3.0 greeting offering the NULL mechanism: a CURVE server refuses it.
+NULL_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+
+HANDSHAKE_FLOOD = r"""
+import socket, sys, time, zmq
+port, seconds, greeting = int(sys.argv[1]), float(sys.argv[2]), bytes.fromhex(sys.argv[3])
+ctx = zmq.Context()
+strangers = []
+deadline = time.monotonic() + seconds
+sent = 0
+while time.monotonic() < deadline:
+    # Not CURVE at all: the handshake fails.
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(5)
+    s.sendall(greeting)
+    while s.recv(1024):  # until the supervisor hangs up on it
+        pass
+    s.close()
+    # CURVE, with a key nobody allowed: ZAP refuses it.
+    public, secret = zmq.curve_keypair()
+    d = ctx.socket(zmq.DEALER)
+    d.linger = 0
+    d.curve_serverkey, d.curve_publickey, d.curve_secretkey = sys.argv[4].encode(), public, secret
+    d.connect(f"tcp://127.0.0.1:{port}")
+    strangers.append(d)
+    if len(strangers) > 20:
+        strangers.pop(0).close()
+    sent += 1
+for d in strangers:
+    d.close()
+ctx.term()
+print(sent, flush=True)
+"""
+
+
+def test_a_flood_of_failed_handshakes_writes_a_bounded_log(supervisor_factory) -> None:
+    port = free_port()
+    sup = supervisor_factory("--tcp", str(port))
+    server_public = next(
+        line.split("server_public=")[1].split()[0]
+        for line in sup.log().splitlines()
+        if "tcp_ready" in line
+    )
+    lines_before = len(sup.log().splitlines())
+    done = subprocess.run(
+        [sys.executable, "-c", HANDSHAKE_FLOOD, str(port), "3", NULL_GREETING.hex(), server_public],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    attempts = int(done.stdout)
+    assert attempts > 50
+    with sup.client() as client:  # still serving
+        assert client.ping()
+    sup.stop()  # writes what the throttles still hold
+    lines = sup.log().splitlines()[lines_before:]
+    failed = [line for line in lines if "remote_handshake_failed" in line]
+    refused = [line for line in lines if "remote_client_refused" in line]
+    # The first of each kind verbatim, then counts: not one line per attempt.
+    assert any("remote_handshake_failed peer=" in line for line in failed)
+    assert any("remote_client_refused key=" in line for line in refused)
+    assert len(failed) <= 4 and len(refused) <= 4
+    assert len(lines) < 40
+    summed = sum(
+        int(line.split("suppressed=")[1].split()[0])
+        for line in lines
+        if "log_throttled kind=remote_handshake_failed" in line
+    )
+    assert summed >= attempts // 2
