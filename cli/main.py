@@ -2,7 +2,8 @@
 status, kill, logs, attach and reload, each a thin client of the running
 supervisor. Other commands live beside this module and are added to the
 group here: serve and config (serve.py), keys (keys.py), install-service
-(service.py); show.py formats what the client commands print.
+(service.py), http and keys http (http.py); show.py formats what the client
+commands print.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running.
 """
@@ -33,6 +34,7 @@ from hermes_sup.client import (
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.config import STATE_DIR_ENV, default_state_dir
 
+from .http import http, http_keys
 from .keys import keys
 from .serve import config, parse_pairs, serve
 from .service import install_service
@@ -80,6 +82,8 @@ cli.add_command(serve)
 cli.add_command(config)
 cli.add_command(keys)
 cli.add_command(install_service)
+cli.add_command(http)
+keys.add_command(http_keys)
 
 
 @contextmanager

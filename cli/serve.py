@@ -148,6 +148,14 @@ def tunables(func: Any) -> Any:
     "0.0.0.0:PORT listens on every interface. Clients need `hermes-sup keys generate`.",
 )
 @click.option(
+    "--http",
+    "http_listen",
+    default=None,
+    metavar="[HOST:]PORT",
+    help="Also serve Hermes's HTTP API (chat completions, runs) on 127.0.0.1:PORT or HOST:PORT, "
+    "in a process of its own; needs `hermes-sup keys http generate` and the http extra.",
+)
+@click.option(
     "--workspace-root",
     "workspace_roots",
     multiple=True,
@@ -203,6 +211,7 @@ def serve(
     metrics: str | None,
     config: Path | None,
     tcp: str | None,
+    http_listen: str | None,
     workspace_roots: tuple[str, ...],
     runtimes: tuple[str, ...],
     preload: tuple[str, ...],
@@ -297,6 +306,10 @@ def serve(
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    if http_listen:
+        from .http import start_http_beside
+
+        start_http_beside(settings, http_listen)  # forks: before anything else starts
     try:
         code = Supervisor(settings).run()
     except (StateDirError, RemoteError) as exc:

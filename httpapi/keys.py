@@ -54,6 +54,7 @@ class KeyStore:
     def generate(self, name: str) -> str:
         """Allow a new front end `name`; returns its key (stored only hashed)."""
         path = self._path(name)
+        self.dir.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the data dir
         _private_dir(self.dir.parent)
         _private_dir(self.dir)
         key = KEY_PREFIX + secrets.token_urlsafe(32)

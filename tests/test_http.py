@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,11 +19,14 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from hermes_sup.client import AsyncClient, Reply
 from hermes_sup.httpapi.keys import KeyStore
 from hermes_sup.httpapi.turns import Pump, QueueSink, open_turn
+from tests.conftest import wait_gone
+from tests.test_clients import free_port
 
 READY = re.compile(r"http_ready url=(\S+)")
 
@@ -57,45 +61,29 @@ def wait_ready(log_path: Path, proc: subprocess.Popen[bytes] | None, timeout: fl
         time.sleep(0.05)
 
 
-def start_endpoint(sup, workdir: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
-    log_path = workdir / "http.log"
-    log = open(log_path, "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hermes_sup.httpapi",
-            "--state-dir",
-            str(sup.state_dir),
-            "--data-dir",
-            str(sup.data_dir),
-            "--listen",
-            "127.0.0.1:0",
-            *args,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+def hs(*args: object, data_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HERMES_SUP_DATA_DIR": str(data_dir)} if data_dir else None
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
-    log.close()
-    return proc, log_path
 
 
 @pytest.fixture
-def endpoint_factory(supervisor_factory, workdir):
-    """make(*serve_args): a supervisor (probe runtime) and the endpoint in front of it."""
-    procs: list[subprocess.Popen[bytes]] = []
+def endpoint_factory(supervisor_factory):
+    """make(*serve_args): a supervisor (probe runtime) serving the endpoint
+    too (`serve --http`), with one key."""
 
     def make(*serve_args: str) -> Endpoint:
-        sup = supervisor_factory(*serve_args)
+        sup = supervisor_factory(*serve_args, "--http", "127.0.0.1:0", start=False)
         key = KeyStore(sup.data_dir).generate("test")
-        proc, log_path = start_endpoint(sup, workdir)
-        procs.append(proc)
-        return Endpoint(wait_ready(log_path, proc), key, sup, proc, log_path)
+        sup.start()
+        return Endpoint(wait_ready(sup.log_path, None), key, sup, None, sup.log_path)
 
-    yield make
-    for proc in procs:
-        proc.terminate()
-        proc.wait(10)
+    return make
 
 
 @pytest.fixture
@@ -240,8 +228,14 @@ def test_errors_are_openai_shaped_with_the_right_status(endpoint) -> None:
             + f"Authorization: Bearer {endpoint.key}\r\n".encode()
             + b"Content-Type: application/json\r\nContent-Length: 20000000\r\n\r\n"
         )
-        head = raw.recv(65536).decode()
-    assert head.startswith("HTTP/1.1 413") and "body_too_large" in head
+        raw.settimeout(10)
+        answer = b""
+        while b"}}" not in answer:  # the head and the JSON body may come apart
+            piece = raw.recv(65536)
+            if not piece:
+                break
+            answer += piece
+    assert answer.startswith(b"HTTP/1.1 413") and b"body_too_large" in answer
 
     def big() -> object:
         for _ in range(10):
@@ -480,3 +474,68 @@ def test_hermes_gateway_proxy_mode_runs_each_chat_in_its_own_worker(endpoint, wo
     assert replies["2"][:3] == ["(No response from remote agent)", "tg-2", "streamed to two"]
     with endpoint.sup.client() as hs:
         assert hs.run("tg-1", "cwd").text != replies["2"][3]
+
+
+# ------------------------------------------------------------------ running it
+
+
+def test_serve_http_needs_a_key_and_ends_with_its_supervisor(supervisor_factory, workdir) -> None:
+    sup = supervisor_factory("--http", "127.0.0.1:0", start=False)
+    serve = ["--state-dir", sup.state_dir, "serve", "--data-dir", sup.data_dir]
+    refused = hs(*serve, "--http", "127.0.0.1:0")
+    assert refused.returncode == 1 and "keys http generate" in refused.stderr  # no key, no service
+    star = hs(*serve, "--http", "*:8642")
+    assert star.returncode == 2 and "0.0.0.0" in star.stderr
+    made = hs("keys", "http", "generate", "ops", data_dir=sup.data_dir)
+    assert made.returncode == 0 and made.stdout.startswith("hsk-")
+    key = made.stdout.strip()
+    assert hs("keys", "http", "list", data_dir=sup.data_dir).stdout.split() == ["ops"]
+    sup.start()
+    url = wait_ready(sup.log_path, None)
+    pid = int(re.search(r"http_ready .* pid=(\d+)", sup.log()).group(1))
+    assert psutil.Process(pid).ppid() != sup.pid  # not the supervisor's child: never culled
+    chat = url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {key}"}
+    turn = {"messages": [{"role": "user", "content": "pid"}]}
+    assert httpx.post(chat, json=turn, headers=auth).status_code == 200
+    with sup.client() as client:
+        client.kill(httpx.post(chat, json=turn, headers=auth).headers["X-Hermes-Session-Id"])
+    # A worker's exit makes the supervisor cull children it does not know: not this one.
+    assert httpx.post(chat, json=turn, headers=auth).status_code == 200
+    # Revoked: refused at the next request, no restart.
+    assert hs("keys", "http", "revoke", "ops", data_dir=sup.data_dir).returncode == 0
+    assert httpx.post(chat, json=turn, headers=auth).status_code == 401
+    os.kill(sup.pid, signal.SIGKILL)
+    sup.proc.wait()
+    assert wait_gone(str(workdir), timeout=10.0) == []  # the endpoint went with it
+
+
+def test_the_endpoint_on_its_own_against_a_remote_supervisor(supervisor_factory, workdir) -> None:
+    port = free_port()
+    sup = supervisor_factory("--tcp", str(port))
+    conn = workdir / "front.json"
+    made = hs("keys", "generate", "front", "--endpoint", f"127.0.0.1:{port}", "-o", conn,
+              data_dir=sup.data_dir)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    front = workdir / "front"  # the front end's host keeps its own HTTP keys
+    key = KeyStore(front).generate("web")
+    log_path = workdir / "front.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hermes_sup.cli", "http", "--connection", str(conn),
+             "--listen", "127.0.0.1:0", "--data-dir", str(front)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        url = wait_ready(log_path, proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "env HERMES_SESSION_KEY"}],
+            extra_headers={"X-Hermes-Session-Id": "far"},
+        )
+        assert reply.choices[0].message.content == "far"
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+    finally:
+        proc.terminate()
+        assert proc.wait(15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled

@@ -1,0 +1,209 @@
+"""`hermes-sup http` (the HTTP endpoint as a process of its own), `hermes-sup
+keys http` (its bearer keys), and what `serve --http` calls to start the
+endpoint beside the supervisor. The endpoint itself is hermes_sup.httpapi;
+serve.py in that package says how each way of running it works."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hermes_sup.supervisor.config import DATA_DIR_ENV, default_data_dir
+
+DATA_DIR = click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar=DATA_DIR_ENV,
+    default=None,
+    help=f"Where the keys are (<data-dir>/http/keys) [env {DATA_DIR_ENV}; default as for serve].",
+)
+
+
+def _need_http_extra() -> None:
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(
+            f"the HTTP endpoint needs {' and '.join(missing)}: pip install 'hermes-sup[http]'"
+        )
+
+
+def start_http_beside(settings: Any, listen: str) -> None:
+    """`serve --http`: start the endpoint for the supervisor this process is
+    about to become (before it starts: this forks)."""
+    _need_http_extra()
+    from hermes_sup.httpapi.serve import HttpSetupError, parse_listen, start_beside_supervisor
+
+    try:
+        parse_listen(listen)
+    except HttpSetupError as exc:
+        raise click.BadParameter(str(exc), param_hint="--http") from None
+    try:
+        start_beside_supervisor(settings.state_dir, settings.data_dir, listen, settings.log_level)
+    except HttpSetupError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.option(
+    "--connection",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="A remote supervisor's connection file (`hermes-sup keys generate`); "
+    "without it, the local supervisor of --state-dir.",
+)
+@click.option(
+    "--listen",
+    default="8642",
+    show_default=True,
+    metavar="[HOST:]PORT",
+    help="Where to serve: PORT on 127.0.0.1, or HOST:PORT (0.0.0.0:PORT for every interface).",
+)
+@DATA_DIR
+@click.option(
+    "--model",
+    default="hermes-agent",
+    show_default=True,
+    help="The model id clients see in /v1/models and answers.",
+)
+@click.option(
+    "--max-body",
+    type=click.IntRange(1024),
+    default=10_000_000,
+    show_default=True,
+    help="Largest request body in bytes (413 above).",
+)
+@click.option(
+    "--stall-timeout",
+    type=click.FloatRange(0.1),
+    default=30.0,
+    show_default=True,
+    help="Seconds a stream may go unread before its turn is cancelled.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+@click.pass_context
+def http(
+    ctx: click.Context,
+    connection: Path | None,
+    listen: str,
+    data_dir: Path | None,
+    model: str,
+    max_body: int,
+    stall_timeout: float,
+    log_level: str,
+) -> None:
+    """Serve Hermes's HTTP API (chat completions, runs) in front of a
+    supervisor, each conversation in its own session. Runs until SIGTERM or
+    Ctrl-C; answers 503 while the supervisor is unreachable.
+
+    Needs a key from `hermes-sup keys http generate NAME` (the endpoint never
+    serves without one). `serve --http PORT` runs the same endpoint beside a
+    local supervisor instead.
+
+    \b
+    Examples:
+      hermes-sup http --listen 8642
+      hermes-sup http --connection web-eu.json --listen 0.0.0.0:8642 --data-dir /etc/hs-http
+    """
+    _need_http_extra()
+    argv = ["--data-dir", str(data_dir or default_data_dir()), "--listen", listen]
+    if connection is not None:
+        argv += ["--connection", str(connection)]
+    else:
+        argv += ["--state-dir", str(ctx.obj["state_dir"])]
+    argv += ["--model", model, "--max-body", str(max_body), "--stall-timeout", str(stall_timeout)]
+    from hermes_sup.httpapi.serve import HttpSetupError, parse_listen, require_keys
+    from hermes_sup.httpapi.serve import main as serve_main
+
+    try:  # the same checks the endpoint makes, as this command's usage errors
+        parse_listen(listen)
+        require_keys(data_dir or default_data_dir())
+    except HttpSetupError as exc:
+        raise click.ClickException(str(exc)) from None
+    serve_main([*argv, "--log-level", log_level])
+
+
+# ---------------------------------------------------------------- keys
+
+
+@click.group(name="http")
+def http_keys() -> None:
+    """Bearer keys of the HTTP endpoint (serve --http, hermes-sup http).
+
+    Only a hash of each key is stored; keys are read at every request, so
+    changes need no restart.
+    """
+
+
+@http_keys.command(name="generate")
+@click.argument("name")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the key to this file (0600) instead of printing it.",
+)
+@DATA_DIR
+def http_keys_generate(name: str, output: Path | None, data_dir: Path | None) -> None:
+    """Make a key for the front end NAME and allow it. The key is shown
+    once: give it to the front end as its API key (hermes-webui:
+    HERMES_WEBUI_GATEWAY_API_KEY; the Hermes gateway: GATEWAY_PROXY_KEY;
+    OpenAI clients: api_key).
+
+    \b
+    Example:
+      hermes-sup keys http generate webui
+    """
+    from hermes_sup.httpapi.keys import KeyFileError, KeyStore
+
+    if output is not None and output.exists():
+        raise click.ClickException(f"{output} exists; choose another --output")
+    try:
+        key = KeyStore(data_dir or default_data_dir()).generate(name)
+    except (KeyFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if output is None:
+        click.echo(key)
+        return
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    click.echo(f"allowed {name}\nwrote its key to {output}")
+
+
+@http_keys.command(name="list")
+@DATA_DIR
+def http_keys_list(data_dir: Path | None) -> None:
+    """The names of the allowed front ends."""
+    from hermes_sup.httpapi.keys import KeyStore
+
+    names = KeyStore(data_dir or default_data_dir()).names()
+    if not names:
+        click.echo("no HTTP keys: the endpoint will not serve")
+    for name in names:
+        click.echo(name)
+
+
+@http_keys.command(name="revoke")
+@click.argument("name")
+@DATA_DIR
+def http_keys_revoke(name: str, data_dir: Path | None) -> None:
+    """Refuse NAME's key from the next request on."""
+    from hermes_sup.httpapi.keys import KeyFileError, KeyStore
+
+    try:
+        found = KeyStore(data_dir or default_data_dir()).revoke(name)
+    except KeyFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not found:
+        raise click.ClickException(f"no HTTP key named {name!r}")
+    click.echo(f"revoked {name}")
