@@ -61,11 +61,13 @@ def keys_generate(name: str, endpoint: str, output: Path | None, data_dir: Path 
     data = data_dir or default_data_dir()
     output = output or Path(f"{name}.json")
     try:
+        # Everything that can be refused is, before any directory is made.
         host, port = remote.parse_tcp(endpoint)
-        server_public, _ = remote.server_keys(data)
-        public, secret = zmq.curve_keypair()
+        remote.check_name(name)
         if output.exists():
             raise remote.RemoteError(f"{output} exists; choose another --output")
+        server_public, _ = remote.server_keys(data)
+        public, secret = zmq.curve_keypair()
         remote.allow(data, name, public)
         write_connection_file(
             output,

@@ -109,7 +109,8 @@ def check_name(name: str) -> str:
 
 def allow(data_dir: Path, name: str, public: bytes) -> Path:
     """Add a client's public key to the allowlist under `name`."""
-    path = curve_dir(data_dir) / CLIENTS_DIR / f"{check_name(name)}.key"
+    check_name(name)  # before anything is made
+    path = curve_dir(data_dir) / CLIENTS_DIR / f"{name}.key"
     if path.exists():
         raise RemoteError(f"a client named {name!r} is already allowed; revoke it first")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -122,8 +123,9 @@ def allow(data_dir: Path, name: str, public: bytes) -> Path:
 
 def revoke(data_dir: Path, name: str) -> bool:
     """Remove a client from the allowlist; False if it was not there."""
+    check_name(name)  # before anything is made
     try:
-        (curve_dir(data_dir) / CLIENTS_DIR / f"{check_name(name)}.key").unlink()
+        (curve_dir(data_dir) / CLIENTS_DIR / f"{name}.key").unlink()
         return True
     except FileNotFoundError:
         return False

@@ -126,10 +126,13 @@ class Supervisor:
     def run(self) -> int:
         """Start, serve until SIGTERM/SIGINT, shut down. Returns an exit status."""
         s = self.settings
-        statedir.ensure_private_dir(s.state_dir)
-        statedir.ensure_private_dir(s.data_dir)
+        # What can be refused is refused before any directory is made.
+        for name in (statedir.CONTROL_SOCKET, statedir.WORKER_SOCKET):
+            statedir.endpoint(s.state_dir, name)  # a socket path too long for AF_UNIX
         if s.tcp:
             remote.parse_tcp(s.tcp)  # a bad address fails now, before anything starts
+        statedir.ensure_private_dir(s.state_dir)
+        statedir.ensure_private_dir(s.data_dir)
         self._lock.acquire()
         pool: WorkerPool | None = None
         try:

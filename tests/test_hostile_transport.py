@@ -382,3 +382,52 @@ def test_a_flood_of_failed_handshakes_writes_a_bounded_log(supervisor_factory) -
         if "log_throttled kind=remote_handshake_failed" in line
     )
     assert summed >= attempts // 2
+
+
+# ------------------------------------------------ refusals that leave no trace
+
+
+def hs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_serve_refuses_a_socket_path_too_long_before_making_any_directory(workdir) -> None:
+    state = workdir / ("s" * 60) / ("t" * 60)
+    data = workdir / "data"
+    done = hs("--state-dir", str(state), "serve", "--data-dir", str(data))
+    assert done.returncode != 0
+    assert "over the 107-byte limit of unix sockets" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not state.exists() and not state.parent.exists() and not data.exists()
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", ""])
+def test_keys_generate_refuses_a_bad_name_before_making_any_directory(workdir, name) -> None:
+    data = workdir / "data"
+    out = workdir / "out" / "conn.json"
+    done = hs(
+        "keys", "generate", name, "--endpoint", "127.0.0.1:7788",
+        "--data-dir", str(data), "-o", str(out),
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "client name" in done.stderr and "Traceback" not in done.stderr
+    assert not data.exists() and not out.parent.exists()
+    assert not (workdir / "x").exists() and not (workdir / "x.key").exists()
+
+
+def test_keys_generate_refuses_an_existing_output_before_making_any_directory(workdir) -> None:
+    data = workdir / "data"
+    out = workdir / "conn.json"
+    out.write_text("{}")
+    done = hs(
+        "keys", "generate", "web", "--endpoint", "127.0.0.1:7788",
+        "--data-dir", str(data), "-o", str(out),
+    )  # fmt: skip
+    assert done.returncode != 0 and "exists" in done.stderr
+    assert not data.exists() and out.read_text() == "{}"
