@@ -1,0 +1,101 @@
+"""The HTTP endpoint in front of the real Hermes agent (against the fake
+model server): the bleed Hermes's own API server shows between sessions
+does not happen here, and tool activity streams as Hermes sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import pytest
+
+from hermes_sup.httpapi.keys import KeyStore
+
+from .fake_model import FakeModel
+from .test_http import wait_ready
+
+pytest.importorskip("run_agent", reason="hermes-agent is not installed")
+
+
+@pytest.fixture
+def hermes_http(supervisor_factory, workdir):
+    model = FakeModel()
+    config = workdir / "agent.toml"
+    config.write_text(
+        f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
+        f'toolsets = ["terminal"]\napi_key_env = "FAKE_MODEL_KEY"\n'
+    )
+    home = workdir / "user-home"
+    home.mkdir()
+    env = dict(os.environ, FAKE_MODEL_KEY="sk-fake-secret", HOME=str(home))
+    sup = supervisor_factory(
+        "--agent", "hermes", "--agent-config", str(config), "--http", "127.0.0.1:0",
+        env=env, start=False,
+    )  # fmt: skip
+    key = KeyStore(sup.data_dir).generate("test")
+    sup.start()
+    try:
+        yield wait_ready(sup.log_path, None), key
+    finally:
+        model.close()
+
+
+async def chat(url: str, key: str, session: str, text: str) -> tuple[str, list[dict], list[str]]:
+    """One streamed turn, as the Hermes gateway sends it: the reply's text,
+    the tool progress events, and every SSE line."""
+    headers = {"Authorization": f"Bearer {key}", "X-Hermes-Session-Id": session}
+    body = {
+        "model": "hermes-agent",
+        "stream": True,
+        "messages": [{"role": "system", "content": "ctx"}, {"role": "user", "content": text}],
+    }
+    lines, progress, content = [], [], []
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=headers
+        ) as response:
+            assert response.status_code == 200, await response.aread()
+            event = None
+            async for line in response.aiter_lines():
+                lines.append(line)
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and line != "data: [DONE]":
+                    data = json.loads(line[6:])
+                    if event == "hermes.tool.progress":
+                        progress.append(data)
+                    elif data["choices"]:
+                        content.append(data["choices"][0]["delta"].get("content") or "")
+                    event = None
+    assert [line for line in lines if line][-1] == "data: [DONE]"
+    return "".join(content), progress, lines
+
+
+def test_sessions_behind_the_endpoint_never_bleed(hermes_http) -> None:
+    url, key = hermes_http
+
+    async def main() -> tuple:
+        a_set = await chat(url, key, "tg-a", "run: export LEAK=from-a; echo exported")
+        a_again, b_seen = await asyncio.gather(
+            chat(url, key, "tg-a", "run: echo again=$LEAK key=$HERMES_SESSION_KEY"),
+            chat(url, key, "tg-b", "run: echo leak=$LEAK key=$HERMES_SESSION_KEY"),
+        )
+        return a_set, a_again, b_seen
+
+    a_set, a_again, b_seen = asyncio.run(main())
+    # The tool call streamed as Hermes's API server streams it.
+    running, completed = a_set[1]
+    assert running["tool"] == "terminal" and running["status"] == "running"
+    assert running["toolCallId"] and running["emoji"] and "echo exported" in running["label"]
+    assert completed == {
+        "tool": "terminal",
+        "toolCallId": running["toolCallId"],
+        "status": "completed",
+    }
+    assert "exported" in a_set[0]
+    # Session A's shell keeps its export; session B's never sees it, nor A's key.
+    assert "again=from-a" in a_again[0] and "key=tg-a" in a_again[0]
+    assert "leak= key=tg-b" in b_seen[0]
+    assert "from-a" not in b_seen[0] and "tg-a" not in b_seen[0]
