@@ -226,9 +226,16 @@ class AsyncClient:
         """Send a turn and wait for it: its `Reply`, with `.events` streamed."""
         return await (await self.send(session, text, **kw)).collect()
 
-    async def approve(self, session: str, choice: str, timeout: float | None = None) -> str:
-        """Answer the session's pending approval: once, session, always, deny."""
-        return await self._call(core.approve(session, choice), timeout)
+    async def approve(
+        self,
+        session: str,
+        choice: str,
+        timeout: float | None = None,
+        approval: str | None = None,
+    ) -> str:
+        """Answer the session's waiting approval: once, session, always, deny.
+        With `approval` (an ApprovalRequest's id), only if that one waits."""
+        return await self._call(core.approve(session, choice, approval), timeout)
 
     async def cancel(
         self, session: str, turn: str | None = None, timeout: float | None = None

@@ -326,9 +326,16 @@ class Client:
         """Send a turn and wait for it: its `Reply`, with `.events` streamed."""
         return self.send(session, text, **kw).collect()
 
-    def approve(self, session: str, choice: str, timeout: float | None = None) -> str:
-        """Answer the session's pending approval: once, session, always, deny."""
-        return self._call(core.approve(session, choice), timeout)
+    def approve(
+        self,
+        session: str,
+        choice: str,
+        timeout: float | None = None,
+        approval: str | None = None,
+    ) -> str:
+        """Answer the session's waiting approval: once, session, always, deny.
+        With `approval` (an ApprovalRequest's id), only if that one waits."""
+        return self._call(core.approve(session, choice, approval), timeout)
 
     def cancel(self, session: str, turn: str | None = None, timeout: float | None = None) -> Any:
         """Cancel the running turn, or a queued one by its id."""

@@ -211,8 +211,9 @@ def cancel(session: str, turn: str | None = None) -> Call:
     return Call(Kind.CANCEL, body, session, lambda m: m.body["turn"])
 
 
-def approve(session: str, choice: str) -> Call:
-    return Call(Kind.APPROVE, {"choice": choice}, session, lambda m: m.body["choice"])
+def approve(session: str, choice: str, approval: str | None = None) -> Call:
+    body = {"choice": choice} if approval is None else {"choice": choice, "approval": approval}
+    return Call(Kind.APPROVE, body, session, lambda m: m.body["choice"])
 
 
 def reload() -> Call:

@@ -86,12 +86,14 @@ class ToolComplete(Event):
 @dataclass(frozen=True)
 class ApprovalRequest(Event):
     """The agent waits for a person to allow a command: answer with
-    `approve(session, choice)`, one of `choices`."""
+    `approve(session, choice, approval=id)`, one of `choices`. Naming the
+    `id` makes sure a late answer never approves a different command."""
 
     command: str = ""
     description: str = ""
     choices: tuple[str, ...] = ()
     allow_permanent: bool = False
+    id: str | None = None  # None from a runtime that gives none
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class ApprovalTimeout(Event):
 
     command: str = ""
     outcome: str = ""
+    id: str | None = None  # the request's id, as in its ApprovalRequest
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,10 @@ def _float(value: Any) -> float:
 
 def _str(value: Any) -> str:
     return value if isinstance(value, str) else "" if value is None else str(value)
+
+
+def _optional_str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _strings(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -205,10 +212,14 @@ def to_event(msg: Message) -> Event:
             description=_str(d.get("description")),
             choices=_strings(d.get("choices"), ("once", "session", "deny")),
             allow_permanent=d.get("allow_permanent") is True,
+            id=_optional_str(d.get("id")),
         )
     if etype == "approval_timeout":
         return ApprovalTimeout(
-            **base, command=_str(d.get("command")), outcome=_str(d.get("outcome"))
+            **base,
+            command=_str(d.get("command")),
+            outcome=_str(d.get("outcome")),
+            id=_optional_str(d.get("id")),
         )
     if etype == "state":
         previous, reason = d.get("previous"), d.get("reason")

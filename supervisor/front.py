@@ -240,16 +240,33 @@ class Front:
                 f"approval choice {choice[:20]!r} is not once, session, always or deny",
             )
         turn = session.current
-        if turn is None or not self.endpoints.to_worker(
-            session, Message(Kind.APPROVE, {"choice": choice}, session=key)
-        ):
+        if turn is None:
             raise RemoteProtocolError(
                 ErrorCode.NOTHING_TO_APPROVE, f"session {key!r} has no running turn to approve"
             )
-        self.watchers.publish(session, "approval_answer", {"choice": choice}, turn=turn.id)
-        self.endpoints.to_client(
-            client, msg.reply(Kind.APPROVED, {"choice": choice, "turn": turn.id})
-        )
+        if not session.approvals:
+            raise RemoteProtocolError(
+                ErrorCode.NOTHING_TO_APPROVE,
+                f"session {key!r} has no approval request waiting: it was answered or timed "
+                "out, or none was asked",
+            )
+        waiting = session.approvals[0]
+        named = msg.body.get("approval")
+        if named is not None and named != waiting:
+            # A late answer must never approve a different command.
+            raise RemoteProtocolError(
+                ErrorCode.NOTHING_TO_APPROVE,
+                f"approval {named[:40]!r} of session {key!r} is not waiting (it was answered "
+                f"or timed out); the one waiting is {waiting!r}",
+            )
+        body = {"choice": choice, "approval": waiting} if waiting else {"choice": choice}
+        if not self.endpoints.to_worker(session, Message(Kind.APPROVE, body, session=key)):
+            raise RemoteProtocolError(
+                ErrorCode.NOTHING_TO_APPROVE, f"session {key!r} has no running turn to approve"
+            )
+        session.approvals.pop(0)
+        self.watchers.publish(session, "approval_answer", body, turn=turn.id)
+        self.endpoints.to_client(client, msg.reply(Kind.APPROVED, {**body, "turn": turn.id}))
 
     def kill(self, client: bytes, msg: Message) -> None:
         key = check_session_key(msg.session)

@@ -52,6 +52,10 @@ class Session:
     generation: int = 0
     queue: deque[Turn] = field(default_factory=deque)
     current: Turn | None = None
+    # The approval requests of the running turn still waiting for an answer,
+    # oldest first, by the id the worker gave each ("" when its runtime gives
+    # none): an answer goes to the oldest, and names it or no other.
+    approvals: list[str] = field(default_factory=list)
     # A cancel for the first turn, which its worker (still starting) was
     # handed in the spawn request: sent once the worker says hello.
     cancel_on_hello: str | None = None

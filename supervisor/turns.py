@@ -40,6 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, error_message
 
@@ -71,6 +72,23 @@ def signer_of(client: bytes) -> bytes:
     """Who signed a client's requests: the front socket it came in on (the
     local key, or the remote clients' key)."""
     return client[:1]
+
+
+APPROVAL_EVENTS = frozenset({"approval", "approval_timeout"})
+
+
+def track_approval(session: Session, event_type: str, data: Any) -> None:
+    """Keep the running turn's waiting approval requests, by the id its
+    worker gave each (see Session.approvals): a request adds one, a
+    timeout removes it (the oldest, when it names none)."""
+    approval = data.get("id") if isinstance(data, dict) else None
+    approval = approval if isinstance(approval, str) else ""
+    if event_type == "approval":
+        session.approvals.append(approval)
+    elif approval in session.approvals:
+        session.approvals.remove(approval)
+    elif session.approvals and not approval:
+        session.approvals.pop(0)
 
 
 @dataclass
@@ -284,6 +302,7 @@ class Turns:
         if metrics is not None:
             metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self.table.transition(session, Event.TURN)
+        session.approvals.clear()  # any left were an earlier turn's
         # The worker first: its turn is the critical path; the client's
         # acknowledgement and the history are made while the worker runs it.
         if not handed:
@@ -326,8 +345,11 @@ class Turns:
         if msg.kind is Kind.EVENT:
             if not turn.abandoned:
                 self.endpoints.to_client(turn.client, msg, payload)
+            event_type = msg.body["type"]
+            if event_type in APPROVAL_EVENTS:
+                track_approval(session, event_type, msg.body.get("data"))
             self.watchers.publish(
-                session, msg.body["type"], msg.body.get("data"), turn=turn.id, bound=len(payload)
+                session, event_type, msg.body.get("data"), turn=turn.id, bound=len(payload)
             )
             return False
         if msg.kind not in (Kind.REPLY, Kind.ERROR):

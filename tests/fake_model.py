@@ -4,6 +4,7 @@ Scripted by the user's message, so each session drives it independently:
 
   "run: COMMAND"   first answer: a `terminal` tool call running COMMAND;
                    once the tool result is in the conversation: "done: RESULT"
+  "runs: A ;; B"   a `terminal` tool call for each command in turn, then "done: RESULT"
   "slow: N"        streams a reply token by token over about N seconds
   anything else    streams "echo: TEXT" (with the number of earlier user turns)
 
@@ -118,26 +119,35 @@ class FakeModel:
         users = [m for m in messages if m.get("role") == "user"]
         text = _text(users[-1]) if users else ""
         last = messages[-1] if messages else {}
+        if text.startswith("runs: "):
+            commands = text[len("runs: ") :].split(" ;; ")
+            since = messages[max(i for i, m in enumerate(messages) if m.get("role") == "user") :]
+            ran = sum(m.get("role") == "tool" for m in since)
+            if ran < len(commands):
+                return self._tool_call(commands[ran])
         if last.get("role") == "tool":
             return self._say(f"done: {_text(last)}")
         if text.startswith("run: "):
-            args = json.dumps({"command": text[len("run: ") :]})
-            call = {
-                "index": 0,
-                "id": f"call_{len(self.requests)}",
-                "type": "function",
-                "function": {"name": "terminal", "arguments": args},
-            }
-            return [
-                (self._chunk({"role": "assistant", "tool_calls": [call]}), 0.0),
-                (self._chunk({}, "tool_calls"), 0.0),
-            ]
+            return self._tool_call(text[len("run: ") :])
         slow = re.fullmatch(r"slow: (\d+(?:\.\d+)?)", text)
         if slow:
             seconds = float(slow.group(1))
             words = [f"tick{i} " for i in range(20)]
             return self._say("".join(words), pause=seconds / 20)
         return self._say(f"echo: {text} (turn {len(users)})")
+
+    def _tool_call(self, command: str) -> list[tuple[dict[str, Any], float]]:
+        """An answer that calls the `terminal` tool to run `command`."""
+        call = {
+            "index": 0,
+            "id": f"call_{len(self.requests)}",
+            "type": "function",
+            "function": {"name": "terminal", "arguments": json.dumps({"command": command})},
+        }
+        return [
+            (self._chunk({"role": "assistant", "tool_calls": [call]}), 0.0),
+            (self._chunk({}, "tool_calls"), 0.0),
+        ]
 
     def _say(self, text: str, pause: float = 0.0) -> list[tuple[dict[str, Any], float]]:
         pieces = [text[i : i + 8] for i in range(0, len(text), 8)] or [""]

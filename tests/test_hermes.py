@@ -288,3 +288,23 @@ def test_an_operator_answers_an_approval_in_attach(hermes) -> None:
             child.expect(pexpect.EOF)
         finally:
             child.close(force=True)
+
+
+def test_each_approval_timeout_is_reported_when_it_happens_with_its_id(hermes) -> None:
+    """Two dangerous commands in one turn, nobody answers: each request times
+    out in turn (approvals.timeout is 3 s here), and each timeout names its
+    request before the next one is asked, not only when the turn ends."""
+    with hermes.client(timeout=120) as client:
+        client.run("twice", "run: mkdir -p a b && echo made")
+        reply = client.run("twice", "runs: rm -rf a ;; rm -rf b")
+        seen = [(e.type, e.id) for e in reply.events if e.type in ("approval", "approval_timeout")]
+        first, second = seen[0][1], seen[2][1]
+        assert first and second and first != second
+        assert seen == [
+            ("approval", first),
+            ("approval_timeout", first),
+            ("approval", second),
+            ("approval_timeout", second),
+        ]
+        workspace = session_dir(hermes, "twice") / "workspace"
+        assert (workspace / "a").exists() and (workspace / "b").exists()

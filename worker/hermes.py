@@ -33,6 +33,8 @@ log = logging.getLogger("hermes_sup.worker.hermes")
 HERMES_SAFE_PRELOAD = ("openai", "httpx", "pydantic", "yaml", "jinja2", "anyio", "requests")
 
 APPROVAL_CHOICES = ("once", "session", "always", "deny")
+# Seconds past hermes's own approval timeout before we report one.
+APPROVAL_TIMEOUT_SLACK = 0.25
 
 
 class HermesTurnError(Exception):
@@ -64,7 +66,11 @@ class HermesRuntime:
         self.db = SessionDB(db_path=home / "state.db")
         self.agent: Any = None
         self._emit: Emit | None = None
-        self._pending: dict[str, Any] | None = None
+        # Approval requests waiting for an answer, oldest first (hermes
+        # resolves them in that order), each with the timer that reports
+        # its timeout when hermes stops waiting.
+        self._pending: list[tuple[str, dict[str, Any], threading.Timer]] = []
+        self._asked = 0
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- agent
@@ -125,7 +131,8 @@ class HermesRuntime:
         finally:
             self._approval.unregister_gateway_notify(key)
             self._approval_expired()
-            self._emit = None
+            with self._lock:
+                self._emit = None
         final = result.get("final_response")
         if result.get("interrupted"):
             return TurnReply(final or "interrupted", {"interrupted": True})
@@ -138,16 +145,20 @@ class HermesRuntime:
         """Interrupt the running turn (hermes stops at its next check)."""
         if self.agent is not None:
             self.agent.interrupt("cancelled by the front end")
-        self.answer("deny")  # a turn blocked on an approval must not wait it out
+        while self.answer("deny"):  # a turn blocked on approvals must not wait them out
+            pass
 
-    def answer(self, choice: str) -> int:
-        """Resolve the pending approval request: once, session, always or deny."""
+    def answer(self, choice: str, approval: str | None = None) -> int:
+        """Resolve the oldest waiting approval request (once, session, always
+        or deny); with `approval`, only if that is the one waiting. Returns
+        how many were resolved: 0 if none was, or another is waiting."""
         if choice not in APPROVAL_CHOICES:
             raise ValueError(f"approval choice must be one of {', '.join(APPROVAL_CHOICES)}")
         with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return 0
+            if not self._pending or approval not in (None, self._pending[0][0]):
+                return 0
+            _id, _request, timer = self._pending.pop(0)
+        timer.cancel()
         return int(self._approval.resolve_gateway_approval(self.session.key, choice))
 
     # ---------------------------------------------------------------- callbacks
@@ -176,27 +187,49 @@ class HermesRuntime:
         self._send("status", _plain(list(args)))
 
     def _on_approval(self, data: dict[str, Any]) -> None:
-        """Hermes wants a dangerous command approved: ask the front end."""
+        """Hermes wants a dangerous command approved: ask the front end, and
+        say so the moment hermes stops waiting (its `approvals.timeout`)."""
+        with self._lock:
+            self._asked += 1
+            approval = f"hermes-{self._asked}"
         request = {
+            "id": approval,
             "command": data.get("command"),
             "description": data.get("description"),
             "allow_permanent": bool(data.get("allow_permanent", True)),
             "pattern_keys": _plain(data.get("pattern_keys") or [data.get("pattern_key")]),
             "choices": list(APPROVAL_CHOICES),
         }
+        # Hermes starts its own clock after this call returns: ours ends a
+        # little later, so a timeout is never reported for a request hermes
+        # would still have taken an answer for.
+        timeout = float(self._approval._get_approval_timeout()) + APPROVAL_TIMEOUT_SLACK
+        timer = threading.Timer(timeout, self._approval_expired, (approval,))
+        timer.daemon = True
         with self._lock:
-            self._pending = request
+            self._pending.append((approval, request, timer))
         self._send("approval", request)
+        timer.start()
 
-    def _approval_expired(self) -> None:
-        """Hermes stopped waiting for an answer (its timeout: deny). Tell the front end."""
+    def _approval_expired(self, approval: str | None = None) -> None:
+        """Hermes stopped waiting for an answer (its timeout: deny), or the
+        turn ended with requests unanswered (all of them, `approval` None).
+        Tell the front end, at once, for each."""
+        # Sent under the lock: the turn's end takes it too before it stops
+        # emitting, so a timeout is never lost nor sent after the reply.
         with self._lock:
-            request, self._pending = self._pending, None
-        if request is not None:
-            self._send(
-                "approval_timeout",
-                {"command": request["command"], "outcome": "denied: no answer in time"},
-            )
+            expired = [p for p in self._pending if approval in (None, p[0])]
+            self._pending = [p for p in self._pending if p not in expired]
+            for approval_id, request, timer in expired:
+                timer.cancel()
+                self._send(
+                    "approval_timeout",
+                    {
+                        "id": approval_id,
+                        "command": request["command"],
+                        "outcome": "denied: no answer in time",
+                    },
+                )
 
 
 def _plain(value: Any) -> Any:

@@ -566,7 +566,11 @@ class WorkerLoop:
             answer = getattr(self.agent, "answer", None)
             if callable(answer):
                 try:
-                    answer(msg.body["choice"])
+                    named = msg.body.get("approval")
+                    if named:  # the request it answers, for runtimes that give ids
+                        answer(msg.body["choice"], named)
+                    else:
+                        answer(msg.body["choice"])
                 except Exception:
                     log.exception("approval answer failed")
         else:

@@ -23,6 +23,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -45,7 +46,9 @@ class ProbeRuntime:
         self.session = session
         self._cancelled = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
-        self._answers: queue.Queue[str] = queue.Queue()
+        # Answers as (choice, the approval id they name, or None).
+        self._answers: queue.Queue[tuple[str, str | None]] = queue.Queue()
+        self._asked = 0  # approval requests made, for their ids
 
     def run_turn(self, text: str, emit: Emit) -> TurnReply:
         """Handle one probe command."""
@@ -56,14 +59,15 @@ class ProbeRuntime:
             return TurnReply(text)
         return handler(rest, emit)
 
-    def answer(self, choice: str) -> None:
-        """A person's answer to the pending approval (from the main thread)."""
-        self._answers.put(choice)
+    def answer(self, choice: str, approval: str | None = None) -> None:
+        """A person's answer to the pending approval (from the main thread);
+        `approval` names the request it answers."""
+        self._answers.put((choice, approval))
 
     def cancel(self) -> None:
         """Interrupt a running `sleep`, `sh` or `ask` (from the worker's main thread)."""
         self._cancelled.set()
-        self._answers.put("deny")
+        self._answers.put(("deny", None))
         proc = self._proc
         if proc is not None:
             try:
@@ -132,9 +136,12 @@ class ProbeRuntime:
         while not self._answers.empty():  # an answer left over from an earlier turn
             self._answers.get_nowait()
         choices = ["once", "session", "deny"]
+        self._asked += 1
+        approval = f"probe-{self._asked}"
         emit(
             "approval",
             {
+                "id": approval,
                 "command": rest,
                 "description": "the probe asks before running a shell command",
                 "allow_permanent": False,
@@ -142,11 +149,16 @@ class ProbeRuntime:
                 "choices": choices,
             },
         )
-        try:
-            choice = self._answers.get(timeout=APPROVAL_TIMEOUT)
-        except queue.Empty:
-            emit("approval_timeout", {"command": rest, "outcome": "deny"})
-            choice = "deny"
+        deadline = time.monotonic() + APPROVAL_TIMEOUT
+        while True:
+            try:
+                choice, named = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                emit("approval_timeout", {"id": approval, "command": rest, "outcome": "deny"})
+                choice = "deny"
+                break
+            if named in (None, approval):
+                break  # an answer meant for an earlier request is not this one's
         if self._cancelled.is_set():
             return TurnReply("cancelled", {"cancelled": True})
         if choice not in ("once", "session", "always"):
