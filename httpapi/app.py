@@ -9,6 +9,7 @@ health checks needs a bearer key from `keys`, compared in constant time.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -53,7 +54,9 @@ class ApiSettings:
     max_runs: int = 10_000  # ended runs kept at most
 
 
+@functools.cache
 def version() -> str:
+    """hermes-sup's version (looked up once: it scans the installed packages)."""
     try:
         return metadata.version("hermes-sup")
     except metadata.PackageNotFoundError:

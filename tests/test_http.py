@@ -539,3 +539,29 @@ def test_the_endpoint_on_its_own_against_a_remote_supervisor(supervisor_factory,
     finally:
         proc.terminate()
         assert proc.wait(15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+
+
+def test_the_endpoints_connections_send_without_delay() -> None:
+    """Accepted connections get TCP_NODELAY (asyncio sets it only when the
+    listening socket says it is TCP): without it, Nagle's algorithm and
+    delayed ACKs held every response of `hermes-sup http` back 40 ms."""
+    from hermes_sup.httpapi.serve import bind
+
+    async def main() -> int:
+        sock = bind("127.0.0.1", 0)
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            raw = writer.get_extra_info("socket")
+            accepted.set_result(raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connection, sock=sock)  # as uvicorn does
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(main()) != 0
