@@ -215,10 +215,12 @@ class AsyncClient:
         *,
         options: dict[str, Any] | None = None,
         turn_timeout: float | None = None,
+        context: dict[str, Any] | None = None,
     ) -> AsyncTurn:
-        """Send a turn; `async for` the result for its events as they stream."""
+        """Send a turn; `async for` the result for its events as they stream.
+        `context` goes to the session's runtime with the text (PROTOCOL.md)."""
         pending = await self._start(
-            Kind.SEND, core.send_body(text, options), session, ttl=self.timeout
+            Kind.SEND, core.send_body(text, options, context), session, ttl=self.timeout
         )
         return AsyncTurn(self, pending, turn_timeout)
 

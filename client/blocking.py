@@ -314,11 +314,13 @@ class Client:
         *,
         options: dict[str, Any] | None = None,
         turn_timeout: float | None = None,
+        context: dict[str, Any] | None = None,
     ) -> Turn:
         """Send a turn; iterate the result for its events as they stream. The
-        last one is the `Reply`; an error raises its typed exception."""
+        last one is the `Reply`; an error raises its typed exception.
+        `context` goes to the session's runtime with the text (PROTOCOL.md)."""
         link, pending = self._start(
-            Kind.SEND, core.send_body(text, options), session, ttl=self.timeout
+            Kind.SEND, core.send_body(text, options, context), session, ttl=self.timeout
         )
         return Turn(self, link, pending, turn_timeout)
 

@@ -220,8 +220,12 @@ def reload() -> Call:
     return Call(Kind.RELOAD, {}, None, lambda m: dict(m.body))
 
 
-def send_body(text: str, options: dict[str, Any] | None) -> dict[str, Any]:
+def send_body(
+    text: str, options: dict[str, Any] | None, context: dict[str, Any] | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {"text": text}
     if options:
         body["options"] = options
+    if context:
+        body["context"] = context
     return body

@@ -72,7 +72,7 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
         "state": ((str,), True),
         "created": ((bool,), True),
     },
-    Kind.SEND: {"text": ((str,), True), "options": ((dict,), False)},
+    Kind.SEND: {"text": ((str,), True), "options": ((dict,), False), "context": ((dict,), False)},
     Kind.EVENT: {
         "type": ((str,), True),
         "data": ((object,), False),
@@ -102,7 +102,7 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.INFO: {"supervisor": ((dict,), True)},
     Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},
     Kind.HELLO: {"pid": ((int,), True)},
-    Kind.TURN: {"text": ((str,), True)},
+    Kind.TURN: {"text": ((str,), True), "context": ((dict,), False)},
     Kind.STOP: {},
     Kind.HEARTBEAT: {"busy": ((bool,), False)},
     Kind.SPARE: {"pid": ((int,), True)},

@@ -201,7 +201,9 @@ class Front:
                 f"{s.max_queued_total}); try again when it catches up",
             )
         self.lifecycle.admit(session)
-        turn = Turn(id=msg.id, client=client, text=msg.body["text"])
+        turn = Turn(
+            id=msg.id, client=client, text=msg.body["text"], context=msg.body.get("context")
+        )
         turns.enqueue(session, turn)
         turns.remember(msg.id, SentTurn(session=key, turn=turn, client=client))
         session.touch()

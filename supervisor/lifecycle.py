@@ -148,6 +148,7 @@ class Lifecycle:
             session.queue
             and session.current is None
             and len(session.queue[0].text) <= HANDOVER_TEXT
+            and not session.queue[0].context
             and session.fast_failures == 0
             and session.runtime_kind in self.runtimes_started
         ):

@@ -30,6 +30,9 @@ class Turn:
     id: str  # the client's request id; events and the reply cite it
     client: bytes  # the client's routing id (a resend may move it)
     text: str
+    # What the front end sent with the text for the runtime (instructions,
+    # conversation history, ...: see PROTOCOL.md), passed on as it is.
+    context: dict[str, Any] | None = None
     queued_at: float = field(default_factory=time.monotonic)
     # Set when the supervisor gave up on the turn (timeout): its late answer
     # from the worker is dropped, the client already had an error.

@@ -306,8 +306,11 @@ class Turns:
         # The worker first: its turn is the critical path; the client's
         # acknowledgement and the history are made while the worker runs it.
         if not handed:
+            body: dict[str, Any] = {"text": turn.text}
+            if turn.context:
+                body["context"] = turn.context
             self.endpoints.to_worker(
-                session, Message(Kind.TURN, {"text": turn.text}, session=session.key, id=turn.id)
+                session, Message(Kind.TURN, body, session=session.key, id=turn.id)
             )
         elif session.cancel_on_hello == turn.id:
             self.endpoints.to_worker(

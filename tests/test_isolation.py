@@ -3,6 +3,7 @@ files or directories. Real supervisor, real forked workers, real sockets."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -238,3 +239,14 @@ def _text(path: Path) -> str:
         return path.read_text(errors="replace") if path.is_file() else ""
     except OSError:
         return ""
+
+
+def test_a_turns_context_reaches_its_runtime_and_no_other_turn(supervisor) -> None:
+    """What a front end sends with a turn's text (instructions, history) goes
+    to the runtime with that turn only: on a new worker and an idle one."""
+    context = {"instructions": "be brief", "history": [{"role": "user", "content": "hi"}]}
+    with supervisor.client() as client:
+        for _ in range(2):  # a new session's first turn, then an idle worker's
+            assert json.loads(client.run("ctx", "context", context=context).text) == context
+        assert client.run("ctx", "context").text == "null"
+        assert client.run("other", "context").text == "null"

@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import psutil
 import zmq
@@ -556,7 +556,7 @@ class WorkerLoop:
                     )
                 )
                 return
-            self._start_turn(msg.id, msg.body["text"])
+            self._start_turn(msg.id, msg.body["text"], msg.body.get("context"))
         elif msg.kind is Kind.CANCEL:
             self._cancel()
         elif msg.kind is Kind.STOP:
@@ -576,11 +576,11 @@ class WorkerLoop:
         else:
             log.warning("ignored a %s message from the supervisor", msg.kind.value)
 
-    def _start_turn(self, turn_id: str, text: str) -> None:
+    def _start_turn(self, turn_id: str, text: str, context: dict[str, Any] | None = None) -> None:
         self.turn = turn_id
         # Busy now: the next beat comes at the busy pace, not the idle one.
         self._next_beat = min(self._next_beat, time.monotonic() + self.heartbeat)
-        self.turns.submit(partial(self._run_turn, turn_id, text))
+        self.turns.submit(partial(self._run_turn, turn_id, text, context))
 
     def _cancel(self) -> None:
         self.cancelling = self.turn
@@ -591,8 +591,10 @@ class WorkerLoop:
             except Exception:
                 log.exception("runtime cancel failed")
 
-    def _run_turn(self, turn_id: str, text: str) -> None:
-        """Run the agent for one turn; queue its events and its answer."""
+    def _run_turn(self, turn_id: str, text: str, context: dict[str, Any] | None = None) -> None:
+        """Run the agent for one turn; queue its events and its answer. A
+        turn's `context` goes to a runtime whose run_turn takes one; another
+        runtime gets the text alone (and the context is logged as unused)."""
 
         def emit(event_type: str, data: Any = None) -> None:
             self._post(
@@ -605,7 +607,13 @@ class WorkerLoop:
             )
 
         try:
-            result = self.agent.run_turn(text, emit)
+            if context and runtime_mod.takes_context(self.agent):
+                agent = cast(runtime_mod.TakesContext, self.agent)
+                result = agent.run_turn(text, emit, context=context)
+            else:
+                if context:
+                    log.warning("the runtime takes no turn context; ignored: %s", sorted(context))
+                result = self.agent.run_turn(text, emit)
             if isinstance(result, str):
                 result = runtime_mod.TurnReply(result)
             final = Message(

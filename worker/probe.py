@@ -13,11 +13,13 @@ It lets tests and operators see a session's isolation for themselves:
     stream TEXT        stream TEXT back word by word as `token` events
     ask COMMAND        ask for approval (an `approval` event), then run COMMAND
                        as `sh` does if allowed; no answer in 60 s is a deny
+    context            the turn's context from the front end, as sorted JSON
     anything else      echoed back
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -25,6 +27,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -49,9 +52,11 @@ class ProbeRuntime:
         # Answers as (choice, the approval id they name, or None).
         self._answers: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self._asked = 0  # approval requests made, for their ids
+        self._context: dict[str, Any] | None = None
 
-    def run_turn(self, text: str, emit: Emit) -> TurnReply:
+    def run_turn(self, text: str, emit: Emit, context: dict[str, Any] | None = None) -> TurnReply:
         """Handle one probe command."""
+        self._context = context
         self._cancelled.clear()
         command, _, rest = text.strip().partition(" ")
         handler = getattr(self, f"_do_{command}", None)
@@ -79,6 +84,9 @@ class ProbeRuntime:
                     p.send_signal(signal.SIGKILL)
                 except (psutil.Error, ProcessLookupError):
                     pass
+
+    def _do_context(self, rest: str, emit: Emit) -> TurnReply:
+        return TurnReply(json.dumps(self._context, sort_keys=True))
 
     def _do_env(self, rest: str, emit: Emit) -> TurnReply:
         name = rest.strip()

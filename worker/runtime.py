@@ -12,6 +12,7 @@ names any callable that takes a `SessionInfo` and returns a runtime.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,25 @@ class Runtime(Protocol):
     def run_turn(self, text: str, emit: Emit) -> TurnReply | str:
         """Handle one message; stream events with `emit`; return the reply."""
         ...
+
+
+class TakesContext(Protocol):
+    """A runtime whose turns can come with a front end's context."""
+
+    def run_turn(
+        self, text: str, emit: Emit, context: dict[str, Any] | None = None
+    ) -> TurnReply | str: ...
+
+
+def takes_context(runtime: Runtime) -> bool:
+    """Whether the runtime's run_turn takes a turn's `context` (a keyword
+    argument: `run_turn(text, emit, context=None)`), which front ends send
+    with the text: instructions, conversation history, ... (PROTOCOL.md)."""
+    try:
+        params = inspect.signature(runtime.run_turn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "context" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Cancellable(Protocol):
