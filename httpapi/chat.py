@@ -135,12 +135,16 @@ async def chat_completions(api: Api, request: Request) -> Response:
     chat = parse_chat(body)
     stream = body.get("stream") in (True, "true", "True", "1", 1)
     named = api.header_ref(request)
-    ref = named or api.ref(derive_chat_session_id(chat.system, chat.first_user))
+    derived = derive_chat_session_id(chat.system, chat.first_user)
+    ref = named or api.ref(derived)
     model = api.model_of(body)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
     created = int(time.time())
     opened = await api.open_turn(ref, chat.text)
-    headers = {SESSION_ID_HEADER: ref.original}
+    # As Hermes answers: the conversation's id (the client's, or the one
+    # derived), and the session key header echoed when there was one.
+    id_header = request.headers.get(SESSION_ID_HEADER, "").strip()
+    headers = {SESSION_ID_HEADER: id_header or derived}
     key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
     if key_header:
         headers[SESSION_KEY_HEADER] = key_header

@@ -309,22 +309,43 @@ def test_a_stalled_reader_cancels_its_turn_and_stalls_nobody_else(supervisor) ->
     assert stalled and data == {"cancelled": True} and other == "a b c"
 
 
-def test_tool_progress_and_approvals_on_chat_completions(endpoint) -> None:
+def test_approvals_on_chat_completions_are_denied_as_webui_sends_it(endpoint) -> None:
     """Chat completions cannot answer an approval: the command is denied at
-    once (Hermes does not run it either), and the reply says so."""
-    client = endpoint.openai()
-    reply = client.chat.completions.create(
-        model="m",
-        messages=[{"role": "user", "content": "ask touch should-not-exist"}],
-        extra_headers={"X-Hermes-Session-Id": "asker"},
+    once (Hermes does not run it either), and the reply says so. The request
+    is shaped as hermes-webui's chat-completions path sends it."""
+    headers = endpoint.headers(
+        **{
+            "Accept": "text/event-stream",
+            "X-Hermes-Session-Id": "w7",
+            "X-Hermes-Session-Key": "webui:w7",
+        }
     )
-    assert reply.choices[0].message.content == "denied: touch should-not-exist"
-    ls = client.chat.completions.create(
-        model="m",
-        messages=[{"role": "user", "content": "sh ls"}],
-        extra_headers={"X-Hermes-Session-Id": "asker"},
-    )
-    assert "should-not-exist" not in (ls.choices[0].message.content or "")
+    body = {
+        "model": "default",
+        "stream": True,
+        "messages": [
+            {"role": "system", "content": "You are in the WebUI."},
+            {"role": "user", "content": "ask touch should-not-exist"},
+        ],
+        "provider": "custom",
+        "reasoning_effort": "low",
+    }
+    content = []
+    with httpx.stream(
+        "POST", endpoint.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["X-Hermes-Session-Id"] == "w7"
+        assert response.headers["X-Hermes-Session-Key"] == "webui:w7"
+        for line in sse_lines(response):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                content.append(chunk["choices"][0]["delta"].get("content") or "")
+    assert "".join(content) == "denied: touch should-not-exist"
+    with endpoint.sup.client() as hs:
+        listed = [e.line for e in hs.run("webui:w7", "sh ls").events if hasattr(e, "line")]
+    assert "should-not-exist" not in listed
     assert "http_approval_denied" in endpoint.log()
 
 
