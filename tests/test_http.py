@@ -586,3 +586,14 @@ def test_the_endpoints_connections_send_without_delay() -> None:
             server.close()
 
     assert asyncio.run(main()) != 0
+
+
+def test_the_endpoint_is_a_client_and_loads_nothing_of_the_server_side() -> None:
+    """Like any front end, it uses the client library; of the supervisor's
+    package it shares only the log line format."""
+    from tests.test_layout import SERVER_SIDE, modules_loaded_by, package
+
+    loaded = modules_loaded_by("hermes_sup.httpapi", "hermes_sup.httpapi.serve")
+    assert "hermes_sup.httpapi.serve" in loaded and "uvicorn" not in loaded  # imported when run
+    server_side = [m for m in loaded if package(m) in SERVER_SIDE]
+    assert server_side == ["hermes_sup.supervisor", "hermes_sup.supervisor.logfmt"]
