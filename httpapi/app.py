@@ -51,7 +51,7 @@ class ApiSettings:
     stream_queue: int = 1024  # events waiting for one slow stream reader
     run_events: int = 10_000  # events a run keeps for late subscribers
     run_ttl: float = 3600.0  # seconds an ended run stays readable
-    max_runs: int = 10_000  # ended runs kept at most
+    max_runs: int = 1000  # ended runs kept at most
 
 
 @functools.cache

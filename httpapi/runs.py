@@ -8,8 +8,8 @@ server serves it (hermes-webui uses it for approvals and stop).
     POST /v1/runs/{id}/stop          {run_id, status: "stopping"}
 
 A run's turn goes on whether or not anyone follows its events. Its events
-are kept (up to `run_events` of them) so a subscriber that comes late, or
-a second one, sees the run from its start; each subscriber has a bounded
+are kept (up to `run_events` of them, consecutive text deltas merged) so
+a subscriber that comes late, or a second one, sees the run from its start; each subscriber has a bounded
 queue, and one that falls behind by more than that is cut off (its stream
 ends with a comment saying so) rather than let memory grow. Status:
 queued, running, waiting_for_approval, stopping, then completed, failed or
@@ -110,7 +110,13 @@ class Run:
     def publish(self, event: str, **data: Any) -> None:
         """Record an event and hand it to every subscriber."""
         record = {"event": event, "run_id": self.id, "timestamp": time.time(), **data}
-        self.events.append(record)
+        last = self.events[-1] if self.events else None
+        if event == "message.delta" and last is not None and last["event"] == event:
+            # Kept for late subscribers as one delta per stretch of text, so a
+            # long reply costs the log one entry, not one per token.
+            self.events[-1] = {**record, "delta": last["delta"] + record["delta"]}
+        else:
+            self.events.append(record)
         self.fields["last_event"] = event
         self.updated_at = record["timestamp"]
         for queue in list(self.subscribers):

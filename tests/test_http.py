@@ -432,6 +432,17 @@ def test_runs_with_approvals_and_stop(endpoint) -> None:
     httpx.post(f"{url}/v1/runs/{pending}/stop", headers=auth)
     assert run_events(endpoint, pending, "run.cancelled")[-1]["event"] == "run.cancelled"
 
+    # Text streams as message.delta; a subscriber that comes after the end
+    # still gets it all, kept as one delta.
+    streamed = start("stream one two three")
+    live = run_events(endpoint, streamed, "run.completed")
+    assert "".join(e["delta"] for e in live if e["event"] == "message.delta") == "one two three"
+    late = run_events(endpoint, streamed, "run.completed")
+    assert [(e["event"], e.get("delta")) for e in late] == [
+        ("message.delta", "one two three"),
+        ("run.completed", None),
+    ]
+
 
 # ------------------------------------------------------------------ Hermes's gateway
 
