@@ -121,6 +121,11 @@ class Settings:
     # Session logs rotate at this size, keeping this many old files.
     log_max_bytes: int = 10 * 1024 * 1024
     log_backups: int = 3
+    # A session's log takes at most log_rate_limit bytes a second (None:
+    # no limit) after a burst of log_rate_burst; over it, its output pipe is
+    # read only as fast as the rate allows (see supervisor/logs.py).
+    log_rate_limit: int | None = 1024 * 1024
+    log_rate_burst: int = 4 * 1024 * 1024
     # Recent turns and events kept per session, replayed to `attach`.
     history: int = 200
     # CURVE-encrypted TCP endpoint for remote front ends, "PORT" (127.0.0.1)

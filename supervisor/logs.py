@@ -5,22 +5,69 @@ supervisor writes whole lines to the session's `worker.log`, rotating it by
 size only at a line boundary, and drains the pipe before it handles the
 worker's exit, so the last lines a dying worker printed are never lost. It
 also hands each line to whoever follows the log (`hermes-sup logs -f`).
+
+What one session's output may cost the others
+---------------------------------------------
+A session that prints without end (`yes`), or a full disk, must neither
+stall the supervisor nor take it down.
+
+* Reads are budgeted: one wake-up reads at most READ_BUDGET bytes and goes
+  back to the loop, which calls again while the pipe is readable; other
+  clients and sessions are served in between. Whole batches of lines are
+  written with one write, not one write a line.
+* Each session's log takes at most `log_rate_limit` bytes a second after a
+  burst of `log_rate_burst` (a token bucket, kept across worker restarts).
+  Over the rate the supervisor stops reading that session's pipe until the
+  bucket has refilled: the pipe fills, and the session's own writers block,
+  slowed to the rate; no one else waits, and they are never blocked for
+  good. This is chosen over reading and dropping: draining a `yes` at pipe
+  speed only to throw the bytes away would keep a core of the supervisor
+  busy (half of a 2-core machine) and lose lines silently; held back, the
+  flooder sleeps and every line it printed is kept. `session_log_throttled`
+  says, once per REPORT_INTERVAL, how long the pipe was held.
+* A write that fails (ENOSPC, EDQUOT, EIO, a directory removed, also while
+  rotating) never raises: the pipe is still read (at the rate), so the
+  worker never blocks on it; the lines that cannot be written are counted
+  and dropped, a write is tried again at most once every RETRY_INTERVAL,
+  and `session_log_losing_lines` (no traceback) says so once per
+  REPORT_INTERVAL. When writing works again, the log gets a line saying how
+  many lines were lost there, and `session_log_resumed` says it once.
+* When the worker exits, what its pipe holds (at most the pipe's capacity)
+  is read at once, whatever the rate: the last lines before a death are the
+  ones worth having.
 """
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
+import logging
+import math
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from .logfmt import kv
+
+log = logging.getLogger("hermes_sup.supervisor")
+
 READ_SIZE = 65536
+# At most this much is read per wake-up of the loop, then others get a turn.
+READ_BUDGET = 4 * READ_SIZE
 # A line longer than this is written in pieces rather than buffered forever.
 MAX_LINE = 64 * 1024
+# While writes fail, one is tried again at most this often.
+RETRY_INTERVAL = 1.0
+# Lines about one session's losses or throttling, at most one per interval.
+REPORT_INTERVAL = 10.0
+NOTE = "hermes-sup: {lost} line(s) of this session's output were lost here ({error})\n"
 
 
 class SessionLog:
-    """One session's log file, size-rotated at line boundaries."""
+    """One session's log file, size-rotated at line boundaries, with its
+    write-rate bucket and what it lost while writes failed."""
 
     def __init__(self, path: Path, max_bytes: int = 10 * 1024 * 1024, backups: int = 3) -> None:
         self.path = path
@@ -29,42 +76,150 @@ class SessionLog:
         self._partial = b""
         self._fd: int | None = None
         self._size = 0
+        # Token bucket (bytes): no limit until `limit_rate` sets one.
+        self.rate: float | None = None
+        self.burst = 0.0
+        self._tokens = 0.0
+        self._refilled = time.monotonic()
+        # While writes fail: why, and the lines dropped since they began.
+        self.error: str | None = None
+        self.lost_lines = 0
+        self._retry_at = 0.0
+        self._torn = False  # a write stopped mid-line
+        self._reported = False  # this outage was reported
+        self._resumed: int | None = None  # lines an outage just over lost
+        self._next_report = 0.0
+        self._held = 0.0  # seconds the pipe was held since the last report
+        self._next_throttle_report = 0.0
 
-    def _open(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._size = os.fstat(self._fd).st_size
-        return self._fd
+    # ------------------------------------------------------------- rate
 
-    def feed(self, data: bytes) -> list[str]:
+    def limit_rate(self, rate: int | None, burst: int) -> None:
+        """At most `rate` bytes a second after a burst of `burst` (None: no
+        limit). The bucket starts full and keeps its level when the same
+        limit is set again for the session's next worker."""
+        new_rate = float(rate) if rate else None
+        new_burst = float(max(1, burst))
+        if (new_rate, new_burst) == (self.rate, self.burst):
+            return
+        if self.rate is None:
+            self._tokens = new_burst
+        self.rate, self.burst = new_rate, new_burst
+        self._tokens = min(self._tokens, new_burst)
+
+    def allowance(self, now: float) -> float:
+        """Bytes the log may take now (inf when there is no limit)."""
+        if self.rate is None:
+            return math.inf
+        self._tokens = min(self.burst, self._tokens + (now - self._refilled) * self.rate)
+        self._refilled = now
+        return self._tokens
+
+    def resume_level(self) -> float:
+        """Tokens worth a wake-up: reading a few bytes at a time would cost
+        more than the bytes."""
+        return min(self.burst, READ_SIZE)
+
+    def wait_time(self) -> float:
+        """Seconds until the bucket holds `resume_level` again."""
+        if self.rate is None:
+            return 0.0
+        return max(0.01, (self.resume_level() - self._tokens) / self.rate)
+
+    def spend(self, count: int) -> None:
+        """`count` bytes were read (the bucket may go below zero: a dying
+        worker's last output is read whatever the rate)."""
+        if self.rate is not None:
+            self._tokens -= count
+
+    # ------------------------------------------------------------ lines
+
+    def feed(self, data: bytes, want_lines: bool = True) -> list[bytes]:
         """Write every complete line in `data`; keep the rest for later.
-        Returns the lines written (decoded, without newlines)."""
-        buf = self._partial + data
-        lines = buf.split(b"\n")
-        self._partial = lines.pop()
-        while len(self._partial) > MAX_LINE:
-            lines.append(self._partial[:MAX_LINE])
-            self._partial = self._partial[MAX_LINE:]
-        return self._write(lines)
+        Returns the lines (without newlines) if `want_lines`."""
+        buf = self._partial + data if self._partial else data
+        cut = buf.rfind(b"\n") + 1
+        chunk, rest = buf[:cut], buf[cut:]
+        if len(rest) > MAX_LINE:
+            keep = len(rest) % MAX_LINE or MAX_LINE
+            head, rest = rest[:-keep], rest[-keep:]
+            chunk += b"".join(head[i : i + MAX_LINE] + b"\n" for i in range(0, len(head), MAX_LINE))
+        self._partial = rest
+        self._write(chunk)
+        return chunk.split(b"\n")[:-1] if want_lines and chunk else []
 
-    def finish(self) -> list[str]:
+    def finish(self, want_lines: bool = True) -> list[bytes]:
         """Write a trailing unterminated line, if any (the writer is gone)."""
         if not self._partial:
             return []
         line, self._partial = self._partial, b""
-        return self._write([line])
+        self._write(line + b"\n")
+        return [line] if want_lines else []
 
-    def _write(self, lines: list[bytes]) -> list[str]:
-        if not lines:
-            return []
-        for line in lines:
-            record = line + b"\n"
-            if self._size and self._size + len(record) > self.max_bytes:
-                self._rotate()
+    def _write(self, chunk: bytes) -> None:
+        """Write whole lines; a failure drops them, counted, and never raises."""
+        if not chunk:
+            return
+        now = time.monotonic()
+        if self.error is not None and now < self._retry_at:
+            self.lost_lines += chunk.count(b"\n")
+            return
+        try:
+            if self.error is not None:
+                lost = NOTE.format(lost=self.lost_lines, error=self.error)
+                self._put((b"\n" if self._torn else b"") + lost.encode())
+                self._torn = False
+            self._put(chunk)
+        except OSError as exc:
+            self._failed(exc, chunk.count(b"\n"), now)
+            return
+        if self.error is not None:
+            if self._reported:
+                self._resumed = self.lost_lines
+            self.error, self.lost_lines, self._reported = None, 0, False
+
+    def _failed(self, exc: OSError, lines: int, now: float) -> None:
+        # Closed, so that the next try opens the file anew: a removed
+        # directory or file that is back is found again.
+        self.close()
+        self.error = exc.strerror or str(exc)
+        self.lost_lines += lines
+        self._retry_at = now + RETRY_INTERVAL
+
+    def _put(self, data: bytes) -> None:
+        """Append lines, rotating first when the next line would not fit."""
+        while data:
+            room = self.max_bytes - self._size
+            if len(data) <= room:
+                piece, data = data, b""
+            else:
+                cut = data.rfind(b"\n", 0, room) + 1 if room > 0 else 0
+                if not cut:
+                    if self._size:
+                        self._rotate()
+                        continue
+                    cut = data.find(b"\n") + 1  # longer than a whole file: alone in one
+                piece, data = data[:cut], data[cut:]
             fd = self._open()
-            os.write(fd, record)
-            self._size += len(record)
-        return [line.decode("utf-8", "replace") for line in lines]
+            done = 0
+            try:
+                while done < len(piece):
+                    done += os.write(fd, piece[done:])
+            finally:
+                self._size += done
+                if 0 < done < len(piece):
+                    self._torn = True
+
+    def _open(self) -> int:
+        if self._fd is None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                self._size = os.fstat(fd).st_size
+            except OSError:
+                os.close(fd)
+                raise
+            self._fd = fd
+        return self._fd
 
     def _rotate(self) -> None:
         self.close()
@@ -74,12 +229,53 @@ class SessionLog:
                 os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
         if self.path.exists():
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._size = 0
 
     def close(self) -> None:
         """Close the file (it is reopened on the next line)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # closed all the same; what it could not write is counted
+
+    # ---------------------------------------------------------- reports
+
+    def report(self, session: str, now: float) -> None:
+        """Say that lines are being lost (at most once per REPORT_INTERVAL),
+        and once that they no longer are. No traceback: it is not a bug."""
+        if self._resumed is not None:
+            log.warning(kv("session_log_resumed", session=session, lost_lines=self._resumed))
+            self._resumed = None
+        if self.error is not None and self.lost_lines and now >= self._next_report:
+            self._next_report = now + REPORT_INTERVAL
+            self._reported = True
+            log.error(
+                kv(
+                    "session_log_losing_lines",
+                    session=session,
+                    lost_lines=self.lost_lines,
+                    error=self.error,
+                    path=self.path,
+                )
+            )
+
+    def held(self, session: str, seconds: float, now: float) -> None:
+        """The pipe is held `seconds` for the rate; said once per interval."""
+        self._held += seconds
+        if now >= self._next_throttle_report:
+            self._next_throttle_report = now + REPORT_INTERVAL
+            log.warning(
+                kv(
+                    "session_log_throttled",
+                    session=session,
+                    rate=f"{self.rate:.0f}B/s",
+                    burst=f"{self.burst:.0f}B",
+                    held=f"{self._held:.1f}s",
+                )
+            )
+            self._held = 0.0
 
 
 def tail(path: Path, count: int, backups: int = 3) -> list[str]:
@@ -97,34 +293,124 @@ def tail(path: Path, count: int, backups: int = 3) -> list[str]:
 
 
 class PipeReader:
-    """Reads one worker's output pipe into its SessionLog, from the event loop."""
+    """Reads one worker's output pipe into its session's log, from the event
+    loop: budgeted per wake-up, held back over the session's rate."""
 
-    def __init__(self, fd: int, log: SessionLog, on_lines: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self,
+        fd: int,
+        log: SessionLog,
+        session: str,
+        on_lines: Callable[[list[str]], None],
+        want_lines: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.fd = fd
         self.log = log
+        self.session = session
         self.on_lines = on_lines
+        self.want_lines = want_lines
+        self.on_eof: Callable[[], None] | None = None
+        self.closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._resume: asyncio.TimerHandle | None = None
+        self._bug_logged = False
         os.set_blocking(fd, False)
+        try:
+            self.capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        except OSError:
+            self.capacity = READ_SIZE  # not a pipe (a test's file): one read's worth
+        # A pipe made bigger than this still drains in bounded bites at exit.
+        self.capacity = min(max(self.capacity, READ_SIZE), 16 * READ_SIZE)
 
-    def drain(self) -> bool:
-        """Read everything available now. Returns False at end of file."""
-        while True:
-            try:
-                data = os.read(self.fd, READ_SIZE)
-            except BlockingIOError:
-                return True
-            except OSError:
-                data = b""
-            if not data:
-                lines = self.log.finish()
-                if lines:
-                    self.on_lines(lines)
-                return False
-            lines = self.log.feed(data)
-            if lines:
-                self.on_lines(lines)
+    def start(self, loop: asyncio.AbstractEventLoop, on_eof: Callable[[], None]) -> None:
+        """Read whenever the pipe is readable; `on_eof` once it is closed."""
+        self._loop, self.on_eof = loop, on_eof
+        loop.add_reader(self.fd, self.on_readable)
+
+    def on_readable(self) -> None:
+        """One wake-up: read up to the budget and what the rate allows, or
+        hold the pipe until the rate allows a useful read."""
+        now = time.monotonic()
+        allowed = self.log.allowance(now)
+        if allowed < self.log.resume_level():
+            self._hold(now)
+            return
+        if not self._guarded_drain(min(READ_BUDGET, allowed)):
+            self.end()
+
+    def drain_at_exit(self) -> None:
+        """The worker exited: log what its pipe holds now, whatever the rate
+        (a pipe holds little). Descendants that still write are read on."""
+        if not self.closed and not self._guarded_drain(self.capacity + 1):
+            self.end()
+
+    def _guarded_drain(self, budget: float) -> bool:
+        try:
+            return self.drain(budget)
+        except Exception:
+            # A bug, but one session's output must not fill the supervisor's
+            # log with the same traceback on every read, nor stop the loop.
+            if not self._bug_logged:
+                self._bug_logged = True
+                log.exception(kv("bug", where="session_log", session=self.session))
+            return True
+
+    def drain(self, budget: float = math.inf) -> bool:
+        """Read what is there now, up to `budget` bytes. False at end of file."""
+        taken = 0
+        want = self.want_lines()
+        try:
+            while taken < budget:
+                size = READ_SIZE if budget - taken >= READ_SIZE else int(budget - taken)
+                try:
+                    data = os.read(self.fd, max(1, size))
+                except BlockingIOError:
+                    return True
+                except OSError:
+                    data = b""
+                if not data:
+                    self._hand(self.log.finish(want))
+                    return False
+                taken += len(data)
+                self._hand(self.log.feed(data, want))
+            return True
+        finally:
+            self.log.spend(taken)
+            self.log.report(self.session, time.monotonic())
+
+    def _hand(self, lines: list[bytes]) -> None:
+        if lines:
+            self.on_lines([line.decode("utf-8", "replace") for line in lines])
+
+    def _hold(self, now: float) -> None:
+        """Stop reading until the bucket has refilled."""
+        assert self._loop is not None
+        self._loop.remove_reader(self.fd)
+        wait = self.log.wait_time()
+        self._resume = self._loop.call_later(wait, self._unhold)
+        self.log.held(self.session, wait, now)
+
+    def _unhold(self) -> None:
+        self._resume = None
+        if not self.closed and self._loop is not None:
+            self._loop.add_reader(self.fd, self.on_readable)
+
+    def end(self) -> None:
+        """Stop reading, close the pipe and the log file, and say so."""
+        if self.closed:
+            return
+        if self._loop is not None:
+            self._loop.remove_reader(self.fd)
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        self.close()
+        if self.on_eof is not None:
+            self.on_eof()
 
     def close(self) -> None:
         """Close the pipe and the log file."""
+        self.closed = True
         try:
             os.close(self.fd)
         except OSError:

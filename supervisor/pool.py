@@ -194,24 +194,29 @@ class WorkerPool:
         session.proc = proc
         self.by_pid[proc.pid] = session
         if out_fd is not None and session.log is not None:
+            own = self.ctx.settings_for(session)
+            session.log.limit_rate(own.log_rate_limit, own.log_rate_burst)
             reader = PipeReader(
-                out_fd, session.log, lambda lines: self.watchers.log_lines(session, lines)
+                out_fd,
+                session.log,
+                session.key,
+                lambda lines: self.watchers.log_lines(session, lines),
+                # Lines are decoded only for someone following the log.
+                want_lines=lambda: bool(session.log_followers),
             )
             session.pipe = reader
-            asyncio.get_running_loop().add_reader(out_fd, self.read_pipe, session, reader)
+            reader.start(asyncio.get_running_loop(), lambda: self.pipe_closed(session, reader))
         self.records.add(proc.pid, session.key, proc.create_time)
         log.info(kv("spawned", session=session.key, pid=proc.pid))
         if self.ctx.metrics is not None:
             self.ctx.metrics.spawns.inc()
         return self.unclaimed_exits.pop(proc.pid, None)
 
-    def read_pipe(self, session: Session, reader: PipeReader) -> None:
-        """Move a worker's output into its log; at end of file, stop reading."""
-        if not reader.drain():
-            asyncio.get_running_loop().remove_reader(reader.fd)
-            reader.close()
-            if session.pipe is reader:
-                session.pipe = None
+    def pipe_closed(self, session: Session, reader: PipeReader) -> None:
+        """A worker's output pipe reached its end (the worker and every
+        descendant that held it are gone)."""
+        if session.pipe is reader:
+            session.pipe = None
 
     def claim_exit(self, pid: int, status: int) -> Session | None:
         """A child was reaped: the session whose worker it was (with its
@@ -232,8 +237,8 @@ class WorkerPool:
         self.records.remove(pid)
         if session.pipe is not None:
             # Every line the worker wrote before it died is logged before its
-            # death is handled (and reported).
-            self.read_pipe(session, session.pipe)
+            # death is handled (and reported); never raises (see logs.py).
+            session.pipe.drain_at_exit()
         session.proc.set_exited(status)
         return session
 

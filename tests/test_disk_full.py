@@ -1,0 +1,109 @@
+"""A full data disk: session logs lose lines, the supervisor loses nothing.
+
+The data directory is a 2 MiB tmpfs, filled to the last byte. A worker that
+prints 20,000 lines and dies used to take the supervisor down (the write
+error rose from the exit's pipe drain into the main loop), or, when it
+survived, log a traceback for every failed read. Now the lines are counted
+and dropped, the supervisor's log says so once per interval, every other
+session is served, and logging resumes by itself once there is room.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hermes_sup.client import SupervisorError
+from hermes_sup.protocol import session_dir_name
+
+pytestmark = pytest.mark.e2e
+
+RUNTIMES = str(Path(__file__).parent / "runtimes")
+
+
+def fill(folder: Path) -> Path:
+    """Write a file until the file system is full; returns it."""
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        block = b"\0" * 65536
+        while True:
+            try:
+                f.write(block)
+            except OSError:
+                break
+        # And what a smaller write can still squeeze in.
+        while True:
+            try:
+                f.write(b"\0" * 512)
+            except OSError:
+                break
+    return filler
+
+
+@pytest.fixture
+def small_data_dir(workdir: Path):
+    """`workdir/d` (the supervisor's data directory) as a 2 MiB tmpfs."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs as the data directory needs root")
+    data = workdir / "d"
+    data.mkdir(mode=0o700)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(data)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield data
+    finally:
+        # Workers have their cwd in it: lazily, if they are still going away.
+        if subprocess.run(["umount", str(data)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(data)], check=False)
+
+
+def test_a_full_disk_loses_log_lines_not_the_supervisor(
+    supervisor_factory, small_data_dir: Path
+) -> None:
+    env = dict(os.environ, PYTHONPATH=RUNTIMES)
+    sup = supervisor_factory("--agent", "hs_printer:make", "--min-uptime", "0", env=env)
+    log_path = small_data_dir / "sessions" / session_dir_name("noisy") / "worker.log"
+    try:
+        with sup.client() as client:
+            assert client.run("noisy", "print 3").text == "printed 3"
+            assert client.run("other", "print 3").text == "printed 3"
+            filler = fill(small_data_dir)
+            for _ in range(3):
+                with pytest.raises(SupervisorError, match="SIGKILL"):
+                    client.run("noisy", "print-and-die 20000")
+            # Alive, and serving another session (which prints too).
+            assert client.ping().pid == sup.pid
+            assert client.run("other", "print 2000").text == "printed 2000"
+            assert client.run("noisy", "print 2000").text == "printed 2000"
+            # What fitted in the file's last page went in; the rest did not.
+            assert "line 019999 of 20000" not in log_path.read_text()
+            # Room again: the next lines reach the log, after a note of what was lost.
+            filler.unlink()
+            deadline = time.monotonic() + 15
+            while "of 7" not in log_path.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)  # a write is tried again at most once a second
+                client.run("noisy", "print 7")
+            text = log_path.read_text()
+            assert client.run("other", "print 1").text == "printed 1"
+    finally:
+        sup.stop()
+    supervisor_log = sup.log()
+    assert "Traceback" not in supervisor_log
+    about = [line for line in supervisor_log.splitlines() if "session_log_" in line]
+    losing = [line for line in about if "session_log_losing_lines session=noisy" in line]
+    # Once per interval per session, however many lines and reads failed.
+    assert 1 <= len(losing) <= 3, about
+    assert len(about) <= 8, about
+    assert "line 000006 of 7" in text
+    assert "line(s) of this session's output were lost here (No space" in text
+    resumed = [line for line in about if "session_log_resumed session=noisy" in line]
+    assert len(resumed) == 1 and int(resumed[0].rsplit("lost_lines=", 1)[1]) >= 60000
