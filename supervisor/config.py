@@ -97,8 +97,9 @@ class Settings:
     backoff_cap: float = 30.0
     max_fast_failures: int = 5
     failed_cooldown: float = 300.0
-    # Per-session limits. Memory is the RSS of the worker and all its
-    # descendants, sampled every limits_interval; over it the session is
+    # Per-session limits. Memory is the PSS of the worker and all its
+    # descendants (a page they share counts once; see limits.py), sampled
+    # every limits_interval; over it the session is
     # recycled. max_procs counts the worker's descendants the same way.
     # max_open_files and cpu_seconds are rlimits set in the worker.
     memory_limit_mb: int | None = 2048

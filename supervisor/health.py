@@ -7,7 +7,9 @@ is hung: SIGABRT (so its log gets a traceback from faulthandler), then
 SIGKILL after `abort_grace`. An idle session past `idle_timeout` is stopped
 politely. Memory and process limits are checked by sampling every worker's
 process tree in a thread (it reads /proc), spaced so that sampling costs
-about 5% of the time at most.
+about 5% of the time at most. Memory is the PSS of the tree (a shared page
+counts once), read only for trees whose RSS sum is over the limit (see
+limits.py).
 """
 
 from __future__ import annotations
@@ -108,11 +110,17 @@ class Health:
         }
         if not workers:
             return
+        # Trees over their limit by RSS get their PSS read, a second check.
+        pss_over = {}
+        for pid, sess in workers.items():
+            limit = self.ctx.settings_for(sess).memory_limit_mb
+            if limit:
+                pss_over[pid] = limit * MIB
         self._scanning = True
         started = time.monotonic()
         try:
             usage: dict[int, TreeUsage] = await asyncio.get_running_loop().run_in_executor(
-                None, scan_trees, list(workers)
+                None, scan_trees, list(workers), False, pss_over
             )
         finally:
             self._scanning = False
@@ -125,10 +133,10 @@ class Health:
             if session.proc is None or session.proc.pid != pid:
                 continue
             s = self.ctx.settings_for(session)
-            if s.memory_limit_mb and use.rss > s.memory_limit_mb * MIB:
+            if s.memory_limit_mb and use.memory > s.memory_limit_mb * MIB:
                 self.lifecycle.terminate(
                     session,
-                    f"went over its memory limit ({use.rss / MIB:.0f} MiB RSS with its "
+                    f"went over its memory limit ({use.memory / MIB:.0f} MiB PSS with its "
                     f"children > {s.memory_limit_mb} MiB) and was recycled",
                 )
             elif s.max_procs and use.procs > s.max_procs:
