@@ -206,7 +206,12 @@ class WorkerPool:
             )
             session.pipe = reader
             reader.start(asyncio.get_running_loop(), lambda: self.pipe_closed(session, reader))
-        self.records.add(proc.pid, session.key, proc.create_time)
+        try:
+            self.records.add(proc.pid, session.key, proc.create_time)
+        except OSError as exc:
+            # Only a later supervisor's clean-up reads it: the worker runs on
+            # without (a full disk must not fail its start half-way).
+            log.warning(kv("worker_record_failed", pid=proc.pid, error=exc.strerror or exc))
         log.info(kv("spawned", session=session.key, pid=proc.pid))
         if self.ctx.metrics is not None:
             self.ctx.metrics.spawns.inc()

@@ -45,25 +45,39 @@ def fill(folder: Path) -> Path:
 
 
 @pytest.fixture
-def small_data_dir(workdir: Path):
-    """`workdir/d` (the supervisor's data directory) as a 2 MiB tmpfs."""
+def small_disks(workdir: Path):
+    """mount(name): `workdir/name` (the supervisor's data directory is "d",
+    its state directory "s") as a 2 MiB tmpfs, unmounted at the end."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs as the data directory needs root")
-    data = workdir / "d"
-    data.mkdir(mode=0o700)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(data)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    mounted: list[Path] = []
+
+    def mount(name: str) -> Path:
+        path = workdir / name
+        path.mkdir(mode=0o700)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
     try:
-        yield data
+        yield mount
     finally:
-        # Workers have their cwd in it: lazily, if they are still going away.
-        if subprocess.run(["umount", str(data)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(data)], check=False)
+        for path in mounted:
+            # Workers have their cwd in it: lazily, if they are still going away.
+            if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_data_dir(small_disks) -> Path:
+    """The supervisor's data directory on a 2 MiB tmpfs."""
+    return small_disks("d")
 
 
 def test_a_full_disk_loses_log_lines_not_the_supervisor(
@@ -107,3 +121,27 @@ def test_a_full_disk_loses_log_lines_not_the_supervisor(
     assert "line(s) of this session's output were lost here (No space" in text
     resumed = [line for line in about if "session_log_resumed session=noisy" in line]
     assert len(resumed) == 1 and int(resumed[0].rsplit("lost_lines=", 1)[1]) >= 60000
+
+
+def test_a_worker_starts_when_its_record_cannot_be_written(supervisor_factory, small_disks) -> None:
+    """Each worker's record (in the state directory, for a next supervisor
+    to stop leftovers) is written as it is adopted; on a full disk that
+    failed the adoption half-way, with a traceback (and, for a spare taken
+    while a death was handled, in the main loop, ending the supervisor)."""
+    data, state = small_disks("d"), small_disks("s")
+    env = dict(os.environ, PYTHONPATH=RUNTIMES)
+    sup = supervisor_factory("--agent", "hs_printer:make", "--min-uptime", "0", env=env)
+    try:
+        with sup.client() as client:
+            assert client.run("first", "print 3").text == "printed 3"
+            fill(data), fill(state)
+            assert client.run("fresh", "print 3").text == "printed 3"
+            with pytest.raises(SupervisorError, match="SIGKILL"):
+                client.run("first", "print-and-die 100")
+            assert client.run("first", "print 3").text == "printed 3"
+            assert client.ping().pid == sup.pid
+    finally:
+        sup.stop()
+    text = sup.log()
+    assert "Traceback" not in text
+    assert "worker_record_failed" in text
