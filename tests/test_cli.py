@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -204,16 +206,34 @@ def test_logs_rotate_at_line_boundaries_and_follow_across_rotation(supervisor_fa
         stdout=subprocess.PIPE,
         text=True,
     )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line.rstrip("\n")) for line in follower.stdout], daemon=True
+    ).start()
     try:
-        time.sleep(0.5)
+        # Following starts once the follower has asked: until one of our
+        # marker lines reaches it, print another (a slow start loses none).
         with sup.client() as client:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                client.run("rot", "print 1")
+                try:
+                    if lines.get(timeout=1.0) == "line 000000 of 1":
+                        break
+                except queue.Empty:
+                    pass
+            while not lines.empty():
+                lines.get_nowait()  # later markers
             client.run("rot", "print 1000")
         seen = []
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while len(seen) < 1000 and time.monotonic() < deadline:
-            line = follower.stdout.readline()
-            if line.startswith("line "):
-                seen.append(line.rstrip("\n"))
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line.endswith(" of 1000"):
+                seen.append(line)
         assert seen == [f"line {i:06d} of 1000" for i in range(1000)]
     finally:
         follower.send_signal(signal.SIGINT)
