@@ -146,9 +146,9 @@ def test_kill_all_idle_for_and_purge(supervisor) -> None:
     with supervisor.client() as client:
         for key in ("k1", "k2", "k3"):
             client.run(key, "write notes.txt kept")
-        time.sleep(1.2)
+        time.sleep(4.0)
         client.run("k3", "pid")  # k3 is fresh
-    result = hs(supervisor, "kill", "--idle-for", "1s")
+    result = hs(supervisor, "kill", "--idle-for", "3s")
     assert result.returncode == 0
     assert sorted(result.stdout.splitlines()) == sorted(
         [line for line in result.stdout.splitlines() if line.startswith(("k1:", "k2:"))]
