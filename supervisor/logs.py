@@ -99,7 +99,9 @@ class SessionLog:
         limit). The bucket starts full and keeps its level when the same
         limit is set again for the session's next worker."""
         new_rate = float(rate) if rate else None
-        new_burst = float(max(1, burst))
+        # At least one read's worth: a smaller bucket would only mean more,
+        # smaller reads, each a wake-up of the loop.
+        new_burst = float(max(READ_SIZE, burst))
         if (new_rate, new_burst) == (self.rate, self.burst):
             return
         if self.rate is None:

@@ -162,3 +162,36 @@ def test_a_log_that_cannot_be_written_counts_and_says_so_once(
     assert text.endswith("after\n")
     resumed = [r.getMessage() for r in caplog.records if "session_log_resumed" in r.getMessage()]
     assert resumed == ["session_log_resumed session=k lost_lines=50"]
+
+
+def test_over_its_rate_a_pipe_is_held_and_nothing_is_lost(tmp_path: Path) -> None:
+    """Beyond the burst the reader stops reading until the bucket refills
+    (the writer would block), then goes on: every line arrives, no sooner
+    than the rate allows."""
+    import asyncio
+
+    from hermes_sup.supervisor.logs import READ_SIZE, PipeReader, SessionLog
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1024 * 1024)
+    line = b"y" * 63 + b"\n"
+    count = 15 * READ_SIZE // len(line)  # 960 KiB
+    os.write(w, line * count)
+    os.close(w)
+    log = SessionLog(tmp_path / "worker.log")
+    rate = 1024 * 1024
+    log.limit_rate(rate, READ_SIZE)
+
+    async def run() -> float:
+        ended = asyncio.Event()
+        reader = PipeReader(r, log, "k", lambda lines: None)
+        started = time.monotonic()
+        reader.start(asyncio.get_running_loop(), ended.set)
+        await asyncio.wait_for(ended.wait(), 30)
+        return time.monotonic() - started
+
+    took = asyncio.run(run())
+    assert (tmp_path / "worker.log").read_bytes() == line * count
+    # 960 KiB at 1 MiB/s after a 64 KiB burst: at least 0.8 s, however fast
+    # the machine (a slow one only takes longer).
+    assert took >= (count * len(line) - READ_SIZE) / rate * 0.9, took
