@@ -254,13 +254,14 @@ def test_overloaded_is_503_with_retry_after(endpoint_factory) -> None:
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", chat, json=busy, headers=endpoint.headers()) as held:
             assert held.status_code == 200
-            next(held.iter_lines())  # the role chunk: the only slot is busy now
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)  # the role chunk: the only slot is busy now
             other = http.post(
                 chat,
                 json={"messages": [{"role": "user", "content": "pid"}]},
                 headers=endpoint.headers(**{"X-Hermes-Session-Id": "other"}),
             )
-            assert other.status_code == 503 and other.headers["Retry-After"]
+            assert other.status_code == 503 and other.headers["Retry-After"], endpoint.log()
             assert other.json()["error"]["code"] == "overloaded"
 
 
