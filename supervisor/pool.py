@@ -206,16 +206,20 @@ class WorkerPool:
             )
             session.pipe = reader
             reader.start(asyncio.get_running_loop(), lambda: self.pipe_closed(session, reader))
-        try:
-            self.records.add(proc.pid, session.key, proc.create_time)
-        except OSError as exc:
-            # Only a later supervisor's clean-up reads it: the worker runs on
-            # without (a full disk must not fail its start half-way).
-            log.warning(kv("worker_record_failed", pid=proc.pid, error=exc.strerror or exc))
+        self._record(proc.pid, session.key, proc.create_time)
         log.info(kv("spawned", session=session.key, pid=proc.pid))
         if self.ctx.metrics is not None:
             self.ctx.metrics.spawns.inc()
         return self.unclaimed_exits.pop(proc.pid, None)
+
+    def _record(self, pid: int, key: str, create_time: float | None) -> None:
+        """Record a worker for a later supervisor's clean-up. Only that reads
+        it: the worker runs on without one (a full disk must not fail its
+        start half-way)."""
+        try:
+            self.records.add(pid, key, create_time)
+        except OSError as exc:
+            log.warning(kv("worker_record_failed", pid=pid, error=exc.strerror or exc))
 
     def pipe_closed(self, session: Session, reader: PipeReader) -> None:
         """A worker's output pipe reached its end (the worker and every
@@ -294,7 +298,7 @@ class WorkerPool:
                 return
             proc = WorkerProcess(pid)
             self.spares.forked(spare, proc, out_fd)
-            self.records.add(pid, "(spare)", proc.create_time)
+            self._record(pid, "(spare)", proc.create_time)
             if spare.worker_id not in self.spares.by_id or not self.ctx.accepting:
                 proc.kill()  # trimmed or shutting down while it was forked
             status = self.unclaimed_exits.pop(pid, None)

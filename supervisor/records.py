@@ -30,11 +30,15 @@ class WorkerRecords:
         self.dir.mkdir(mode=0o700, exist_ok=True)
 
     def add(self, pid: int, key: str, create_time: float | None) -> None:
-        """Record a live worker."""
+        """Record a live worker. OSError (a full disk) leaves no partial record."""
         path = self.dir / str(pid)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "create_time": create_time}, f)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": key, "create_time": create_time}, f)
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
 
     def remove(self, pid: int) -> None:
         """Forget a worker that has been reaped."""

@@ -223,10 +223,14 @@ def save_session_meta(session: Session) -> None:
     meta = session.dir / SESSION_FILE
     tmp = meta.with_suffix(".tmp")
     data = {"key": session.key, "options": session.options.to_wire(), "created": session.created_at}
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, meta)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, meta)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves the old file, not a partial one
+        raise
 
 
 def read_session_meta(path: Path | str) -> dict[str, Any] | None:

@@ -111,7 +111,7 @@ class SessionTable:
             if fresh:
                 session.unsaved = True  # written once its worker is asked for
             else:
-                save_session_meta(session)
+                self._save_meta(session)
             self.sessions[key] = session
             log.info(kv("session_new", session=key, dir=path.name))
         elif options is not None and options != session.options:
@@ -122,8 +122,17 @@ class SessionTable:
                 )
             session.options = options
             if not session.unsaved:
-                save_session_meta(session)
+                self._save_meta(session)
         return session
+
+    def _save_meta(self, session: Session) -> None:
+        """Rewrite a session's session.json; on a full disk the old one stays
+        and the session is served all the same (it is rewritten at the next
+        chance), with one line instead of an internal error per request."""
+        try:
+            save_session_meta(session)
+        except OSError as exc:
+            log.warning(kv("session_meta_failed", session=session.key, error=exc.strerror or exc))
 
     def save_new(self, session: Session) -> None:
         """Write a new session's directory and session.json, once its first

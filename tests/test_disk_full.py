@@ -145,3 +145,33 @@ def test_a_worker_starts_when_its_record_cannot_be_written(supervisor_factory, s
     text = sup.log()
     assert "Traceback" not in text
     assert "worker_record_failed" in text
+
+
+def test_a_session_json_that_cannot_be_written_does_not_fail_the_request(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A session left on disk, whose session.json cannot be rewritten (a full
+    disk): its turn runs, with one line saying so, not an internal error."""
+    import errno
+
+    from hermes_sup.supervisor import table as table_module
+
+    from .fakes import Rig
+
+    rig = Rig(tmp_path, monkeypatch)
+    rig.table.find_or_create("stored", None)
+    rig.table.save_new(rig.table.require("stored"))  # on disk, as an earlier run left it
+    rig.table.sessions.clear()
+
+    def full(session) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(table_module, "save_session_meta", full)
+
+    async def scenario() -> None:
+        req = rig.send("stored", "hi")
+        assert not [m for m in rig.finals(req) if m.kind.value == "error"]
+        assert rig.table.require("stored").state.value == "starting"
+
+    rig.run(scenario())
+    assert "session_meta_failed session=stored" in caplog.text
