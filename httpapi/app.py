@@ -154,8 +154,10 @@ class Api:
         model = body.get("model")
         return model if isinstance(model, str) and model else self.settings.model
 
-    async def open_turn(self, ref: SessionRef, text: str) -> OpenTurn:
-        return await open_turn(self.client(), ref.key, text)
+    async def open_turn(
+        self, ref: SessionRef, text: str, context: dict[str, Any] | None = None
+    ) -> OpenTurn:
+        return await open_turn(self.client(), ref.key, text, context)
 
 
 def _peer(request: Request) -> str:

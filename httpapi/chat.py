@@ -41,7 +41,13 @@ from hermes_sup.client import (
 from hermes_sup.supervisor.logfmt import kv
 
 from .errors import ApiError, from_client_error
-from .sessions import SESSION_ID_HEADER, SESSION_KEY_HEADER, derive_chat_session_id, parse_chat
+from .sessions import (
+    SESSION_ID_HEADER,
+    SESSION_KEY_HEADER,
+    derive_chat_session_id,
+    parse_chat,
+    turn_context,
+)
 from .turns import END, OpenTurn, Pump, QueueSink
 
 if TYPE_CHECKING:
@@ -140,10 +146,11 @@ async def chat_completions(api: Api, request: Request) -> Response:
     model = api.model_of(body)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
     created = int(time.time())
-    opened = await api.open_turn(ref, chat.text)
     # As Hermes answers: the conversation's id (the client's, or the one
     # derived), and the session key header echoed when there was one.
     id_header = request.headers.get(SESSION_ID_HEADER, "").strip()
+    context = turn_context(chat.system, chat.history, id_header or derived)
+    opened = await api.open_turn(ref, chat.text, context)
     headers = {SESSION_ID_HEADER: id_header or derived}
     key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
     if key_header:
@@ -153,7 +160,7 @@ async def chat_completions(api: Api, request: Request) -> Response:
         if isinstance(event, ApprovalRequest):
             log.info(kv("http_approval_denied", session=ref.key, command=event.command[:200]))
             try:
-                await opened.client.approve(ref.key, "deny")
+                await opened.client.approve(ref.key, "deny", approval=event.id)
             except ClientError as exc:
                 log.warning(kv("http_approval_deny_failed", session=ref.key, error=exc))
 

@@ -48,7 +48,7 @@ from hermes_sup.supervisor.logfmt import kv
 
 from .chat import SSE_HEADERS, usage_of
 from .errors import ApiError
-from .sessions import SESSION_KEY_HEADER, SessionRef, text_of
+from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
 from .turns import Pump
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class Run:
     status: str = "queued"
     turn: str | None = None
     stopping: bool = False
-    waiting_approval: bool = False
+    approvals: list[str | None] = field(default_factory=list)  # waiting, oldest first
     fields: dict[str, Any] = field(default_factory=dict)
     events: deque[dict[str, Any]] = field(init=False)
     subscribers: set[asyncio.Queue[Any]] = field(default_factory=set)
@@ -193,18 +193,10 @@ class Runs:
             text = text_of(raw_input, "input")
         if not text.strip():
             raise ApiError(400, "No user message found in input", "missing_input")
-        history = body.get("conversation_history")
-        if history is not None and history != []:
-            # Checked as Hermes checks it; the session's worker keeps its own
-            # conversation, so it is not passed on (README: what is not served).
-            if not isinstance(history, list) or not all(
-                isinstance(e, dict) and "role" in e and "content" in e for e in history
-            ):
-                raise ApiError(
-                    400,
-                    "'conversation_history' must be an array of objects with 'role' and 'content'",
-                    "invalid_conversation_history",
-                )
+        history = self._history(body, raw_input)
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise ApiError(400, "'instructions' must be a string", "invalid_instructions")
         run_id = f"run_{uuid.uuid4().hex}"
         session_id = body.get("session_id")
         if session_id is not None and not isinstance(session_id, str):
@@ -212,7 +204,8 @@ class Runs:
         ref = api.header_ref(request) or api.ref(session_id or run_id)
         model = api.model_of(body)
         self._sweep()
-        opened = await api.open_turn(ref, text)
+        context = turn_context(instructions, history, session_id or ref.original)
+        opened = await api.open_turn(ref, text, context)
         run = Run(run_id, ref, model, api.settings.run_events)
         run.turn = opened.id
         self.by_id[run_id] = run
@@ -228,6 +221,40 @@ class Runs:
         if key_header:
             headers[SESSION_KEY_HEADER] = key_header
         return JSONResponse({"run_id": run_id, "status": "started"}, 202, headers=headers)
+
+    @staticmethod
+    def _history(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
+        """The conversation the front end sends with a run, as Hermes reads
+        it: `conversation_history`, else the messages of an `input` array
+        before its last one. Passed to the session's runtime as the turn's
+        context; the runtime decides whether it needs it."""
+        raw = body.get("conversation_history")
+        if raw:
+            if not isinstance(raw, list) or not all(
+                isinstance(e, dict) and "role" in e and "content" in e for e in raw
+            ):
+                raise ApiError(
+                    400,
+                    "'conversation_history' must be an array of objects with 'role' and 'content'",
+                    "invalid_conversation_history",
+                )
+            return [
+                {
+                    "role": str(e["role"]),
+                    "content": text_of(e["content"], f"conversation_history[{i}]"),
+                }
+                for i, e in enumerate(raw)
+            ]
+        if isinstance(raw_input, list):
+            return [
+                {
+                    "role": str(m["role"]),
+                    "content": text_of(m.get("content"), f"input[{i}].content"),
+                }
+                for i, m in enumerate(raw_input[:-1])
+                if isinstance(m, dict) and m.get("role") and m.get("content")
+            ]
+        return []
 
     def _record(self, run: Run, item: Event | ClientError) -> None:
         """A turn's event, as the run's status and events."""
@@ -255,7 +282,7 @@ class Runs:
                     tool_call_id=item.id,
                 )
         elif isinstance(item, ApprovalRequest):
-            run.waiting_approval = True
+            run.approvals.append(item.id)
             run.set_status("waiting_for_approval")
             d = item.data if isinstance(item.data, dict) else {}
             keys = d.get("pattern_keys") if isinstance(d.get("pattern_keys"), list) else []
@@ -267,14 +294,18 @@ class Runs:
                 pattern_keys=keys,
                 allow_permanent=item.allow_permanent,
                 choices=list(item.choices),
+                approval_id=item.id,
             )
         elif isinstance(item, ApprovalTimeout):
-            run.waiting_approval = False
-            if not run.stopping:
+            if item.id in run.approvals:
+                run.approvals.remove(item.id)
+            elif run.approvals:
+                run.approvals.pop(0)
+            if not run.stopping and not run.approvals:
                 run.set_status("running")
             run.publish("approval.responded", choice="deny", resolved=0, reason="timeout")
         elif isinstance(item, Reply):
-            run.waiting_approval = False
+            run.approvals.clear()
             cancelled = run.stopping or (isinstance(item.data, dict) and item.data.get("cancelled"))
             if cancelled:
                 run.set_status("cancelled")
@@ -292,7 +323,7 @@ class Runs:
                 run.set_status("completed", output=item.text, usage=u)
                 run.publish("run.completed", output=item.text, usage=u)
         elif isinstance(item, ClientError):
-            run.waiting_approval = False
+            run.approvals.clear()
             message = item.message if isinstance(item, SupervisorError) else str(item)
             if run.stopping:
                 run.set_status("cancelled")
@@ -340,18 +371,26 @@ class Runs:
                 "Invalid approval choice; expected one of: once, session, always, deny",
                 "invalid_approval_choice",
             )
-        if run.ended or not run.waiting_approval:
+        if run.ended or not run.approvals:
             raise ApiError(409, f"Run has no pending approval: {run.id}", "approval_not_pending")
-        await self.api.client().approve(run.ref.key, choice)
-        run.waiting_approval = False
-        run.set_status("stopping" if run.stopping else "running")
-        run.publish("approval.responded", choice=choice, resolved=1)
+        every = body.get("all") in (True, "true", 1) or body.get("resolve_all") in (True, "true", 1)
+        resolved = 0
+        # Oldest first, as Hermes resolves them; each answer names its request,
+        # so it never reaches a command it was not meant for.
+        for approval in list(run.approvals) if every else run.approvals[:1]:
+            await self.api.client().approve(run.ref.key, choice, approval=approval)
+            if approval in run.approvals:
+                run.approvals.remove(approval)
+            resolved += 1
+        if not run.approvals:
+            run.set_status("stopping" if run.stopping else "running")
+        run.publish("approval.responded", choice=choice, resolved=resolved)
         return JSONResponse(
             {
                 "object": "hermes.run.approval_response",
                 "run_id": run.id,
                 "choice": choice,
-                "resolved": 1,
+                "resolved": resolved,
             }
         )
 

@@ -120,11 +120,13 @@ def text_of(content: Any, where: str) -> str:
 @dataclass(frozen=True)
 class ChatTurn:
     """What a chat-completions request asks: the newest user message, the
-    system prompt, and the first user message (for the derived id)."""
+    system prompt, the first user message (for the derived id), and the
+    user and assistant messages before the newest (text only)."""
 
     text: str
     system: str | None
     first_user: str
+    history: list[dict[str, str]]
 
 
 def parse_chat(body: dict[str, Any]) -> ChatTurn:
@@ -134,6 +136,7 @@ def parse_chat(body: dict[str, Any]) -> ChatTurn:
         raise ApiError(400, "Missing or invalid 'messages' field", "invalid_messages")
     system: str | None = None
     users: list[str] = []
+    said: list[dict[str, str]] = []
     last_role = ""
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -144,8 +147,25 @@ def parse_chat(body: dict[str, Any]) -> ChatTurn:
             system = text if system is None else system + "\n" + text
         elif role in ("user", "assistant"):
             last_role = role
+            text = text_of(msg.get("content"), f"messages[{i}].content")
+            said.append({"role": role, "content": text})
             if role == "user":
-                users.append(text_of(msg.get("content"), f"messages[{i}].content"))
+                users.append(text)
     if not users or last_role != "user" or not users[-1].strip():
         raise ApiError(400, "No user message found in messages", "no_user_message")
-    return ChatTurn(users[-1], system, users[0])
+    return ChatTurn(users[-1], system, users[0], said[:-1])
+
+
+def turn_context(
+    instructions: str | None, history: list[dict[str, str]], conversation: str
+) -> dict[str, Any]:
+    """A turn's `context` for the session's runtime (PROTOCOL.md): the
+    front end's system prompt and history for this turn, and its
+    conversation id. The runtime decides what to use (Hermes keeps its own
+    history in the session's state.db)."""
+    context: dict[str, Any] = {"conversation": conversation}
+    if instructions:
+        context["instructions"] = instructions
+    if history:
+        context["history"] = history
+    return context

@@ -44,11 +44,13 @@ class OpenTurn:
         return self.turn.id
 
 
-async def open_turn(client: AsyncClient, key: str, text: str) -> OpenTurn:
-    """Send a turn and read its first answer (queued or running, said at
-    once), so that a refusal (overloaded, busy, failed session) raises here,
-    before the HTTP response has started."""
-    turn = await client.send(key, text)
+async def open_turn(
+    client: AsyncClient, key: str, text: str, context: dict[str, Any] | None = None
+) -> OpenTurn:
+    """Send a turn (with its front end's context, if any) and read its first
+    answer (queued or running, said at once), so that a refusal (overloaded,
+    busy, failed session) raises here, before the HTTP response has started."""
+    turn = await client.send(key, text, context=context or None)
     events: AsyncGenerator[Event, None] = turn.__aiter__()
     try:
         first = await events.__anext__()

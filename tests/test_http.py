@@ -168,6 +168,24 @@ def test_each_conversation_is_its_own_worker(endpoint) -> None:
     assert say("env HERMES_SESSION_KEY", **bob) == "webui:bob"  # the key header wins
     assert say("pid", **alice) in pids and say("cwd", **alice) != say("cwd", **bob)
 
+    # The front end's system prompt, earlier messages and conversation id go
+    # with the turn, for the runtime to use if it keeps no history itself.
+    context = client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "context"},
+        ],
+        extra_headers=alice,
+    )
+    assert json.loads(context.choices[0].message.content) == {
+        "conversation": "alice",
+        "instructions": "be brief",
+        "history": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    }
+
     # A client that resends the whole history and names no session gets the
     # id Hermes derives from the conversation's start: one worker per chat.
     history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "pid"}]
@@ -394,6 +412,7 @@ def test_runs_with_approvals_and_stop(endpoint) -> None:
     events = run_events(endpoint, denied, "approval.request")
     request = events[-1]
     assert request["command"] == "touch denied.txt" and "deny" in request["choices"]
+    assert request["approval_id"]
     status = httpx.get(f"{url}/v1/runs/{denied}", headers=auth).json()
     assert status["object"] == "hermes.run" and status["status"] == "waiting_for_approval"
     bad = httpx.post(f"{url}/v1/runs/{denied}/approval", json={"choice": "maybe"}, headers=auth)
@@ -432,6 +451,14 @@ def test_runs_with_approvals_and_stop(endpoint) -> None:
     run_events(endpoint, pending, "approval.request")
     httpx.post(f"{url}/v1/runs/{pending}/stop", headers=auth)
     assert run_events(endpoint, pending, "run.cancelled")[-1]["event"] == "run.cancelled"
+
+    # webui's instructions, history and session id reach the runtime.
+    told = run_events(endpoint, start("context"), "run.completed")[-1]["output"]
+    assert json.loads(told) == {
+        "conversation": "w1",
+        "instructions": "be careful",
+        "history": [{"role": "user", "content": "earlier"}],
+    }
 
     # Text streams as message.delta; a subscriber that comes after the end
     # still gets it all, kept as one delta.
