@@ -306,7 +306,9 @@ class Runs:
             run.publish("approval.responded", choice="deny", resolved=0, reason="timeout")
         elif isinstance(item, Reply):
             run.approvals.clear()
-            cancelled = run.stopping or (isinstance(item.data, dict) and item.data.get("cancelled"))
+            d = item.data if isinstance(item.data, dict) else {}
+            # The probe says cancelled, Hermes interrupted.
+            cancelled = run.stopping or bool(d.get("cancelled") or d.get("interrupted"))
             if cancelled:
                 run.set_status("cancelled")
                 run.publish("run.cancelled")
