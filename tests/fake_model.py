@@ -5,11 +5,14 @@ Scripted by the user's message, so each session drives it independently:
   "run: COMMAND"   first answer: a `terminal` tool call running COMMAND;
                    once the tool result is in the conversation: "done: RESULT"
   "runs: A ;; B"   a `terminal` tool call for each command in turn, then "done: RESULT"
+  "narrate: COMMAND"  as "run:", with a sentence to the user beside the tool call
+  "ask: QUESTION ;; A | B"  a `clarify` tool call (choices A, B), then "done: RESULT"
   "slow: N"        streams a reply token by token over about N seconds
   anything else    streams "echo: TEXT" (with the number of earlier user turns)
 
 Streams SSE chunks (`data: {...}` then `data: [DONE]`) as the real API does,
-and records every request it served.
+and records every request it served (`requests`), and its Authorization
+header (`auth`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class FakeModel:
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
+        self.auth: list[str | None] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_port}/v1"
@@ -81,6 +85,7 @@ class FakeModel:
                     self._json(404, {"error": {"message": "not found"}})
                     return
                 fake.requests.append(body)
+                fake.auth.append(self.headers.get("Authorization"))
                 chunks = fake.script(body.get("messages", []))
                 if not body.get("stream"):
                     self._json(200, fake.non_streaming(chunks))
@@ -129,6 +134,13 @@ class FakeModel:
             return self._say(f"done: {_text(last)}")
         if text.startswith("run: "):
             return self._tool_call(text[len("run: ") :])
+        if text.startswith("narrate: "):
+            command = text[len("narrate: ") :]
+            return self._tool_call(command, say=f"Running {command} for you.")
+        if text.startswith("ask: "):
+            question, _, choices = text[len("ask: ") :].partition(" ;; ")
+            args = {"question": question, "choices": choices.split(" | ") if choices else []}
+            return self._tool_call("", name="clarify", args=args)
         slow = re.fullmatch(r"slow: (\d+(?:\.\d+)?)", text)
         if slow:
             seconds = float(slow.group(1))
@@ -136,15 +148,23 @@ class FakeModel:
             return self._say("".join(words), pause=seconds / 20)
         return self._say(f"echo: {text} (turn {len(users)})")
 
-    def _tool_call(self, command: str) -> list[tuple[dict[str, Any], float]]:
-        """An answer that calls the `terminal` tool to run `command`."""
+    def _tool_call(
+        self,
+        command: str,
+        say: str = "",
+        name: str = "terminal",
+        args: dict[str, Any] | None = None,
+    ) -> list[tuple[dict[str, Any], float]]:
+        """An answer that calls the `terminal` tool to run `command` (or
+        tool `name` with `args`), saying `say` first if given."""
         call = {
             "index": 0,
             "id": f"call_{len(self.requests)}",
             "type": "function",
-            "function": {"name": "terminal", "arguments": json.dumps({"command": command})},
+            "function": {"name": name, "arguments": json.dumps(args or {"command": command})},
         }
-        return [
+        said = [(self._chunk({"role": "assistant", "content": say}), 0.0)] if say else []
+        return said + [
             (self._chunk({"role": "assistant", "tool_calls": [call]}), 0.0),
             (self._chunk({}, "tool_calls"), 0.0),
         ]
