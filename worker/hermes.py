@@ -13,14 +13,43 @@ a failed turn with a readable message and the session stays usable, while a
 hermes that cannot even be imported fails the worker at start (it never
 could work). Conversation history lives in the session's own state.db, so a
 new worker (after kill, culling or a crash) resumes the same conversation.
+
+The agent's model settings are resolved as Hermes's own API server resolves
+them (gateway/platforms/api_server.py, `_create_agent`): model, provider,
+base_url, credentials, toolsets (`platform_toolsets.api_server`), iteration
+budget, reasoning and fallback chain from the session's HERMES_HOME
+config.yaml, with Hermes's own helpers. The supervisor's agent config (and
+the session's `agent` options) win over it, key by key: an explicit
+`base_url` is used as given, with no provider resolution, as before. The
+api key of the agent config is handed to the agent, never put in os.environ.
+
+A turn's `context` (PROTOCOL.md) maps onto what the API server takes:
+`instructions` becomes the turn's ephemeral system prompt (for that turn
+only); `conversation` is the id Hermes records the conversation under in
+state.db (its `session_id`, as X-Hermes-Session-Id or a run's `session_id`
+is to the API server), the session key when absent; `history` is the
+conversation as the front end knows it. state.db is the authority: history
+is used only when state.db holds no message of that conversation yet, and
+then it is written into state.db before the turn, so that the next turns
+find it there (Hermes persists only the messages a turn adds). A front end
+that resends its whole history each turn therefore never doubles it.
+
+Hermes's callbacks become events: tokens, tool start/progress/complete with
+every field Hermes gives (and the emoji and label its API server shows),
+interim assistant messages (`assistant_message`), approvals, and clarify
+questions (`clarify`). The protocol has no way yet to answer a clarify
+question, so the agent is told at once that the question was shown and that
+the user's next message is the answer.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +64,84 @@ HERMES_SAFE_PRELOAD = ("openai", "httpx", "pydantic", "yaml", "jinja2", "anyio",
 APPROVAL_CHOICES = ("once", "session", "always", "deny")
 # Seconds past hermes's own approval timeout before we report one.
 APPROVAL_TIMEOUT_SLACK = 0.25
+# The toolsets of a session whose agent config names none: those Hermes's API
+# server gives its agents (config.yaml `platform_toolsets.api_server`).
+TOOLSET_PLATFORM = "api_server"
+# A conversation id becomes a state.db key and part of file names: Hermes's
+# API server refuses longer ones and those that could leave a directory.
+MAX_CONVERSATION_ID = 256
+_UNSAFE_ID = re.compile(r"[\x00-\x1f\x7f/\\]|\.\.")
+HISTORY_ROLES = ("user", "assistant")
+# What the clarify tool answers the agent: nobody can reply within the turn.
+CLARIFY_SHOWN = (
+    "[the question was shown to the user, who cannot answer it during this turn: "
+    "end your turn by asking it (the user's next message is the answer), or go on "
+    "with a reasonable choice and say which]"
+)
 
 
 class HermesTurnError(Exception):
     """A turn that hermes could not complete; the message says why."""
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """A turn's context (PROTOCOL.md), checked: what the front end sent."""
+
+    instructions: str | None = None
+    history: tuple[dict[str, str], ...] = ()
+    conversation: str | None = None
+
+    @classmethod
+    def parse(cls, context: dict[str, Any] | None) -> TurnContext:
+        """Check the keys this runtime reads (others are ignored); a bad one
+        fails the turn with a message that names it."""
+        if not context:
+            return cls()
+        instructions = context.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise HermesTurnError("context instructions must be a string")
+        conversation = context.get("conversation")
+        if conversation is not None:
+            if not isinstance(conversation, str) or not conversation:
+                raise HermesTurnError("context conversation must be a non-empty string")
+            if len(conversation) > MAX_CONVERSATION_ID:
+                raise HermesTurnError(
+                    f"context conversation is {len(conversation)} characters, "
+                    f"over {MAX_CONVERSATION_ID}"
+                )
+            if _UNSAFE_ID.search(conversation):
+                raise HermesTurnError(
+                    "context conversation may not hold control characters, '/', '\\' or '..'"
+                )
+        return cls(instructions or None, _history(context.get("history")), conversation)
+
+
+def _history(raw: Any) -> tuple[dict[str, str], ...]:
+    """A front end's history as Hermes's conversation messages. Other roles
+    than user and assistant (system, tool) are left out, as Hermes's API
+    server leaves them out of a chat's history; text parts of a content
+    list are joined (images and files are not carried)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise HermesTurnError("context history must be a list of {role, content} maps")
+    messages = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict) or not isinstance(entry.get("role"), str):
+            raise HermesTurnError(f"context history[{i}] must be a map with a role")
+        if entry["role"] not in HISTORY_ROLES:
+            continue
+        content = entry.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            content = "".join(t for t in parts if isinstance(t, str))
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise HermesTurnError(f"context history[{i}].content must be a string or a list")
+        messages.append({"role": entry["role"], "content": content})
+    return tuple(messages)
 
 
 class HermesRuntime:
@@ -57,7 +160,8 @@ class HermesRuntime:
             # SOUL.md); from then on its home is its own.
             shutil.copytree(template, home, dirs_exist_ok=True, symlinks=True)
         # Import now: the environment is the session's own, so whatever hermes
-        # captures at import is this session's.
+        # captures at import is this session's (gateway.run: its HERMES_HOME).
+        import gateway.run  # noqa: F401  (config.yaml resolution, as the API server's)
         import run_agent  # noqa: F401  (the heavy import, done before we say ready)
         import tools.approval as approval
         from hermes_state import SessionDB
@@ -65,69 +169,158 @@ class HermesRuntime:
         self._approval = approval
         self.db = SessionDB(db_path=home / "state.db")
         self.agent: Any = None
+        # The state.db session the agent records into (its `session_id`).
+        self._conversation: str | None = None
         self._emit: Emit | None = None
         # Approval requests waiting for an answer, oldest first (hermes
         # resolves them in that order), each with the timer that reports
         # its timeout when hermes stops waiting.
         self._pending: list[tuple[str, dict[str, Any], threading.Timer]] = []
         self._asked = 0
+        self._clarified = 0
+        # Duration and outcome of the tool call that just completed: Hermes
+        # reports them in tool progress, right before its tool_complete.
+        self._completed: tuple[str, dict[str, Any]] | None = None
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- agent
 
-    def _build_agent(self) -> Any:
-        from run_agent import AIAgent
+    def _agent_settings(self) -> dict[str, Any]:
+        """The AIAgent's model settings: the agent config's keys over what
+        Hermes's API server would resolve from the session's config.yaml."""
+        from gateway.run import (
+            GatewayRunner,
+            _current_max_iterations,
+            _load_gateway_config,
+            _resolve_gateway_model,
+            _resolve_runtime_agent_kwargs,
+            _resolve_runtime_agent_kwargs_for_provider,
+        )
+        from hermes_cli.tools_config import _get_platform_tools
 
         cfg = self.config
-        missing = [k for k in ("model", "base_url") if not cfg.get(k)]
-        if missing:
+        user_config = _load_gateway_config()
+        runtime: dict[str, Any]
+        if cfg.get("base_url"):
+            # An endpoint named outright: used as given, nothing to resolve.
+            runtime = {"base_url": cfg["base_url"], "provider": cfg.get("provider", "custom")}
+        else:
+            try:
+                if cfg.get("provider"):
+                    runtime = _resolve_runtime_agent_kwargs_for_provider(cfg["provider"])
+                else:
+                    runtime = _resolve_runtime_agent_kwargs()
+            except Exception as exc:
+                raise HermesTurnError(
+                    "the hermes runtime found no model endpoint: set base_url in its agent "
+                    "config (--agent-config, or the session's agent options) or "
+                    f"model.provider / model.base_url in the session's config.yaml ({exc})"
+                ) from exc
+        model = (
+            cfg.get("model") or runtime.pop("model", None) or _resolve_gateway_model(user_config)
+        )
+        runtime.pop("model", None)
+        if not model:
             raise HermesTurnError(
-                f"the hermes runtime needs {' and '.join(missing)} in its agent config "
-                "(--agent-config, or the session's agent options)"
+                "the hermes runtime has no model: set model in its agent config "
+                "(--agent-config, or the session's agent options) or model.default in the "
+                "session's config.yaml"
             )
-        env = os.environ
+        if cfg.get("api_key"):
+            runtime["api_key"] = cfg["api_key"]
+        elif not runtime.get("api_key"):
+            runtime["api_key"] = "none"  # a local endpoint that takes any key
         toolsets = cfg.get("toolsets")
+        return {
+            **runtime,
+            "model": model,
+            "max_iterations": (
+                int(cfg["max_iterations"]) if "max_iterations" in cfg else _current_max_iterations()
+            ),
+            "enabled_toolsets": (
+                list(toolsets)
+                if toolsets
+                else sorted(_get_platform_tools(user_config, TOOLSET_PLATFORM))
+            ),
+            "reasoning_config": GatewayRunner._load_reasoning_config(model),
+            "fallback_model": GatewayRunner._load_fallback_model(),
+        }
+
+    def _build_agent(self, conversation: str) -> Any:
+        from run_agent import AIAgent
+
+        env = os.environ
         return AIAgent(
-            base_url=cfg["base_url"],
-            api_key=cfg.get("api_key") or "none",
-            provider=cfg.get("provider", "custom"),
-            model=cfg["model"],
-            max_iterations=int(cfg.get("max_iterations", 30)),
+            **self._agent_settings(),
             quiet_mode=True,
-            session_id=self.session.key,
+            session_id=conversation,
             session_db=self.db,
             gateway_session_key=self.session.key,
-            platform=env.get("HERMES_SESSION_PLATFORM") or "api",
+            platform=self._platform(),
             chat_id=env.get("HERMES_SESSION_CHAT_ID"),
             chat_name=env.get("HERMES_SESSION_CHAT_NAME"),
             thread_id=env.get("HERMES_SESSION_THREAD_ID"),
             user_id=env.get("HERMES_SESSION_USER_ID"),
             user_name=env.get("HERMES_SESSION_USER_NAME"),
-            enabled_toolsets=list(toolsets) if toolsets else None,
             stream_delta_callback=self._on_delta,
             tool_start_callback=self._on_tool_start,
             tool_complete_callback=self._on_tool_complete,
             tool_progress_callback=self._on_tool_progress,
+            interim_assistant_callback=self._on_interim,
+            clarify_callback=self._on_clarify,
             status_callback=self._on_status,
         )
 
+    @staticmethod
+    def _platform() -> str:
+        return os.environ.get("HERMES_SESSION_PLATFORM") or "api"
+
+    def _history(self, conversation: str, given: tuple[dict[str, str], ...]) -> list[Any]:
+        """The conversation so far: state.db's; the front end's `given`
+        history only if state.db has none of this conversation yet, and then
+        written into state.db first, so later turns find it there."""
+        stored = self.db.get_messages_as_conversation(conversation)
+        if stored or not given:
+            if given:
+                log.info(
+                    "context history of %d message(s) not used: state.db holds %d of %s",
+                    len(given),
+                    len(stored),
+                    conversation,
+                )
+            return list(stored)
+        source = os.environ.get("HERMES_SESSION_SOURCE") or self._platform()
+        self.db.ensure_session(conversation, source=source, session_key=self.session.key)
+        for message in given:
+            self.db.append_message(conversation, message["role"], message["content"])
+        return list(self.db.get_messages_as_conversation(conversation))
+
     # ---------------------------------------------------------------- turns
 
-    def run_turn(self, text: str, emit: Emit) -> TurnReply:
-        """Run one conversation turn with the session's history."""
+    def run_turn(self, text: str, emit: Emit, context: dict[str, Any] | None = None) -> TurnReply:
+        """Run one conversation turn with the session's history, and the
+        front end's context if it sent one (see the module docstring)."""
+        turn = TurnContext.parse(context)
+        conversation = turn.conversation or self.session.key
         self._emit = emit
         key = self.session.key
         self._approval.register_gateway_notify(key, self._on_approval)
         try:
-            if self.agent is None:
-                self.agent = self._build_agent()
+            if self.agent is None or conversation != self._conversation:
+                # A new agent records into the turn's conversation; Hermes
+                # fixes that at construction.
+                self.agent = self._build_agent(conversation)
+                self._conversation = conversation
             else:
                 # An interrupt left over from the previous turn (a cancel that
                 # came as it ended) must not stop this one. A cancel meant for
                 # this turn is repeated by the worker until the turn ends.
                 self.agent.clear_interrupt()
-            history = self.db.get_messages_as_conversation(key)
-            result = self.agent.run_conversation(text, conversation_history=history or None)
+            agent = self.agent
+            agent.ephemeral_system_prompt = turn.instructions  # this turn's only
+            history = self._history(conversation, turn.history)
+            before = _usage(agent)
+            result = agent.run_conversation(text, conversation_history=history or None)
         finally:
             self._approval.unregister_gateway_notify(key)
             self._approval_expired()
@@ -139,7 +332,17 @@ class HermesRuntime:
         if final is None or result.get("failed"):
             error = result.get("error") or "the agent returned no response"
             raise HermesTurnError(str(error))
-        return TurnReply(str(final), {"api_calls": result.get("api_calls")})
+        after = _usage(agent)
+        return TurnReply(
+            str(final),
+            {
+                "api_calls": result.get("api_calls"),
+                "usage": {name: after[name] - before[name] for name in after},
+                # Where Hermes recorded the turn: a compression moves a
+                # conversation on to a new id, as Hermes's API server reports.
+                "session_id": str(getattr(agent, "session_id", conversation)),
+            },
+        )
 
     def cancel(self) -> None:
         """Interrupt the running turn (hermes stops at its next check)."""
@@ -173,15 +376,60 @@ class HermesRuntime:
             self._send("token", delta)
 
     def _on_tool_start(self, call_id: str, name: str, args: Any, *rest: Any) -> None:
-        self._send("tool_start", {"id": call_id, "name": name, "args": _plain(args)})
+        self._send(
+            "tool_start",
+            {"id": call_id, "name": name, "args": _plain(args), **_display(name, args)},
+        )
 
     def _on_tool_complete(
         self, call_id: str, name: str, args: Any, result: Any, *rest: Any
     ) -> None:
-        self._send("tool_complete", {"id": call_id, "name": name, "result": _plain(result)})
+        data = {"id": call_id, "name": name, "result": _plain(result)}
+        completed, self._completed = self._completed, None
+        if completed is not None and completed[0] == name:
+            data.update(completed[1])
+        self._send("tool_complete", data)
 
-    def _on_tool_progress(self, *args: Any, **kwargs: Any) -> None:
-        self._send("tool_progress", _plain(list(args)))
+    def _on_tool_progress(
+        self,
+        event: str,
+        tool: str | None = None,
+        preview: Any = None,
+        args: Any = None,
+        *rest: Any,
+        **fields: Any,
+    ) -> None:
+        """Every field Hermes gives, by name: its event (tool.started,
+        tool.completed, tool.output_risk, reasoning.available, _thinking,
+        subagent_progress, ...), tool, preview, args, then its keywords
+        (duration, is_error, result, tool_call_id, ...)."""
+        data: dict[str, Any] = {"event": event, "tool": tool, "preview": preview, "args": args}
+        if rest:
+            data["more"] = list(rest)
+        data.update(fields)
+        if event == "tool.started" and tool:
+            shown = _display(tool, args)  # Hermes's own preview stays as it gave it
+            data.update({k: shown[k] for k in ("emoji", "label") if k in shown})
+        elif event == "tool.completed" and tool:
+            outcome = {k: fields[k] for k in ("duration", "is_error") if k in fields}
+            self._completed = (tool, _plain(outcome))
+        self._send("tool_progress", _plain(data))
+
+    def _on_interim(self, text: str, *rest: Any, already_streamed: bool = False, **_: Any) -> None:
+        """A message the agent says to the user mid-turn (beside its tool
+        calls); `already_streamed`: its text came as tokens too."""
+        self._send("assistant_message", {"text": text, "already_streamed": bool(already_streamed)})
+
+    def _on_clarify(self, question: str, choices: list[str] | None) -> str:
+        """The agent asks the user something. Show it to the front end; the
+        protocol cannot carry an answer back yet, so tell the agent so."""
+        with self._lock:
+            self._clarified += 1
+            clarify = f"clarify-{self._clarified}"
+        self._send(
+            "clarify", {"id": clarify, "question": question, "choices": _plain(choices or [])}
+        )
+        return CLARIFY_SHOWN
 
     def _on_status(self, *args: Any, **kwargs: Any) -> None:
         self._send("status", _plain(list(args)))
@@ -241,3 +489,30 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return str(value)
+
+
+def _display(name: str, args: Any) -> dict[str, str]:
+    """The emoji, preview and label Hermes's API server shows for a tool
+    call (`hermes.tool.progress`): the label is the preview, else the name."""
+    try:
+        from agent.display import build_tool_preview, get_tool_emoji
+
+        preview = build_tool_preview(name, args if isinstance(args, dict) else {})
+        return {
+            "emoji": str(get_tool_emoji(name)),
+            "preview": preview or "",
+            "label": preview or name,
+        }
+    except Exception:  # a tool hermes cannot describe is still reported
+        log.debug("no display for tool %s", name, exc_info=True)
+        return {}
+
+
+def _usage(agent: Any) -> dict[str, int]:
+    """The agent's token counts so far (Hermes counts over the agent's life;
+    a turn's usage is the difference)."""
+    return {
+        "input_tokens": int(getattr(agent, "session_prompt_tokens", 0) or 0),
+        "output_tokens": int(getattr(agent, "session_completion_tokens", 0) or 0),
+        "total_tokens": int(getattr(agent, "session_total_tokens", 0) or 0),
+    }
