@@ -48,7 +48,15 @@ from hermes_sup.protocol import (
 from . import remote
 from .channel import Channel
 from .config import Settings
-from .gate import REFUSAL_LINGER, Gate, client_caps, shut
+from .gate import (
+    REFUSAL_LINGER,
+    Door,
+    Gate,
+    client_caps,
+    shut_known,
+    tcp_address,
+    unix_address,
+)
 from .logfmt import kv
 from .session import Session
 
@@ -57,8 +65,9 @@ log = logging.getLogger("hermes_sup.supervisor")
 # A turn carries a client's text of up to the frame limit, in an envelope of
 # its own: room for that envelope on the way to a worker.
 ENVELOPE_ROOM = 64 * 1024
-# How long a TCP peer may take to complete its CURVE handshake.
-TCP_HANDSHAKE_MS = 10_000
+# How long a client may take to complete its handshake: one that connects
+# and says nothing holds a place among the client connections until then.
+HANDSHAKE_MS = 10_000
 
 
 def worker_limits(max_frame_size: int) -> Limits:
@@ -102,11 +111,27 @@ class Endpoints:
         )
         path = self.control.removeprefix("ipc://")
         control = self._router()
-        self.gate.watch(control, 0, "control", self.caps[0], lambda addr: addr == path)
+        control.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        self.gate.watch(control, 0, "control", self.caps[0], unix_address(path))
         self._bind(control, self.control)
+        try:
+            # After the bind: the door keeps the bound socket's name.
+            self.gate.watched[0].door = Door(path)
+        except OSError as exc:
+            log.warning(kv("client_door_unavailable", path=path, error=exc))
         self.fronts.append((self._front(control, 0, on_client, loop), self.key))
         self.auth = self._start_tcp(loop, on_client)
         self.gate.start()
+        if s.max_clients is not None and sum(self.caps) < s.max_clients:
+            log.warning(
+                kv(
+                    "max_clients_lowered",
+                    wanted=s.max_clients,
+                    allowed=sum(self.caps),
+                    fd_limit=fd_limit,
+                    hint="raise LimitNOFILE / ulimit -n, or lower max_sessions",
+                )
+            )
         log.info(kv("client_limit", local=self.caps[0], tcp=self.caps[1], fd_limit=fd_limit))
         back = self._router(self.worker_limits.max_frame_size)
         self.back = Channel(self._bind(back, self.worker), on_worker, loop)
@@ -155,7 +180,7 @@ class Endpoints:
                 re,
                 None,
             )
-        self.loop.call_later(REFUSAL_LINGER, shut, fd, refusal.inode)
+        self.loop.call_later(REFUSAL_LINGER, shut_known, fd, refusal.inode)
         return True
 
     def _start_tcp(
@@ -177,9 +202,7 @@ class Endpoints:
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.zap_domain = remote.ZAP_DOMAIN.encode()
-        # A peer that connects and never completes its handshake holds a
-        # place among the TCP connections; not for long.
-        sock.setsockopt(zmq.HANDSHAKE_IVL, TCP_HANDSHAKE_MS)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         # Peers that fail the handshake (no CURVE, wrong server key) never
         # reach ZAP; the socket's monitor is the only place they show.
         self.gate.watch(
@@ -187,7 +210,7 @@ class Endpoints:
             1,
             "tcp",
             self.caps[1],
-            lambda addr: isinstance(addr, tuple) and addr[1] == port,
+            tcp_address(port),
             HANDSHAKE_FAILURES,
             remote.log_handshake_failure,
         )

@@ -20,13 +20,26 @@ a moment (REFUSAL_GRACE) for its first request, to be answered with an
 request came from); at most REFUSALS_WAITING wait at once, the rest are shut
 at once. Refusals are logged through a throttle.
 
+That is a race: libzmq accepts in its own thread, and the gate can only
+answer after. A flood from several processes on a busy machine outran it
+and ran the descriptors out all the same. So the local socket's name is
+also a door (`Door`): when more connections over the cap come than can
+wait to be told why, while it stays full (a flood, not a client too many),
+the gate
+renames a socket that nobody accepts on over `control.sock` (the real one
+stays listening under another name, its connections untouched), and new
+connections wait in the kernel instead of costing descriptors, however long
+the flood and however slow the gate. When connections are back under the
+cap for a moment, the real socket gets its name back. The TCP socket needs
+no door: libzmq's TCP listener survives running out of descriptors.
+
 The gate runs in its own thread, blocked on the monitors: a connection flood
 must be answered while the event loop is busy with something else, and the
 descriptors libzmq takes meanwhile are the gate's margin (BURST_FDS in the
 budget below). A descriptor is only ever shut down once it is known to be
-the same connection: the local address must be the socket's own (not a
-worker's connection, a pipe or a file that took the number since) and its
-inode the one recorded at accept.
+a connection on the watched socket: its local address must be the
+socket's own (not a worker's connection, a pipe or a file that took the
+number since), and for one that waited, its inode the one seen at accept.
 
 The local socket and the TCP socket have separate caps, so peers on the
 network can never lock local clients (the operator's CLI) out.
@@ -40,16 +53,19 @@ connections get the rest, and whatever sessions do not use when
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
+
+from hermes_sup.local.frames import NOBLOCK, recv_frames
 
 from .limits import FDS_PER_SESSION, allowed_sessions
 from .logfmt import kv
@@ -57,6 +73,9 @@ from .throttle import Throttle, flush_all, flush_due
 
 log = logging.getLogger("hermes_sup.supervisor")
 
+# The budget (see the module docstring): descriptors of the supervisor's
+# own, the margin for connections taken before the gate shuts them, and the
+# fewest client connections a socket gets however tight the limit.
 BASE_FDS = 64
 BURST_FDS = 64
 MIN_CLIENTS = 8
@@ -69,9 +88,17 @@ REFUSAL_LINGER = 0.2
 # (a connection whose end it missed must not hold a place for good).
 RECOUNT_INTERVAL = 5.0
 POLL_MS = 1000
+# The door stays closed at least this long after the last refusal.
+DOOR_HOLD = 1.0
 
 REFUSED = Throttle(log, "client_refused")
+DOOR = Throttle(log, "client_door_closed")
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+ACCEPTED, DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
+# A monitor event's first frame: the event (uint16) and its value (uint32).
+# Read here rather than with pyzmq's parse_monitor_message, which took 7 us
+# of the 13 a refusal costs when a flood is to be outrun.
+EVENT_HEAD = struct.Struct("=HI")
 
 
 def client_caps(
@@ -89,11 +116,11 @@ def client_caps(
     room = fd_limit - BASE_FDS - BURST_FDS - FDS_PER_SESSION * (sessions + spare_workers)
     total = max(room, MIN_CLIENTS * (2 if tcp else 1))
     if wanted is not None:
-        total = min(total, wanted)
+        total = min(total, wanted)  # an operator may ask for fewer
     if not tcp:
-        return max(total, MIN_CLIENTS), 0
-    local = max(total // 2, MIN_CLIENTS)
-    return local, max(total - total // 2, MIN_CLIENTS)
+        return max(total, 1), 0
+    local = max(total // 2, 1)
+    return local, max(total - local, 1)
 
 
 @dataclass
@@ -103,10 +130,13 @@ class Watched:
     index: int  # the front socket's index (endpoints.py)
     name: str  # for the log: "control" or "tcp"
     cap: int
-    address: Callable[[object], bool]  # is this local address the socket's own?
+    address: Callable[[bytes], bool]  # is this local sockaddr the socket's own?
     monitor: zmq.Socket[bytes]
     other: Callable[[list[bytes]], None] | None  # events other than accept/disconnect
+    door: Door | None = None
     live: dict[int, int] = field(default_factory=dict)  # fd -> inode
+    last_refusal: float = 0.0
+    refused_while_full: int = 0  # since it was last under its cap
 
 
 @dataclass
@@ -140,12 +170,14 @@ class Gate:
         index: int,
         name: str,
         cap: int,
-        address: Callable[[object], bool],
+        address: Callable[[bytes], bool],
         extra_events: int = 0,
         other: Callable[[list[bytes]], None] | None = None,
+        door: Door | None = None,
     ) -> None:
         """Watch a client socket: call before it binds, so no connection is
-        missed. `extra_events` go to `other` (e.g. failed handshakes)."""
+        missed. `extra_events` go to `other` (e.g. failed handshakes); `door`
+        is closed while the socket is full."""
         endpoint = f"inproc://hermes-sup-gate-{index}"
         sock.monitor(endpoint, EVENTS | extra_events)
         monitor = self.ctx.socket(zmq.PAIR)
@@ -154,7 +186,7 @@ class Gate:
         # or one counted for good.
         monitor.setsockopt(zmq.RCVHWM, 0)
         monitor.connect(endpoint)
-        self.watched.append(Watched(index, name, cap, address, monitor, other))
+        self.watched.append(Watched(index, name, cap, address, monitor, other, door))
 
     def start(self) -> None:
         """Start the gate's thread (after `watch`, before clients come)."""
@@ -178,6 +210,9 @@ class Gate:
         if self._thread is None or not self._thread.is_alive():
             for watched in self.watched:
                 watched.monitor.close(0)
+        for watched in self.watched:
+            if watched.door is not None:
+                watched.door.remove()
         flush_all()
 
     # ------------------------------------------------------------ the thread
@@ -204,6 +239,7 @@ class Gate:
                     self._drain(ready_one)
             now = time.monotonic()
             self._expire(now)
+            self._reopen(now)
             if now >= next_recount:
                 next_recount = now + RECOUNT_INTERVAL
                 self._recount()
@@ -216,9 +252,10 @@ class Gate:
         return max(1, min(POLL_MS, int((soonest - time.monotonic()) * 1000) + 1))
 
     def _drain(self, watched: Watched) -> None:
+        monitor = watched.monitor
         while True:
             try:
-                frames = watched.monitor.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(monitor, NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -227,34 +264,54 @@ class Gate:
                 log.exception(kv("bug", where="client gate"))
 
     def _on_event(self, watched: Watched, frames: list[bytes]) -> None:
-        event = parse_monitor_message(frames)
-        kind, fd = event["event"], int(event["value"])
-        if kind == zmq.EVENT_ACCEPTED:
-            self._on_accepted(watched, fd)
-        elif kind == zmq.EVENT_DISCONNECTED:
-            watched.live.pop(fd, None)
+        kind, fd = EVENT_HEAD.unpack_from(frames[0])
+        if kind == ACCEPTED:
+            if len(watched.live) < watched.cap:
+                inode = _identify(fd, watched.address)
+                if inode is not None:  # else gone, and the number another's
+                    watched.live[fd] = inode
+            else:
+                self._refuse(watched, fd)
+        elif kind == DISCONNECTED:
+            if watched.live.pop(fd, None) is not None:
+                watched.refused_while_full = 0  # under its cap again
             self.refusing.pop(fd, None)
         elif watched.other is not None:
             watched.other(frames)
 
-    def _on_accepted(self, watched: Watched, fd: int) -> None:
-        inode = _identify(fd, watched.address)
-        if inode is None:
-            return  # already gone, and the number taken by something else
-        if len(watched.live) < watched.cap:
-            watched.live[fd] = inode
-            return
+    def _refuse(self, watched: Watched, fd: int) -> None:
         self.refused += 1
-        REFUSED.warning(
-            kv(
-                "client_refused",
-                socket=watched.name,
-                connections=len(watched.live),
-                limit=watched.cap,
-                hint="close idle clients, or raise max_clients or the open-file limit",
+        watched.last_refusal = time.monotonic()
+        watched.refused_while_full += 1
+        # More refused than can wait to be told, while the socket stays
+        # full: a flood, not a client too many. Close the door before the
+        # flood runs the descriptors out.
+        door = watched.door
+        flood = watched.refused_while_full > REFUSALS_WAITING
+        if flood and door is not None and not door.closed and door.close() and DOOR.due():
+            log.warning(
+                kv(
+                    "client_door_closed",
+                    socket=watched.name,
+                    limit=watched.cap,
+                    reason="at the client connection limit; new connections wait",
+                )
             )
-        )
-        if len(self.refusing) < REFUSALS_WAITING:
+        if REFUSED.due():
+            log.warning(
+                kv(
+                    "client_refused",
+                    socket=watched.name,
+                    connections=len(watched.live),
+                    limit=watched.cap,
+                    hint="close idle clients, or raise max_clients or the open-file limit",
+                )
+            )
+        if len(self.refusing) >= REFUSALS_WAITING:
+            shut(fd, watched.address)  # the fast way: a flood is on
+            return
+        inode = _identify(fd, watched.address)
+        if inode is not None:
             self.refusing[fd] = Refusal(
                 watched.index,
                 inode,
@@ -262,13 +319,24 @@ class Gate:
                 watched.name,
                 watched.cap,
             )
-        else:
-            shut(fd, inode)
 
     def _expire(self, now: float) -> None:
         for fd, refusal in list(self.refusing.items()):
             if refusal.deadline <= now and self.refusing.pop(fd, None) is refusal:
-                shut(fd, refusal.inode)
+                shut_known(fd, refusal.inode)
+
+    def _reopen(self, now: float) -> None:
+        """Give a socket its name back once it is under its cap again."""
+        for watched in self.watched:
+            door = watched.door
+            if (
+                door is not None
+                and door.closed
+                and len(watched.live) < watched.cap
+                and now - watched.last_refusal >= DOOR_HOLD
+            ):
+                door.open()
+                log.info(kv("client_door_opened", socket=watched.name))
 
     def _recount(self) -> None:
         """Forget connections whose descriptor no longer holds them."""
@@ -288,6 +356,95 @@ class Gate:
         return refusal
 
 
+class Door:
+    """The name of a unix socket, which the gate can close to newcomers.
+
+    Closing it keeps the real socket under a second name (a hard link) and
+    renames a stand-in over the first: a listening socket nobody accepts
+    on, so connections to it wait in the kernel (a blocking connect) or are
+    refused for now (a zmq client tries again later). Opening it renames the
+    real socket back. Renames are atomic: the name is never missing, and a
+    client never concludes that no supervisor runs. The stand-in is made
+    ahead, so closing needs no descriptor when there are none to spare."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        # Names no longer than `control.sock`, so they fit sun_path as it does.
+        base = os.path.dirname(path)
+        self.aside = os.path.join(base, "control.real")
+        self.spare = os.path.join(base, "control.door")
+        self.closed = False
+        self._standin: socket.socket | None = None
+        self._prepare()
+
+    def _prepare(self) -> None:
+        _unlink(self.spare)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.spare)
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        sock.listen(0)
+        self._standin = sock
+
+    def close(self) -> bool:
+        """Put the stand-in in the socket's place; False if there is none."""
+        if self.closed:
+            return True
+        if self._standin is None:
+            try:
+                self._prepare()
+            except OSError:
+                return False
+        try:
+            _unlink(self.aside)
+            os.link(self.path, self.aside)
+            os.rename(self.spare, self.path)
+        except OSError as exc:
+            log.error(kv("client_door_failed", path=self.path, error=exc))
+            return False
+        self.closed = True
+        return True
+
+    def open(self) -> None:
+        """Give the real socket its name back, and make the next stand-in."""
+        if not self.closed:
+            return
+        try:
+            os.rename(self.aside, self.path)
+        except OSError as exc:
+            log.error(kv("client_door_failed", path=self.path, error=exc))
+            return
+        self.closed = False
+        if self._standin is not None:
+            self._standin.close()
+            self._standin = None
+        try:
+            self._prepare()
+        except OSError:
+            pass  # again at the next close
+
+    def remove(self) -> None:
+        """At shutdown: the real socket back in place, the stand-in gone."""
+        self.open()
+        if self._standin is not None:
+            self._standin.close()
+            self._standin = None
+        _unlink(self.spare)
+        _unlink(self.aside)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _inode(fd: int) -> int | None:
     try:
         return os.fstat(fd).st_ino
@@ -295,34 +452,62 @@ def _inode(fd: int) -> int | None:
         return None
 
 
-def _identify(fd: int, address: Callable[[object], bool]) -> int | None:
+# getsockname(2) and shutdown(2) on a bare descriptor: a Python socket
+# object around it cost 5 us of a refusal, and a refusal must be cheaper
+# for the gate than an accept is for libzmq, or a flood outruns it.
+_libc = ctypes.CDLL(None, use_errno=True)
+_getsockname = _libc.getsockname
+_getsockname.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+_shutdown = _libc.shutdown
+_shutdown.argtypes = [ctypes.c_int, ctypes.c_int]
+_SOCKADDR_SIZE = 128  # sockaddr_storage
+_local = threading.local()
+
+
+def local_address(fd: int) -> bytes | None:
+    """The raw local sockaddr of descriptor `fd`; None if it is not a socket."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = ctypes.create_string_buffer(_SOCKADDR_SIZE)
+        _local.size = ctypes.c_uint32()
+    size = _local.size
+    size.value = _SOCKADDR_SIZE
+    if _getsockname(fd, buf, ctypes.byref(size)) != 0:
+        return None
+    return buf.raw[: size.value]
+
+
+def unix_address(path: str) -> Callable[[bytes], bool]:
+    """Matches the local address of a connection on the unix socket `path`."""
+    family = struct.pack("=H", socket.AF_UNIX)
+    want = family + path.encode()
+    return lambda raw: raw.rstrip(b"\0") == want
+
+
+def tcp_address(port: int) -> Callable[[bytes], bool]:
+    """Matches the local address of a TCP connection to `port` (v4 or v6)."""
+    families = {struct.pack("=H", socket.AF_INET), struct.pack("=H", socket.AF_INET6)}
+    want = port.to_bytes(2, "big")
+    return lambda raw: raw[:2] in families and raw[2:4] == want
+
+
+def _identify(fd: int, address: Callable[[bytes], bool]) -> int | None:
     """The inode of `fd` if it is a connection on the watched socket."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
+    raw = local_address(fd)
+    if raw is None or not address(raw):
         return None
-    try:
-        if not address(sock.getsockname()):
-            return None
-        return os.fstat(fd).st_ino
-    except OSError:
-        return None
-    finally:
-        sock.detach()  # the descriptor is libzmq's: never close it here
+    return _inode(fd)
 
 
-def shut(fd: int, inode: int) -> None:
-    """Shut a refused connection down, if `fd` is still that connection.
-    libzmq sees it end and closes the descriptor itself."""
-    if _inode(fd) != inode:
-        return
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
+def shut(fd: int, address: Callable[[bytes], bool]) -> None:
+    """Shut a connection down if `fd` is one on the watched socket: libzmq
+    sees it end and closes the descriptor itself (never close it here)."""
+    raw = local_address(fd)
+    if raw is not None and address(raw):
+        _shutdown(fd, socket.SHUT_RDWR)
+
+
+def shut_known(fd: int, inode: int) -> None:
+    """Shut a refused connection down, if `fd` is still that connection."""
+    if _inode(fd) == inode:
+        _shutdown(fd, socket.SHUT_RDWR)

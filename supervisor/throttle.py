@@ -51,20 +51,27 @@ class Throttle:
     def log(self, level: int, line: str) -> None:
         """Write `line`, unless one of this kind was written less than an
         interval ago: then count it for the summary."""
+        if self.due(level):
+            self.logger.log(level, line)
+
+    def warning(self, line: str) -> None:
+        self.log(logging.WARNING, line)
+
+    def due(self, level: int = logging.WARNING) -> bool:
+        """True if a line of this kind is to be written now (the caller
+        writes it); else it is counted. For callers in a hurry: a line that
+        is not written need not be formatted."""
         with self._lock:
             now = self.clock()
             if now < self._window_end:
                 self._suppressed += 1
                 self._level = level
-                return
+                return False
             summary = self._take_summary()
             self._window_end = now + self.interval
         if summary:
             self.logger.log(level, summary)
-        self.logger.log(level, line)
-
-    def warning(self, line: str) -> None:
-        self.log(logging.WARNING, line)
+        return True
 
     def flush(self, only_due: bool = False) -> None:
         """Write the summary of what was suppressed (if any); with
