@@ -20,7 +20,7 @@ from hermes_sup.protocol import Kind, Message
 
 from . import core
 from .connection import Connection, session_options
-from .core import ClientCore, Killed, Opened, Pending, Pong
+from .core import ClientCore, Killed, Opened, Pending, Pong, Signalled
 from .errors import AccessDenied, ClientError, NotRunning, Timeout
 from .events import Event, Reply, to_event
 from .sockets import LIVENESS_SLICE, close_socket, make_socket, refused
@@ -262,6 +262,22 @@ class AsyncClient:
     async def logs(self, session: str, lines: int = 50) -> list[str]:
         """The last `lines` lines of a session's log."""
         return await self._call(core.logs(session, lines), None)
+
+    async def signal(
+        self, session: str, sig: str, group: bool = False, timeout: float | None = None
+    ) -> Signalled:
+        """Send a signal (TERM, HUP, ... or a number) to the session's worker,
+        or with `group` to its whole process group."""
+        return await self._call(core.signal(session, sig, group), timeout)
+
+    async def inspect(self, session: str, timeout: float | None = None) -> dict[str, Any]:
+        """One session in full: directories, log files, options, the names of
+        its worker's environment variables, state history (PROTOCOL.md)."""
+        return await self._call(core.inspect(session), timeout)
+
+    async def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
+        """Shut the supervisor down as SIGTERM does (local clients only)."""
+        return await self._call(core.shutdown(), timeout)
 
     async def watch(self, session: str | None = None, replay: int = 0) -> AsyncIterator[Event]:
         """Every event of one session (or of all) until the iterator is closed."""

@@ -22,7 +22,7 @@ from hermes_sup.protocol import Kind, Message
 
 from . import core
 from .connection import Connection, session_options
-from .core import ClientCore, Killed, Opened, Pending, Pong
+from .core import ClientCore, Killed, Opened, Pending, Pong, Signalled
 from .errors import AccessDenied, ClientError, NotRunning, Timeout
 from .events import Event, Reply, to_event
 from .sockets import LIVENESS_SLICE, close_socket, make_socket, refused
@@ -365,6 +365,23 @@ class Client:
     def reload(self) -> dict[str, Any]:
         """Re-read the configuration file: what changed, what needs a restart."""
         return self._call(core.reload(), None)
+
+    def signal(
+        self, session: str, sig: str, group: bool = False, timeout: float | None = None
+    ) -> Signalled:
+        """Send a signal (a name such as TERM or HUP, or a number) to the
+        session's worker, or with `group` to its whole process group."""
+        return self._call(core.signal(session, sig, group), timeout)
+
+    def inspect(self, session: str, timeout: float | None = None) -> dict[str, Any]:
+        """One session in full: directories, log files, options, the names
+        of its worker's environment variables, state history (PROTOCOL.md)."""
+        return self._call(core.inspect(session), timeout)
+
+    def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
+        """Shut the supervisor down as SIGTERM does (local clients only):
+        {pid, grace}. It is gone once `connection.alive()` is False."""
+        return self._call(core.shutdown(), timeout)
 
     def watch(self, session: str | None = None, replay: int = 0) -> Iterator[Event]:
         """Every event of one session (or of all): states, turns from any

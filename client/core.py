@@ -154,6 +154,13 @@ class Killed:
 
 
 @dataclass(frozen=True)
+class Signalled:
+    session: str
+    pid: int
+    signal: str
+
+
+@dataclass(frozen=True)
 class Call:
     """A request and the function that turns its answer into a result."""
 
@@ -218,6 +225,24 @@ def approve(session: str, choice: str, approval: str | None = None) -> Call:
 
 def reload() -> Call:
     return Call(Kind.RELOAD, {}, None, lambda m: dict(m.body))
+
+
+def signal(session: str, sig: str, group: bool = False) -> Call:
+    body: dict[str, Any] = {"signal": sig, "group": True} if group else {"signal": sig}
+    return Call(
+        Kind.SIGNAL,
+        body,
+        session,
+        lambda m: Signalled(session, m.body["pid"], m.body["signal"]),
+    )
+
+
+def inspect(session: str) -> Call:
+    return Call(Kind.INSPECT, {}, session, lambda m: dict(m.body["session"]))
+
+
+def shutdown() -> Call:
+    return Call(Kind.SHUTDOWN, {}, None, lambda m: dict(m.body))
 
 
 def send_body(

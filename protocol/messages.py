@@ -43,6 +43,12 @@ class Kind(StrEnum):
     APPROVED = "approved"
     RELOAD = "reload"
     RELOADED = "reloaded"
+    SIGNAL = "signal"
+    SIGNALLED = "signalled"
+    INSPECT = "inspect"
+    INSPECTED = "inspected"
+    SHUTDOWN = "shutdown"
+    SHUTDOWN_STARTED = "shutdown_started"
     ERROR = "error"
     # worker <-> supervisor
     HELLO = "hello"
@@ -100,6 +106,12 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
         "approval": ((str,), False),
     },
     Kind.INFO: {"supervisor": ((dict,), True)},
+    Kind.SIGNAL: {"signal": ((str,), True), "group": ((bool,), False)},
+    Kind.SIGNALLED: {"pid": ((int,), True), "signal": ((str,), True)},
+    Kind.INSPECT: {},
+    Kind.INSPECTED: {"session": ((dict,), True)},
+    Kind.SHUTDOWN: {},
+    Kind.SHUTDOWN_STARTED: {"pid": ((int,), True), "grace": (_NUM, True)},
     Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},
     Kind.HELLO: {"pid": ((int,), True)},
     Kind.TURN: {"text": ((str,), True), "context": ((dict,), False)},
@@ -111,7 +123,17 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
 
 # Kinds whose envelope must name a session.
 SESSION_KINDS = frozenset(
-    {Kind.OPEN, Kind.SEND, Kind.CANCEL, Kind.KILL, Kind.HELLO, Kind.LOGS, Kind.APPROVE}
+    {
+        Kind.OPEN,
+        Kind.SEND,
+        Kind.CANCEL,
+        Kind.KILL,
+        Kind.HELLO,
+        Kind.LOGS,
+        Kind.APPROVE,
+        Kind.SIGNAL,
+        Kind.INSPECT,
+    }
 )
 
 MAX_ID_LENGTH = 64

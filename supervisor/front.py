@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import resource
+import signal
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -38,12 +39,13 @@ from hermes_sup.protocol import (
 
 from .context import Context
 from .endpoints import Endpoints
+from .environment import worker_env
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .logfmt import kv
 from .logs import tail
 from .pool import WorkerPool
-from .session import Session, StoredSession, Turn
+from .session import LOG_FILE, Session, StoredSession, Turn
 from .states import State
 from .table import SessionTable
 from .turns import SentTurn, Turns
@@ -53,6 +55,8 @@ log = logging.getLogger("hermes_sup.supervisor")
 
 MAX_LOG_TAIL = 100_000
 APPROVAL_CHOICES = ("once", "session", "always", "deny")
+# Front socket 0 is the local control socket; others (TCP) are remote.
+LOCAL_FRONT = 0
 
 
 def version() -> str:
@@ -99,6 +103,9 @@ class Front:
             Kind.STATUS: self.status,
             Kind.APPROVE: self.approve,
             Kind.RELOAD: self.reload_request,
+            Kind.SIGNAL: self.signal_session,
+            Kind.INSPECT: self.inspect,
+            Kind.SHUTDOWN: self.shutdown,
         }
 
     def on_frames(self, index: int, frames: list[bytes]) -> None:
@@ -404,3 +411,114 @@ class Front:
         self.endpoints.to_client(
             client, msg.reply(Kind.RELOADED, {"changed": changed, "restart_needed": restart})
         )
+
+    def shutdown(self, client: bytes, msg: Message) -> None:
+        """Shut down as SIGTERM does (same stages: no new turns, the grace
+        period, then every worker stopped). Local clients only: a remote
+        front end may stop sessions, never the service."""
+        if client[0] != LOCAL_FRONT:
+            raise RemoteProtocolError(
+                ErrorCode.UNKNOWN_KIND,
+                "shutdown is not accepted from remote front ends; run it on the supervisor's host",
+            )
+        log.info(kv("shutdown_requested", accepting=self.ctx.accepting))
+        self.endpoints.to_client(
+            client,
+            msg.reply(
+                Kind.SHUTDOWN_STARTED,
+                {"pid": os.getpid(), "grace": self.ctx.settings.shutdown_grace},
+            ),
+        )
+        # Through the signal handler, so it is the very path SIGTERM takes.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    # ------------------------------------------------------ one session, closer
+
+    def signal_session(self, client: bytes, msg: Message) -> None:
+        """Send a signal to a session's worker (or its whole process group).
+        What follows (an exit, say) goes through the usual exit policy."""
+        key = check_session_key(msg.session)
+        session = self.table.require(key)
+        sig = parse_signal(msg.body["signal"])
+        pid, proc = session.pid, session.proc
+        if pid is None or proc is None or proc.returncode is not None:
+            raise RemoteProtocolError(
+                ErrorCode.NO_SUCH_SESSION,
+                f"session {key!r} has no running worker to signal (it is {session.state.value})",
+            )
+        group = bool(msg.body.get("group", False))
+        if group:
+            proc.signal_group(sig)
+        else:
+            proc.send_signal(sig)
+        log.info(kv("signalled", session=key, pid=pid, signal=sig.name, group=group))
+        self.endpoints.to_client(
+            client, msg.reply(Kind.SIGNALLED, {"pid": pid, "signal": sig.name})
+        )
+
+    def inspect(self, client: bytes, msg: Message) -> None:
+        """Everything known about one session: directories, log, options,
+        the names (never the values) of its worker's environment, state
+        history, last exit."""
+        key = check_session_key(msg.session)
+        session = self.table.require(key)
+        settings = self.ctx.settings_for(session)
+        options = session.options
+        env = worker_env(
+            self.ctx.base_env,
+            settings.env,
+            options,
+            key,
+            session.home,
+            session.workspace,
+            session.tmp,
+        )
+        logs = [session.log_path] + [
+            session.log_path.with_name(f"{LOG_FILE}.{i}")
+            for i in range(1, settings.log_backups + 1)
+        ]
+        history = [
+            {k: body["data"].get(k) for k in ("state", "previous", "pid", "reason")}
+            for kind, body in session.history
+            if kind == "state" and isinstance(body.get("data"), dict)
+        ]
+        info = {
+            **session.describe(),
+            "created": session.created_at,
+            "dir": str(session.dir),
+            "workspace": str(session.workspace),
+            "home": str(session.home),
+            "tmp": str(session.tmp),
+            "log": str(session.log_path),
+            "log_files": [str(p) for p in logs if p.exists()],
+            "runtime": options.runtime or settings.runtime,
+            "options": {
+                "session_env": dict(options.session_env),
+                "env": sorted(options.env),  # names only: values may be secrets
+                "agent": {k: v for k, v in options.agent.items() if "key" not in k.lower()},
+                "workspace": options.workspace,
+                "runtime": options.runtime,
+            },
+            "env_names": sorted(env),
+            "current_turn": session.current.id if session.current is not None else None,
+            "approvals_waiting": list(session.approvals),
+            "state_history": history,
+            # A reload since its worker started applies at its next start.
+            "settings_outdated": session.settings is not None
+            and session.settings is not self.ctx.settings,
+        }
+        self.endpoints.to_client(client, msg.reply(Kind.INSPECTED, {"session": info}))
+
+
+def parse_signal(value: str) -> signal.Signals:
+    """'TERM', 'SIGTERM', 'sigterm' or '15' as a signal; a bad_field error otherwise."""
+    text = value.strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise RemoteProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"{value[:20]!r} is not a signal name or number (e.g. TERM, HUP, 10)",
+        ) from None
