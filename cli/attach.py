@@ -5,6 +5,10 @@ produces (turns started by any client, output, tokens, replies, errors,
 state changes such as a worker restarting) and sends each line typed as a
 turn. Ctrl-D detaches and never touches the session; Ctrl-C cancels the
 running turn, never the session. Several clients may attach at once.
+
+A read-only attach changes nothing: it sends no turn, no approval answer
+and no cancel; its Ctrl-C detaches. What the session produced is shown
+with its control sequences made visible on a terminal (terminal.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import zmq
 from hermes_sup.client import Client, NotRunning, Timeout
 from hermes_sup.protocol import Kind, Message
 
+from .terminal import Screen
+
 # How often to check that the supervisor still holds its lock.
 LIVENESS_EVERY = 1.0
 QUIET_STATUS = {"queued", "running", "duplicate"}
@@ -29,11 +35,17 @@ QUIET_STATUS = {"queued", "running", "duplicate"}
 class Attached:
     """One attach session: a watch on the supervisor, a terminal on the other side."""
 
-    def __init__(self, client: Client, key: str, read_only: bool, color: bool) -> None:
+    def __init__(
+        self, client: Client, key: str, read_only: bool, color: bool, screen: Screen | None = None
+    ) -> None:
         self.client = client
         self.key = key
         self.read_only = read_only
         self.color = color
+        self.screen = screen or Screen()
+        # Approval requests waiting, oldest first, by id (None: no id given):
+        # /approve names the oldest, so it never answers a later one.
+        self.approvals: list[str | None] = []
         self.watch_id = ""
         self.mine: set[str] = set()  # turns this terminal sent
         self.seen_turns: set[str] = set()
@@ -42,21 +54,24 @@ class Attached:
         self.streamed: set[str | None] = set()  # turns whose reply came as tokens
 
     def say(self, text: str, fg: str | None = None, dim: bool = False) -> None:
-        """Print one line (ending any token stream first)."""
+        """Print one line (ending any token stream first); what the session
+        sent in it is shown, never obeyed, by the terminal."""
         if self.mid_line:
             click.echo()
             self.mid_line = False
-        click.echo(click.style(text, fg=fg, dim=dim) if self.color else text)
+        text = self.screen.safe(text)
+        click.echo(click.style(text, fg=fg, dim=dim) if self.color else text, color=True)
 
     def run(self, replay: int) -> int:
         """Attach until detached; returns the exit status."""
         self.watch_id = self.client.submit(Kind.WATCH, {"replay": replay}, session=self.key)
         first = self.client.answer(self.watch_id)
         assert first.body["type"] == "watching"
-        hint = "read-only; " if self.read_only else "type a message and press Enter; "
-        self.say(
-            f"attached to {self.key} ({hint}Ctrl-D detaches, Ctrl-C cancels a turn)", fg="cyan"
-        )
+        if self.read_only:
+            how = "read-only: you can watch, not send, approve or cancel; Ctrl-C or Ctrl-D detaches"
+        else:
+            how = "type a message and press Enter; Ctrl-D detaches, Ctrl-C cancels a turn"
+        self.say(f"attached to {self.key} ({how})", fg="cyan")
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             return self._loop()
@@ -93,6 +108,8 @@ class Attached:
                         self.say("the supervisor went away; detaching", fg="red")
                         return 3
             except KeyboardInterrupt:
+                if self.read_only:
+                    return self._detach()  # a read-only client cancels nothing
                 self._interrupt()
             except NotRunning:
                 self.say("the supervisor went away; detaching", fg="red")
@@ -125,8 +142,12 @@ class Attached:
         words = line.split()
         if words[0] in ("/approve", "/deny"):
             choice = "deny" if words[0] == "/deny" else (words[1] if len(words) > 1 else "once")
+            body = {"choice": choice}
+            oldest = self.approvals[0] if self.approvals else None
+            if oldest is not None:
+                body["approval"] = oldest  # the request on screen, never a later one
             # Kept with our sends so that a refusal (nothing to approve) shows.
-            self.mine.add(self.client.submit(Kind.APPROVE, {"choice": choice}, session=self.key))
+            self.mine.add(self.client.submit(Kind.APPROVE, body, session=self.key))
             self.say(f"approval answer sent: {choice}", fg="magenta")
             return
         self.mine.add(self.client.submit(Kind.SEND, {"text": line}, session=self.key))
@@ -157,7 +178,7 @@ class Attached:
         elif kind == "output":
             self.say(str(data), dim=dim)
         elif kind == "token":
-            click.echo(str(data), nl=False)
+            self.screen.out(str(data), nl=False)
             self.mid_line = True
             self.streamed.add(turn)
         elif kind == "reply":
@@ -176,22 +197,40 @@ class Attached:
             if isinstance(data, dict) and data.get("state") not in QUIET_STATUS:
                 self.say(f"· {data}", dim=True)
         elif kind == "approval":
+            self.approvals.append(data.get("id"))
+            how = (
+                "watching only"
+                if self.read_only
+                else "answer /approve once|session|always or /deny"
+            )
             self.say(
-                f"? approval requested: {data.get('command')} ({data.get('description')})"
-                " - answer /approve once|session|always or /deny",
+                f"? approval requested: {data.get('command')} ({data.get('description')}) - {how}",
                 fg="magenta",
                 dim=dim,
             )
         elif kind == "approval_timeout":
+            self._approval_done(data.get("id"))
             self.say(f"? no answer in time: {data.get('outcome')}", fg="magenta", dim=dim)
-        elif kind in ("tool_start", "tool_complete", "tool_progress", "approval_answer"):
+        elif kind == "approval_answer":
+            answer = data if isinstance(data, dict) else {}
+            self._approval_done(answer.get("approval"))
+            self.say(f"· approval answered: {answer.get('choice')}", dim=True)
+        elif kind in ("tool_start", "tool_complete", "tool_progress"):
             self.say(f"· {kind}: {str(data)[:200]}", dim=True)
         else:
             self.say(f"· {kind}: {data}", dim=True)
 
+    def _approval_done(self, approval: str | None) -> None:
+        """A request was answered or timed out: it no longer waits."""
+        if approval in self.approvals:
+            self.approvals.remove(approval)
+        elif self.approvals:
+            self.approvals.pop(0)  # no id: requests are answered oldest first
+
     def _turn_over(self, turn: str | None) -> None:
         if turn is not None and turn == self.running:
             self.running = None
+            self.approvals.clear()  # a turn's requests end with it
 
     def _show_state(self, data: dict[str, Any], dim: bool) -> None:
         state, previous, reason = data["state"], data["previous"], data.get("reason")

@@ -3,6 +3,7 @@ their colours, short durations and sizes, and the `hermes-sup list` table."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -52,17 +53,47 @@ def size(n: int | None) -> str:
 
 
 def shorten(key: str, width: int) -> str:
-    """Fit a key in `width` columns, marking the cut visibly."""
-    return key if len(key) <= width else key[: width - 1] + "…"
+    """Fit a key in `width` columns by cutting its middle, visibly: the
+    platform at its start and the thread or chat at its end both stay."""
+    if len(key) <= width:
+        return key
+    tail = (width - 1) // 2
+    return key[: width - 1 - tail] + "…" + key[len(key) - tail :]
 
 
-def session_table(rows: list[dict[str, Any]], color: bool, now: float) -> list[str]:
+# Every column of `list` but the key: (header, width, right-aligned).
+COLUMNS = [
+    ("STATE", 8, False),
+    ("PID", 7, True),
+    ("UPTIME", 7, True),
+    ("IDLE", 6, True),
+    ("TURNS", 5, True),
+    ("RSS", 7, True),
+    ("CPU%", 5, True),
+]
+MIN_KEY_WIDTH = 16
+
+
+def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Busiest states first, then by key: the order of every `list` output."""
+    order = {state: i for i, state in enumerate(STATE_ORDER)}
+    return sorted(rows, key=lambda r: (order.get(r["state"], len(order)), r["key"]))
+
+
+def session_table(
+    rows: list[dict[str, Any]], color: bool, now: float, width: int | None = None
+) -> list[str]:
     """The lines of `hermes-sup list`: a header, one row per session (busiest
-    states first, then by key) and a line of totals; 80 columns wide."""
-    rows = sorted(rows, key=lambda r: (STATE_ORDER.index(r["state"]), r["key"]))
-    header = (
-        f"{'SESSION':<24} {'STATE':<8} {'PID':>7} {'UPTIME':>7} {'IDLE':>6} "
-        f"{'TURNS':>5} {'RSS':>7} {'CPU%':>5}"
+    states first, then by key) and a line of totals. The key column is as
+    wide as the longest key; given a `width` (the terminal's) that the table
+    would overflow, keys are cut in the middle to fit it."""
+    rows = sort_rows(rows)
+    rest = sum(w + 1 for _, w, _ in COLUMNS)
+    key_width = max([len("SESSION"), *(len(r["key"]) for r in rows)])
+    if width is not None and key_width + rest > width:
+        key_width = max(MIN_KEY_WIDTH, width - rest)
+    header = f"{'SESSION':<{key_width}} " + " ".join(
+        f"{name:>{w}}" if right else f"{name:<{w}}" for name, w, right in COLUMNS
     )
     lines = [click.style(header, bold=True) if color else header]
     total_rss = 0
@@ -74,8 +105,8 @@ def session_table(rows: list[dict[str, Any]], color: bool, now: float) -> list[s
         if color and STATE_COLORS.get(r["state"]):
             state_cell = click.style(state_cell, fg=STATE_COLORS[r["state"]])
         lines.append(
-            f"{shorten(r['key'], 24):<24} {state_cell} {r['pid'] or '-':>7} {duration(up):>7} "
-            f"{duration(now - r['last_activity']):>6} {r['turns']:>5} "
+            f"{shorten(r['key'], key_width):<{key_width}} {state_cell} {r['pid'] or '-':>7} "
+            f"{duration(up):>7} {duration(now - r['last_activity']):>6} {r['turns']:>5} "
             f"{size(r.get('rss')):>7} {cpu:>5}"
         )
     counts: dict[str, int] = {}
@@ -87,4 +118,93 @@ def session_table(rows: list[dict[str, Any]], color: bool, now: float) -> list[s
         f"{len(rows)} session(s){': ' + by_state if by_state else ''}; "
         f"RSS {size(total_rss)}; runtime {runtime}"
     )
+    return lines
+
+
+class _Fields(dict):  # type: ignore[type-arg]
+    """A row for str.format_map that names the fields when one is unknown."""
+
+    def __missing__(self, name: str) -> Any:
+        raise click.UsageError(
+            f"--format: no field {name!r}; the fields are {', '.join(sorted(self))}"
+        )
+
+
+def format_rows(template: str, rows: list[dict[str, Any]]) -> list[str]:
+    """`list --format`: one line per row from a template over its JSON
+    fields, `{key} {state} {rss}` (Python format specs allowed, `\\t` a tab);
+    `json` prints each row as one JSON object."""
+    if template == "json":
+        return [json.dumps(r) for r in rows]
+    template = template.replace("\\t", "\t").replace("\\n", "\n")
+    out = []
+    for r in rows:
+        values = _Fields({k: "-" if v is None else v for k, v in r.items()})
+        try:
+            out.append(template.format_map(values))
+        except (ValueError, IndexError, AttributeError, KeyError) as exc:
+            raise click.UsageError(f"--format {template!r}: {exc}") from None
+    return out
+
+
+def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
+    """`hermes-sup inspect`: one session, a field a line."""
+    pid = info.get("pid")
+    state = info["state"] + (f" (pid {pid})" if pid else "")
+    if pid and info.get("started"):
+        state += f", up {duration(now - info['started'])}"
+    state += f", last activity {duration(now - info['last_activity'])} ago"
+    exits = f"{info['exits']} worker exit(s)"
+    if info.get("last_exit"):
+        exits += f", the last: {info['last_exit']}"
+    options = info.get("options") or {}
+    opts = []
+    if options.get("session_env"):
+        pairs = " ".join(f"{k}={v}" for k, v in sorted(options["session_env"].items()))
+        opts.append(f"session_env {pairs}")
+    if options.get("env"):
+        opts.append("env " + ", ".join(options["env"]))
+    if options.get("agent"):
+        opts.append("agent " + " ".join(f"{k}={v}" for k, v in sorted(options["agent"].items())))
+    if options.get("workspace"):
+        opts.append(f"workspace {options['workspace']}")
+    if options.get("runtime"):
+        opts.append(f"runtime {options['runtime']}")
+    logs = info.get("log_files") or []
+    # Turns flip idle and busy: the life of the worker is in the rest.
+    history = [
+        h
+        for h in info.get("state_history") or []
+        if {h.get("previous"), h.get("state")} != {"idle", "busy"}
+    ]
+    steps = [
+        f"{h.get('previous')} -> {h.get('state')}"
+        + (f" ({h['reason']})" if h.get("reason") else "")
+        for h in history[-8:]
+    ]
+    lines = [
+        f"session:    {info['key']}",
+        f"state:      {state}",
+        f"runtime:    {info.get('runtime')}"
+        + (
+            "   (settings reloaded since it started: applies at its next start)"
+            if info.get("settings_outdated")
+            else ""
+        ),
+        f"turns:      {info['turns']} done, {info['queued']} queued"
+        + (f", running {info['current_turn']}" if info.get("current_turn") else ""),
+        f"exits:      {exits}",
+        f"data:       {info['dir']}",
+        f"workspace:  {info['workspace']}",
+        f"home:       {info['home']}",
+        f"tmp:        {info['tmp']}",
+        f"log:        {info['log']}"
+        + (f" (+{len(logs) - 1} rotated)" if len(logs) > 1 else "")
+        + ("" if logs else " (nothing logged yet)"),
+        f"options:    {'; '.join(opts) or 'none'}",
+        f"env names:  {' '.join(info.get('env_names') or [])}",
+        f"history:    {'; '.join(steps) or 'no start or stop in its recent history'}",
+    ]
+    if info.get("approvals_waiting"):
+        lines.insert(4, f"approvals:  waiting: {', '.join(info['approvals_waiting'])}")
     return lines

@@ -1,0 +1,93 @@
+"""`hermes-sup logs --data-dir`: a session's log read from disk, so it can be
+read with the supervisor down (after a crash, say).
+
+A session's directory is named by a digest of its key (PROTOCOL.md), so the
+key alone finds it; the worker's stdout and stderr are in `worker.log`
+there, with the older lines in `worker.log.1`, `.2`, ... (rotated by size,
+newest first). Following polls the file as `tail -F` does: across rotation,
+and across the file appearing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from hermes_sup.protocol import session_dir_name
+
+LOG_FILE = "worker.log"  # as the supervisor writes it (supervisor/session.py)
+POLL = 0.25
+
+
+def session_log(data_dir: Path, key: str) -> Path:
+    """Where the supervisor writes the log of session `key`."""
+    return data_dir / "sessions" / session_dir_name(key) / LOG_FILE
+
+
+def rotated(path: Path) -> list[Path]:
+    """The log's rotated files that exist, oldest first."""
+    found = []
+    i = 1
+    while (older := path.with_name(f"{path.name}.{i}")).exists():
+        found.append(older)
+        i += 1
+    return list(reversed(found))
+
+
+def tail(path: Path, count: int) -> list[str]:
+    """The last `count` lines of the log and its rotated files."""
+    out: deque[str] = deque(maxlen=count)
+    if count <= 0:
+        return []
+    for f in [*rotated(path), path]:
+        try:
+            with open(f, "rb") as fh:
+                for raw in fh:
+                    out.append(raw.rstrip(b"\n").decode("utf-8", "replace"))
+        except FileNotFoundError:
+            continue
+    return list(out)
+
+
+def follow(path: Path) -> Iterator[str]:
+    """Every line written to the log from now on, across rotation; runs
+    until the caller stops iterating (Ctrl-C)."""
+    fh = None
+    ino = None
+    partial = b""
+    try:
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 - kept open while following
+            fh.seek(0, os.SEEK_END)
+            ino = os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:
+            pass
+        while True:
+            data = fh.read() if fh is not None else b""
+            if data:
+                partial += data
+                *lines, partial = partial.split(b"\n")
+                for line in lines:
+                    yield line.decode("utf-8", "replace")
+                continue
+            time.sleep(POLL)
+            try:
+                now = os.stat(path).st_ino
+            except FileNotFoundError:
+                continue
+            if now != ino:  # rotated (or created): finish the old file, open the new
+                if fh is not None:
+                    rest = fh.read()
+                    fh.close()
+                    partial += rest
+                    *lines, partial = partial.split(b"\n")
+                    for line in lines:
+                        yield line.decode("utf-8", "replace")
+                fh = open(path, "rb")  # noqa: SIM115
+                ino = os.fstat(fh.fileno()).st_ino
+    finally:
+        if fh is not None:
+            fh.close()
