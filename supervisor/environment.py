@@ -183,8 +183,15 @@ def _check_agent(value: object) -> dict[str, Any]:
             raise _bad(f"agent option {name!r} must be {types[0].__name__}")
         if isinstance(val, str) and ("\0" in val or len(val) > MAX_VALUE_LENGTH):
             raise _bad(f"agent option {name!r} holds a NUL or is too long")
-        if isinstance(val, list) and not all(isinstance(v, str) for v in val):
-            raise _bad(f"agent option {name!r} must be a list of strings")
+        if isinstance(val, list):
+            if not all(isinstance(v, str) for v in val):
+                raise _bad(f"agent option {name!r} must be a list of strings")
+            # As for env: every value is carried to the worker twice.
+            if len(val) > MAX_ENTRIES or any("\0" in v or len(v) > MAX_VALUE_LENGTH for v in val):
+                raise _bad(
+                    f"agent option {name!r}: at most {MAX_ENTRIES} strings of at most "
+                    f"{MAX_VALUE_LENGTH} characters without NUL"
+                )
         out[name] = val
     return out
 

@@ -84,6 +84,12 @@ def test_options_whose_environment_could_not_start_a_program_are_refused() -> No
     assert err.value.code.value == "bad_field"
     assert f"at most {MAX_ENVIRONMENT_BYTES}" in err.value.message
     assert "env and session_env" in err.value.message
+    # A list among the agent options is held to the same limits.
+    assert parse_options({"agent": {"toolsets": ["t"] * 64}}).agent["toolsets"] == ["t"] * 64
+    for toolsets in (["t"] * 65, ["t" * 4097], ["a\0b"]):
+        with pytest.raises(RemoteProtocolError) as err:
+            parse_options({"agent": {"toolsets": toolsets}})
+        assert "at most 64 strings of at most 4096 characters" in err.value.message
 
 
 def connected_spares(sup, count: int) -> set[int]:  # noqa: ANN001
