@@ -331,7 +331,16 @@ class Supervisor:
     def reload(self) -> tuple[list[str], list[str]]:
         """Re-read the configuration file. New sessions get the new settings,
         running ones keep theirs until they restart; an invalid file is
-        refused (RemoteProtocolError) and the old settings stay in force."""
+        refused (RemoteProtocolError) and the old settings stay in force.
+        systemd (Type=notify-reload) hears RELOADING=1 first and READY=1
+        once it is over, whatever the outcome."""
+        self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            return self._reload_settings()
+        finally:
+            self.notifier.send("READY=1")
+
+    def _reload_settings(self) -> tuple[list[str], list[str]]:
         old = self.settings
         if old.config_file is None:
             raise RemoteProtocolError(
