@@ -29,6 +29,7 @@ from pathlib import Path
 import click
 
 DEFAULT_CONFIG = Path("/etc/hermes-sup/config.toml")
+DEFAULT_UNIT = Path("/etc/systemd/system/hermes-sup.service")
 # The first systemd with Type=notify-reload.
 NOTIFY_RELOAD_SINCE = 253
 
@@ -242,7 +243,7 @@ def unreachable(paths: list[Path], user: str, protect_home: str) -> list[str]:
 @click.option(
     "--output",
     type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
-    default=Path("/etc/systemd/system/hermes-sup.service"),
+    default=DEFAULT_UNIT,
     show_default=True,
     help="Where to write the unit file; '-' for standard output.",
 )
@@ -259,7 +260,7 @@ def unreachable(paths: list[Path], user: str, protect_home: str) -> list[str]:
     default=DEFAULT_CONFIG,
     show_default=True,
     help="The settings file the service reads (and reloads); written, all commented out, "
-    "if missing.",
+    "if missing (when the unit goes to its default place, or this is given).",
 )
 def install_service(output: Path, user: str, config_file: Path) -> None:
     """Write a systemd unit (Type=notify, reloadable, hardened) for this install.
@@ -307,7 +308,12 @@ def install_service(output: Path, user: str, config_file: Path) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot write {output}: {exc}") from None
     wrote = [f"wrote {output}"]
-    if not config_file.exists():
+    # The settings file goes with a unit installed in the system, or when named.
+    ctx = click.get_current_context()
+    installing = output == DEFAULT_UNIT or (
+        ctx.get_parameter_source("config_file") is not click.core.ParameterSource.DEFAULT
+    )
+    if installing and not config_file.exists():
         try:
             config_file.parent.mkdir(parents=True, exist_ok=True)
             config_file.write_text(CONFIG_TEMPLATE)
