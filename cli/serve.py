@@ -325,16 +325,20 @@ def config() -> None:
 @config.command(name="check")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 def config_check(file: Path) -> None:
-    """Check FILE as `serve --config` would, without starting anything.
+    """Check FILE as `serve --config` would, without starting anything:
+    every bad key at once, then whether its runtime can be imported (and
+    hermes-agent is installed for hermes), its preload modules exist and its
+    workspace roots are directories.
 
     \b
     Example:
       hermes-sup config check /etc/hermes-sup/config.toml
     """
-    from hermes_sup.supervisor import configfile
+    from .configcheck import check_file
 
-    try:
-        values = configfile.load(file)
-    except configfile.ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+    values, errors = check_file(file, progress=lambda text: click.echo(text, err=True))
+    for error in errors:
+        click.echo(f"Error: {error}", err=True)
+    if errors:
+        raise click.ClickException(f"{file}: {len(errors)} error(s); nothing was started")
     click.echo(f"{file}: ok ({len(values)} setting(s))")

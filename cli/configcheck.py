@@ -1,0 +1,126 @@
+"""`hermes-sup config check FILE`: every error in a configuration file at
+once, and what can be tried without starting anything.
+
+Each key is checked as `serve --config` checks it (supervisor/configfile.py),
+but one bad key does not hide the next. Then what the settings name is
+tried: the runtime (and every runtime front ends may choose) is imported as
+a worker would import it, hermes-agent is looked for when the runtime is
+hermes, preload modules are looked up, workspace roots must be directories,
+and the metrics address must parse.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hermes_sup.protocol import RemoteProtocolError
+from hermes_sup.supervisor import configfile
+from hermes_sup.supervisor.environment import parse_options
+
+# What the hermes runtime imports in its worker (worker/hermes.py): present
+# only with hermes-agent installed.
+HERMES_MODULES = ("run_agent", "gateway", "hermes_state", "tools")
+
+
+def _file_keys() -> list[str]:
+    # The keys `serve --config` accepts at the top level, besides the tables.
+    keys = getattr(configfile, "_FILE_KEYS", None)
+    return list(keys) if keys else []
+
+
+def check_keys(
+    path: Path, raw: dict[str, Any], environ: Mapping[str, str]
+) -> tuple[dict[str, Any], list[str]]:
+    """Each key of the file checked on its own: the values that are good
+    and one error line per bad one."""
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    known = _file_keys()
+    check_value: Callable[[Path, str, Any], Any] = configfile._check_value  # noqa: SLF001
+    for key, value in raw.items():
+        try:
+            if key == "agent":
+                values["runtime_config"] = configfile.check_agent_config(
+                    value, f"{path}: [agent]", environ
+                )
+            elif key == "session_defaults":
+                values["session_defaults"] = parse_options(value).to_wire()
+            elif key in known:
+                values[key] = check_value(path, key, value)
+            else:
+                close = difflib.get_close_matches(key, [*known, "agent", "session_defaults"], 1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                errors.append(f"{path}: unknown key {key!r}{hint}")
+        except configfile.ConfigError as exc:
+            errors.append(str(exc))
+        except RemoteProtocolError as exc:
+            errors.append(f"{path}: [{key}]: {exc.message}")
+    return values, errors
+
+
+def check_runtime(spec: str) -> str | None:
+    """Why the runtime `spec` could not start in a worker, or None."""
+    from hermes_sup.worker.runtime import RuntimeLoadError, resolve
+
+    try:
+        resolve(spec)
+    except RuntimeLoadError as exc:
+        return str(exc)
+    if spec == "hermes":
+        missing = [m for m in HERMES_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            return (
+                f"hermes-agent is not installed (no {', '.join(missing)}): "
+                "pip install 'hermes-sup[hermes]'"
+            )
+    return None
+
+
+def check_file(
+    path: Path,
+    environ: Mapping[str, str] = os.environ,
+    progress: Callable[[str], None] = lambda text: None,
+) -> tuple[dict[str, Any], list[str]]:
+    """Every error of the file (an empty list: it is good) and its values."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        return {}, [f"{path}: cannot read: {exc.strerror or exc}"]
+    except tomllib.TOMLDecodeError as exc:
+        return {}, [f"{path}: not valid TOML: {exc}"]
+    values, errors = check_keys(path, raw, environ)
+    if "runtime" in raw and "runtime" not in values:
+        return values, errors  # a bad value: nothing to try
+    for spec in dict.fromkeys([values.get("runtime", "probe"), *values.get("runtimes", ())]):
+        progress(f"importing runtime {spec}...")
+        why = check_runtime(spec)
+        if why is not None:
+            errors.append(f"{path}: runtime {spec!r} cannot start: {why}")
+    for module in values.get("preload", ()):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            errors.append(f"{path}: preload: no module named {module!r}")
+    for root in values.get("workspace_roots", ()):
+        if not Path(root).is_dir():
+            errors.append(f"{path}: workspace_roots: {root} is not a directory")
+    if values.get("metrics"):
+        from hermes_sup.supervisor.metrics import parse_address
+
+        try:
+            parse_address(values["metrics"])
+        except ValueError as exc:
+            errors.append(f"{path}: metrics: {exc}")
+        if importlib.util.find_spec("prometheus_client") is None:
+            errors.append(
+                f"{path}: metrics needs prometheus-client: pip install 'hermes-sup[metrics]'"
+            )
+    return values, errors
