@@ -8,15 +8,18 @@ JOBS   ?= 2
 .PHONY: install test-tools run test test-fast lint typecheck clean bench
 
 $(BIN)/python:
+	@echo "making $(VENV) with $(PYTHON)..."
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # Install (or refresh) the package and its test tools into the venv.
 install: $(BIN)/python
+	@echo "installing hermes-sup and its test tools into $(VENV) (about a minute the first time)..."
 	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http]'
 
 # Running needs only the package; the test extras (hermes-agent among them) are for tests.
 run: $(BIN)/python
+	@echo "installing hermes-sup into $(VENV)..."
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/hermes-sup serve
 
