@@ -51,7 +51,7 @@ from .terminal import Screen
 
 EXIT_INTERRUPTED = 130
 # Silence on a terminal longer than this gets a line saying we still wait.
-QUIET_NOTICE = 10.0
+QUIET_NOTICE = 5.0
 # After Ctrl-C: how long to wait for the cancelled turn's final answer.
 CANCEL_WAIT = 10.0
 SLICE = 0.2

@@ -5,7 +5,6 @@ and `hermes-sup config check`, which reads that file as serve would."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -201,6 +200,15 @@ def tunables(func: Any) -> Any:
     default="info",
     show_default=True,
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    envvar="HERMES_SUP_LOG_FORMAT",
+    default="text",
+    show_default=True,
+    help="json: one object a line ({ts, level, event, session, pid, ...}) for journald "
+    "and log shippers [env HERMES_SUP_LOG_FORMAT].",
+)
 @tunables
 @click.pass_context  # type: ignore[arg-type]
 def serve(
@@ -221,6 +229,7 @@ def serve(
     stop_timeout: float,
     max_queue: int,
     log_level: str,
+    log_format: str,
     **tuned: Any,
 ) -> None:
     """Run the supervisor in the foreground until SIGTERM or Ctrl-C.
@@ -301,11 +310,9 @@ def serve(
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
 
         settings.preload = tuple(m for m in HERMES_SAFE_PRELOAD if importlib.util.find_spec(m))
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    from .logformat import configure
+
+    configure(settings.log_level, log_format, settings.shutdown_grace)
     if http_listen:
         from .http import start_http_beside
 
