@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install test-tools run test test-fast lint typecheck clean bench
+.PHONY: install test-tools run test test-fast lint typecheck clean bench soak
 
 $(BIN)/python:
 	@echo "making $(VENV) with $(PYTHON)..."
@@ -56,3 +56,10 @@ clean:
 bench: install
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/run.py
+
+# The soak: 30 minutes of mixed load and faults against one supervisor
+# (MINUTES=5 make soak for less); bench/results/soak.json and soak.png.
+MINUTES ?= 30
+soak: install
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python bench/soak.py --minutes $(MINUTES)
