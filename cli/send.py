@@ -355,6 +355,8 @@ class Sender:
         return EXIT_INTERRUPTED
 
     def _finish(self, reply: Reply) -> int:
+        if any(a.asked for a in self.waiting):
+            click.echo(err=True)  # the turn ended under an unanswered prompt
         if not self.as_json:
             if self.streamed:
                 self._end_stream()  # its text is on screen already
