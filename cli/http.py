@@ -36,6 +36,14 @@ def start_http_beside(settings: Any, listen: str) -> None:
     about to become (before it starts: this forks)."""
     _need_http_extra()
     from hermes_sup.httpapi.serve import HttpSetupError, parse_listen, start_beside_supervisor
+    from hermes_sup.local import statedir
+
+    try:
+        # What the supervisor would refuse, refused before the fork.
+        for name in (statedir.CONTROL_SOCKET, statedir.WORKER_SOCKET):
+            statedir.endpoint(settings.state_dir, name)
+    except statedir.StateDirError as exc:
+        raise click.ClickException(str(exc)) from None
 
     try:
         parse_listen(listen)

@@ -15,7 +15,7 @@ sans-IO core (`core.py`): the protocol logic exists once.
 from .aio import AsyncClient, AsyncTurn
 from .blocking import Client, Turn
 from .connection import Connection, Curve, session_options
-from .core import Killed, Opened, Pong
+from .core import Killed, Opened, Pong, Signalled
 from .errors import (
     AccessDenied,
     BadRequest,
@@ -85,6 +85,7 @@ __all__ = [
     "SessionConflict",
     "SessionFailed",
     "SessionKilled",
+    "Signalled",
     "ShuttingDown",
     "StateChange",
     "SupervisorError",

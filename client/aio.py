@@ -263,6 +263,10 @@ class AsyncClient:
         """The last `lines` lines of a session's log."""
         return await self._call(core.logs(session, lines), None)
 
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the configuration file: what changed, what needs a restart."""
+        return await self._call(core.reload(), None)
+
     async def signal(
         self, session: str, sig: str, group: bool = False, timeout: float | None = None
     ) -> Signalled:

@@ -33,7 +33,15 @@ from typing import Any
 import psutil
 import zmq
 
-from hermes_sup.protocol import Kind, Message, RemoteProtocolError, decode, describe_exit, encode
+from hermes_sup.protocol import (
+    Kind,
+    LocalProtocolError,
+    Message,
+    RemoteProtocolError,
+    decode,
+    describe_exit,
+    encode,
+)
 
 from . import statedir
 from .context import Context
@@ -157,6 +165,9 @@ class WorkerPool:
             "heartbeat": min(s.heartbeat_interval, s.heartbeat_timeout / 4),
             "idle_heartbeat": s.idle_heartbeat_interval,
             "rlimits": rlimits,
+            # The clients' frame limit: the worker sends a too_large stand-in
+            # for an answer or event over it, instead of one nobody can read.
+            "max_frame_size": s.max_frame_size,
         }
 
     def identify(self, session: Session, token: bytes, worker_id: bytes) -> None:
@@ -324,10 +335,11 @@ class WorkerPool:
         # Everything but the token, which the spare has had since its fork.
         body = {"request": {k: v for k, v in request.items() if k != "token"}}
         try:
-            self.endpoints.back.send(
-                [spare.worker_id, *encode(Message(Kind.ASSIGN, body), spare.token)]
-            )
-        except zmq.ZMQError as exc:
+            frames = encode(Message(Kind.ASSIGN, body), spare.token, self.endpoints.worker_limits)
+            self.endpoints.back.send([spare.worker_id, *frames])
+        except (zmq.ZMQError, LocalProtocolError) as exc:
+            # Gone, or a request too large for a message (the zygote takes it
+            # in parts): a fork of its own serves the session instead.
             log.warning(kv("spare_unreachable", pid=spare.proc.pid, error=exc))
             # Out of the pool already; its exit is still ours to clean up.
             self.spares.by_pid[spare.proc.pid] = spare

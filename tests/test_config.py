@@ -159,6 +159,22 @@ def test_reload_changes_new_sessions_not_running_ones(supervisor_factory, workdi
         client.kill("running")
         assert client.run("running", "env FLAVOUR").text == "hup"
 
+    # The asyncio client reloads as the blocking one does.
+    import asyncio
+
+    from hermes_sup.client import AsyncClient
+
+    path.write_text('env = { FLAVOUR = "async" }\n')
+
+    async def reload_async() -> dict:
+        hs_async = AsyncClient(sup.state_dir)
+        try:
+            return await hs_async.reload()
+        finally:
+            await hs_async.close()
+
+    assert asyncio.run(reload_async())["changed"] == ["env"]
+
 
 def test_the_readme_documents_every_configuration_key() -> None:
     import dataclasses
