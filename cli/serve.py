@@ -166,6 +166,13 @@ def tunables(func: Any) -> Any:
     multiple=True,
     help="A runtime front ends may choose per session besides --agent (repeat).",
 )
+@click.option(
+    "--allow-env",
+    "allow_env",
+    multiple=True,
+    help="A variable that decides the agent's approvals (HERMES_EXEC_ASK, "
+    "HERMES_GATEWAY_SESSION, HERMES_YOLO_MODE) that front ends may set all the same (repeat).",
+)
 @click.option("--preload", multiple=True, help="Module the zygote imports before forking (repeat).")
 @click.option(
     "--pass-env",
@@ -222,6 +229,7 @@ def serve(
     http_listen: str | None,
     workspace_roots: tuple[str, ...],
     runtimes: tuple[str, ...],
+    allow_env: tuple[str, ...],
     preload: tuple[str, ...],
     pass_env: tuple[str, ...],
     env_pairs: tuple[str, ...],
@@ -266,6 +274,8 @@ def serve(
         overrides["workspace_roots"] = tuple(str(Path(r).absolute()) for r in workspace_roots)
     if runtimes:
         overrides["runtimes"] = runtimes
+    if allow_env:
+        overrides["allow_env"] = allow_env
     if pass_env:
         overrides["pass_env"] = DEFAULT_PASS_ENV + pass_env
     if env_pairs:

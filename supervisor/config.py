@@ -140,6 +140,9 @@ class Settings:
     workspace_roots: tuple[str, ...] = ()
     # Runtimes a front end may choose per session besides `runtime`.
     runtimes: tuple[str, ...] = ()
+    # Variables that decide whether the agent asks before a dangerous command
+    # (environment.APPROVAL_ENV) that front ends may set all the same.
+    allow_env: tuple[str, ...] = ()
     # Options a new session gets when its front end passes none (wire form).
     session_defaults: dict[str, Any] = field(default_factory=dict)
     # Where these settings came from, for reload: the file and what the

@@ -219,7 +219,33 @@ def build(
     """Settings = defaults, then the file, then what the command line set."""
     values = load(path, environ) if path is not None else {}
     values.update(overrides)
+    check_preload(tuple(values.get("preload", ())))
     return dataclasses.replace(base, **values)
+
+
+# Hermes's own modules capture HERMES_HOME and paths under it at import:
+# imported in the zygote, every session's logs and state would land in the
+# zygote's home. Only its third-party dependencies are safe to preload.
+HERMES_DISTRIBUTION = "hermes-agent"
+
+
+def check_preload(modules: tuple[str, ...]) -> None:
+    """Refuse preloading a module of hermes-agent itself (ConfigError)."""
+    import importlib.metadata
+
+    try:
+        top = importlib.metadata.distribution(HERMES_DISTRIBUTION).read_text("top_level.txt")
+    except importlib.metadata.PackageNotFoundError:
+        return  # not installed: nothing of it can be preloaded anyway
+    own = set((top or "").split()) | {"run_agent"}
+    refused = sorted(m for m in modules if m.partition(".")[0] in own)
+    if refused:
+        raise ConfigError(
+            f"preload: {', '.join(refused)} belong to hermes-agent, which captures "
+            "HERMES_HOME and paths under it at import: preloaded in the zygote, every "
+            "session's logs and state would land in the zygote's home. Preload only its "
+            "dependencies (the hermes runtime preloads the safe ones by itself)"
+        )
 
 
 def reload_settings(old: Settings) -> tuple[Settings, list[str], list[str]]:

@@ -34,6 +34,10 @@ MAX_ENVIRONMENT_BYTES = 1024 * 1024
 # Set by the supervisor for each session; a front end may not override them.
 SESSION_PREFIX = "HERMES_SESSION_"
 RESERVED = frozenset({"HERMES_HOME", "TERMINAL_CWD", "HERMES_SESSION_KEY"})
+# Variables with which a session's env could switch Hermes's approvals off
+# (HERMES_EXEC_ASK=0 with HERMES_GATEWAY_SESSION=0, or HERMES_YOLO_MODE=1):
+# refused from front ends unless the operator allows them (allow_env).
+APPROVAL_ENV = frozenset({"HERMES_EXEC_ASK", "HERMES_GATEWAY_SESSION", "HERMES_YOLO_MODE"})
 OPTION_NAMES = ("session_env", "env", "agent", "workspace", "runtime")
 # What a front end may choose per session for the agent runtime. Secrets
 # (api keys) are not among them: they come from the supervisor's config.
@@ -143,10 +147,21 @@ def _check_string(raw: dict[Any, Any], name: str) -> str | None:
 
 
 def check_policy(
-    options: SessionOptions, workspace_roots: tuple[str, ...], runtimes: tuple[str, ...]
+    options: SessionOptions,
+    workspace_roots: tuple[str, ...],
+    runtimes: tuple[str, ...],
+    allow_env: tuple[str, ...] = (),
 ) -> None:
-    """Refuse a workspace outside the configured roots (symlinks resolved)
-    and a runtime the operator did not allow."""
+    """Refuse a workspace outside the configured roots (symlinks resolved),
+    a runtime the operator did not allow, and variables that switch the
+    agent's approvals (APPROVAL_ENV) unless the operator allows them."""
+    switches = sorted((APPROVAL_ENV & options.env.keys()) - set(allow_env))
+    if switches:
+        raise _bad(
+            f"option 'env': {', '.join(switches)} decide whether the agent asks before "
+            "running a dangerous command, which is the operator's policy; this supervisor "
+            "does not let front ends set them (allow_env)"
+        )
     if options.workspace is not None:
         if not workspace_roots:
             raise _bad(

@@ -93,7 +93,12 @@ class SessionTable:
         settings = self.ctx.settings
         options = parse_options(raw_options) if raw_options is not None else None
         if options is not None:
-            check_policy(options, settings.workspace_roots, (settings.runtime, *settings.runtimes))
+            check_policy(
+                options,
+                settings.workspace_roots,
+                (settings.runtime, *settings.runtimes),
+                settings.allow_env,
+            )
         session = self.sessions.get(key)
         if session is None:
             path = session_path(settings.data_dir, key)
