@@ -1,8 +1,11 @@
 """A small web front end for hermes-sup: each browser tab chats with its own
 session, replies stream in as they are made, approvals show as buttons.
 
-    python examples/web/app.py                 # this user's supervisor
-    python examples/web/app.py --state-dir DIR --port 8765
+    .venv/bin/python examples/web/app.py       # this user's supervisor
+    .venv/bin/python examples/web/app.py --state-dir DIR --port 8765
+
+It needs the hermes_sup client installed (`make run` or `make install` put
+it in .venv); run with another Python, it says so and how to run it.
 
 Standard library only (plus hermes_sup.client). It listens on 127.0.0.1 and
 has no login of its own: anyone who can reach the port can chat. Put it
@@ -24,19 +27,26 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from hermes_sup.client import (
-    ApprovalRequest,
-    ApprovalTimeout,
-    Client,
-    ClientError,
-    Event,
-    Output,
-    Queued,
-    Reply,
-    Running,
-    SupervisorError,
-    Token,
-)
+try:
+    from hermes_sup.client import (
+        ApprovalRequest,
+        ApprovalTimeout,
+        Client,
+        ClientError,
+        Event,
+        Output,
+        Queued,
+        Reply,
+        Running,
+        SupervisorError,
+        Token,
+    )
+except ModuleNotFoundError:
+    sys.exit(
+        "this example needs the hermes_sup client, which this Python does not have: "
+        "run it with the project's venv (.venv/bin/python examples/web/app.py, after "
+        "`make install`) or `pip install -e .` into this Python"
+    )
 
 PAGE = (Path(__file__).parent / "index.html").read_bytes()
 MAX_BODY = 64 * 1024
