@@ -1,7 +1,7 @@
 """How `hermes-sup serve` writes its own log to stderr.
 
 `text` (the default) is one line per record: time, level, logger, then the
-supervisor's `event key=value ...` (supervisor/logfmt.py). `json` is one
+supervisor's `event key=value ...` (local/logfmt.py). `json` is one
 JSON object per record, `{"ts", "level", "logger", "event", <fields>}`, the
 fields read back from the key=value line, so journald and log shippers can
 filter by session, pid or event; a record that is not key=value keeps its

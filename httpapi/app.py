@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hermes_sup.client import AsyncClient, ClientError
-from hermes_sup.supervisor.logfmt import kv
+from hermes_sup.local.logfmt import kv
 
 from . import chat
 from .errors import ApiError, from_client_error

@@ -38,7 +38,7 @@ from hermes_sup.client import (
     ToolComplete,
     ToolStart,
 )
-from hermes_sup.supervisor.logfmt import kv
+from hermes_sup.local.logfmt import kv
 
 from .errors import ApiError, from_client_error
 from .sessions import (

@@ -44,7 +44,7 @@ from hermes_sup.client import (
     ToolComplete,
     ToolStart,
 )
-from hermes_sup.supervisor.logfmt import kv
+from hermes_sup.local.logfmt import kv
 
 from .chat import SSE_HEADERS, usage_of
 from .errors import ApiError

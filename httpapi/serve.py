@@ -39,14 +39,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hermes_sup.client import AsyncClient
-from hermes_sup.supervisor.logfmt import kv
+from hermes_sup.local import addresses
+from hermes_sup.local.logfmt import kv
 
 from .app import ApiSettings, create_app
 from .keys import KeyStore
 
 log = logging.getLogger("hermes_sup.httpapi")
 
-LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8642  # Hermes's API server's port: front ends default to it
 
 
@@ -55,21 +55,12 @@ class HttpSetupError(Exception):
 
 
 def parse_listen(spec: str) -> tuple[str, int]:
-    """'PORT' (loopback) or 'HOST:PORT'; every interface only when asked by
-    name ('0.0.0.0:PORT', '[::]:PORT'), never with '*'."""
-    host, sep, port_text = spec.rpartition(":")
-    if not sep:
-        host, port_text = LOOPBACK, spec
-    host = host.strip("[]") or LOOPBACK
-    if host == "*":
-        raise HttpSetupError(f"http {spec!r}: write 0.0.0.0 to listen on every interface")
+    """'PORT' (loopback) or 'HOST:PORT' (see local/addresses.py); port 0
+    lets the kernel choose."""
     try:
-        port = int(port_text)
-    except ValueError:
-        raise HttpSetupError(f"http {spec!r}: the port must be a number") from None
-    if not 0 <= port < 65536:
-        raise HttpSetupError(f"http {spec!r}: port {port} is out of range")
-    return host, port
+        return addresses.parse_listen(spec, "http", any_port=True)
+    except ValueError as exc:
+        raise HttpSetupError(str(exc)) from None
 
 
 def require_keys(data_dir: Path) -> KeyStore:

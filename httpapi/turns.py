@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from hermes_sup.client import AsyncClient, AsyncTurn, ClientError, Event, Reply
-from hermes_sup.supervisor.logfmt import kv
+from hermes_sup.local.logfmt import kv
 
 log = logging.getLogger("hermes_sup.httpapi")
 

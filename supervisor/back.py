@@ -28,6 +28,7 @@ from typing import Any
 
 import msgpack
 
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
     ErrorCode,
     Kind,
@@ -42,7 +43,6 @@ from hermes_sup.protocol import (
 from .context import Context
 from .endpoints import Endpoints
 from .lifecycle import Lifecycle
-from .logfmt import kv
 from .pool import WorkerPool
 from .session import Session
 from .turns import Turns

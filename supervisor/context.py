@@ -16,8 +16,9 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from hermes_sup.local.logfmt import kv
+
 from .config import Settings
-from .logfmt import kv
 from .metrics import Metrics
 from .session import Session
 

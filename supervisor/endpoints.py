@@ -31,6 +31,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from hermes_sup.local import statedir
 from hermes_sup.local.frames import HANDSHAKE_FAILURES
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAGIC,
@@ -57,7 +58,6 @@ from .gate import (
     tcp_address,
     unix_address,
 )
-from .logfmt import kv
 from .session import Session
 
 log = logging.getLogger("hermes_sup.supervisor")

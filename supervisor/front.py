@@ -26,6 +26,7 @@ from importlib import metadata
 
 import psutil
 
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -42,7 +43,6 @@ from .endpoints import Endpoints
 from .environment import worker_env
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
-from .logfmt import kv
 from .logs import tail
 from .pool import WorkerPool
 from .session import LOG_FILE, Session, StoredSession, Turn

@@ -66,9 +66,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from hermes_sup.local.frames import NOBLOCK, recv_frames
+from hermes_sup.local.logfmt import kv
 
 from .limits import FDS_PER_SESSION, allowed_sessions
-from .logfmt import kv
 from .throttle import Throttle, flush_all, flush_due
 
 log = logging.getLogger("hermes_sup.supervisor")

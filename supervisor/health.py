@@ -19,10 +19,11 @@ import logging
 import signal
 import time
 
+from hermes_sup.local.logfmt import kv
+
 from .context import Context
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
-from .logfmt import kv
 from .session import Session
 from .states import State
 from .table import SessionTable

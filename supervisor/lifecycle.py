@@ -32,6 +32,7 @@ import logging
 import signal
 import time
 
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
     ErrorCode,
     Kind,
@@ -44,7 +45,6 @@ from hermes_sup.protocol import (
 
 from .context import Context
 from .endpoints import Endpoints
-from .logfmt import kv
 from .metrics import exit_category
 from .pool import WorkerPool, new_identity
 from .process import WorkerProcess, kill_processes

@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from .logfmt import kv
+from hermes_sup.local.logfmt import kv
 
 log = logging.getLogger("hermes_sup.supervisor")
 

@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 import zmq
 
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
     Kind,
     LocalProtocolError,
@@ -47,7 +48,6 @@ from . import statedir
 from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
-from .logfmt import kv
 from .logs import PipeReader
 from .process import WorkerProcess, kill_processes
 from .records import WorkerRecords

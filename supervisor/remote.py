@@ -29,6 +29,7 @@ import zmq.auth
 
 # The handshake events a client watches too; the supervisor's monitor asks
 # for them here as remote.HANDSHAKE_FAILURES.
+from hermes_sup.local.addresses import parse_listen
 from hermes_sup.local.frames import HANDSHAKE_FAILURES as HANDSHAKE_FAILURES
 
 from . import statedir
@@ -43,7 +44,6 @@ CLIENTS_DIR = "clients"
 SERVER_NAME = "server"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 ZAP_DOMAIN = "hermes-sup"
-LOOPBACK = "127.0.0.1"
 
 
 class RemoteError(Exception):
@@ -51,21 +51,11 @@ class RemoteError(Exception):
 
 
 def parse_tcp(spec: str) -> tuple[str, int]:
-    """'PORT' (loopback only) or 'HOST:PORT'. All interfaces only when asked
-    by name: '0.0.0.0:PORT' or '[::]:PORT'."""
-    host, sep, port_text = spec.rpartition(":")
-    if not sep:
-        host, port_text = LOOPBACK, spec
-    host = host.strip("[]") or LOOPBACK
-    if host == "*":
-        raise RemoteError(f"tcp {spec!r}: write 0.0.0.0 to listen on every interface")
+    """'PORT' (loopback only) or 'HOST:PORT' (see local/addresses.py)."""
     try:
-        port = int(port_text)
-    except ValueError:
-        raise RemoteError(f"tcp {spec!r}: the port must be a number") from None
-    if not 0 < port < 65536:
-        raise RemoteError(f"tcp {spec!r}: port {port} is out of range")
-    return host, port
+        return parse_listen(spec, "tcp")
+    except ValueError as exc:
+        raise RemoteError(str(exc)) from None
 
 
 def tcp_endpoint(host: str, port: int) -> str:

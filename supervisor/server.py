@@ -41,6 +41,7 @@ from typing import Any
 
 import psutil
 
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
 from . import configfile, remote, statedir
@@ -53,7 +54,6 @@ from .front import Front, version
 from .health import Health
 from .lifecycle import Lifecycle
 from .limits import allowed_sessions
-from .logfmt import kv
 from .metrics import Metrics
 from .notify import Notifier
 from .pool import WorkerPool

@@ -19,11 +19,11 @@ import shutil
 import time
 from collections import Counter, deque
 
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
 from .context import Context
 from .environment import check_policy, parse_options
-from .logfmt import kv
 from .logs import SessionLog
 from .session import (
     Session,

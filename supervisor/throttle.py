@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .logfmt import kv
+from hermes_sup.local.logfmt import kv
 
 INTERVAL = 10.0
 

@@ -42,11 +42,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, error_message
 
 from .context import Context
 from .endpoints import Endpoints
-from .logfmt import kv
 from .session import Session, Turn
 from .states import Event, State
 from .table import SessionTable

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pexpect
 
@@ -20,6 +21,11 @@ def test_json_log_lines_carry_their_fields(supervisor_factory) -> None:
     sup = supervisor_factory("--log-format", "json")
     with sup.client() as client:
         pid = int(client.run("tg:-1001:thread-5", "pid").text)
+    # "spawned" is written when the zygote's answer is read, which may come
+    # after the worker's own reply: wait for it.
+    deadline = time.monotonic() + 20
+    while '"spawned"' not in sup.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
     lines = [json.loads(line) for line in sup.log().splitlines() if line.strip()]
     assert all({"ts", "level", "logger"} <= set(item) for item in lines)
     spawned = next(item for item in lines if item.get("event") == "spawned")

@@ -628,11 +628,11 @@ def test_the_endpoints_connections_send_without_delay() -> None:
 
 
 def test_the_endpoint_is_a_client_and_loads_nothing_of_the_server_side() -> None:
-    """Like any front end, it uses the client library; of the supervisor's
-    package it shares only the log line format."""
+    """Like any front end, it uses the client library (and hermes_sup.local,
+    as the client does); nothing of the supervisor's package."""
     from tests.test_layout import SERVER_SIDE, modules_loaded_by, package
 
     loaded = modules_loaded_by("hermes_sup.httpapi", "hermes_sup.httpapi.serve")
     assert "hermes_sup.httpapi.serve" in loaded and "uvicorn" not in loaded  # imported when run
     server_side = [m for m in loaded if package(m) in SERVER_SIDE]
-    assert server_side == ["hermes_sup.supervisor", "hermes_sup.supervisor.logfmt"]
+    assert server_side == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_log_lines_mask_secrets() -> None:
-    from hermes_sup.supervisor.logfmt import kv
+    from hermes_sup.local.logfmt import kv
 
     line = kv(
         "spawned",
