@@ -298,8 +298,9 @@ def test_each_approval_timeout_is_reported_when_it_happens_with_its_id(hermes) -
         client.run("twice", "run: mkdir -p a b && echo made")
         reply = client.run("twice", "runs: rm -rf a ;; rm -rf b")
         seen = [(e.type, e.id) for e in reply.events if e.type in ("approval", "approval_timeout")]
+        assert len(seen) == 4, seen
         first, second = seen[0][1], seen[2][1]
-        assert first and second and first != second
+        assert first and second and first != second, seen
         assert seen == [
             ("approval", first),
             ("approval_timeout", first),

@@ -177,6 +177,8 @@ class HermesRuntime:
         # its timeout when hermes stops waiting.
         self._pending: list[tuple[str, dict[str, Any], threading.Timer]] = []
         self._asked = 0
+        # Each waiting request's entry in hermes's own queue, by identity.
+        self._waits: dict[str, int] = {}
         self._clarified = 0
         # Duration and outcome of the tool call that just completed: Hermes
         # reports them in tool progress, right before its tool_complete.
@@ -360,7 +362,8 @@ class HermesRuntime:
         with self._lock:
             if not self._pending or approval not in (None, self._pending[0][0]):
                 return 0
-            _id, _request, timer = self._pending.pop(0)
+            answered, _request, timer = self._pending.pop(0)
+            self._waits.pop(answered, None)
         timer.cancel()
         return int(self._approval.resolve_gateway_approval(self.session.key, choice))
 
@@ -431,15 +434,34 @@ class HermesRuntime:
         )
         return CLARIFY_SHOWN
 
+    def _no_longer_waiting(self) -> list[str]:
+        """Our waiting requests that hermes's gateway queue no longer holds
+        (it timed them out). Reads hermes's queue (tools.approval, pinned
+        range): where that is not there, none are found and the timers report."""
+        queues = getattr(self._approval, "_gateway_queues", None)
+        lock = getattr(self._approval, "_lock", None)
+        if not isinstance(queues, dict) or lock is None:
+            return []
+        with lock:
+            live = {id(entry.data) for entry in queues.get(self.session.key, [])}
+        with self._lock:
+            return [a for a, _request, _timer in self._pending if self._waits.get(a) not in live]
+
     def _on_status(self, *args: Any, **kwargs: Any) -> None:
         self._send("status", _plain(list(args)))
 
     def _on_approval(self, data: dict[str, Any]) -> None:
         """Hermes wants a dangerous command approved: ask the front end, and
         say so the moment hermes stops waiting (its `approvals.timeout`)."""
+        # A request hermes has stopped waiting for is over before this one is
+        # asked, though its timer may not have fired yet (the agent moved on
+        # within the timer's slack): say so first, in order.
+        for gone in self._no_longer_waiting():
+            self._approval_expired(gone)
         with self._lock:
             self._asked += 1
             approval = f"hermes-{self._asked}"
+            self._waits[approval] = id(data)
         request = {
             "id": approval,
             "command": data.get("command"),
@@ -470,6 +492,7 @@ class HermesRuntime:
             self._pending = [p for p in self._pending if p not in expired]
             for approval_id, request, timer in expired:
                 timer.cancel()
+                self._waits.pop(approval_id, None)
                 self._send(
                     "approval_timeout",
                     {
