@@ -17,7 +17,8 @@ import pexpect
 import pytest
 from click.testing import CliRunner
 
-from hermes_sup.cli.main import cli, parse_duration
+from hermes_sup.cli.common import parse_duration
+from hermes_sup.cli.main import cli
 from hermes_sup.protocol import Kind, session_dir_name
 
 from .test_faults import RUNTIMES, until

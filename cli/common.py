@@ -1,0 +1,152 @@
+"""What the client commands share: connecting to the supervisor with
+errors turned into one line, the session argument and its completion, the
+options of a session's new worker, durations, and the exit codes.
+
+Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running, 130 a turn
+cancelled with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hermes_sup.client import (
+    Client,
+    ClientError,
+    NotRunning,
+    SupervisorError,
+    session_options,
+)
+
+from .serve import parse_pairs
+from .terminal import is_terminal, neutralize
+
+EXIT_NOT_RUNNING = 3
+EXIT_INTERRUPTED = 130
+
+
+class NotRunningError(click.ClickException):
+    """The supervisor is not running: exit 3 with how to start it."""
+
+    exit_code = EXIT_NOT_RUNNING
+
+
+def one_line(exc: BaseException) -> str:
+    """An error for stderr: one line, with any control character a session
+    put in it made visible on a terminal."""
+    text = str(exc)
+    return neutralize(text) if is_terminal(sys.stderr) else text
+
+
+def start_hint(ctx: click.Context) -> str:
+    """`hermes-sup [--state-dir D]`: the start of a command to suggest."""
+    if ctx.obj.get("connection") is not None:
+        return f"hermes-sup --connection {shlex.quote(str(ctx.obj['connection']))}"
+    if ctx.obj.get("state_dir_given"):
+        return f"hermes-sup --state-dir {shlex.quote(str(ctx.obj['state_dir']))}"
+    return "hermes-sup"
+
+
+@contextmanager
+def connect(ctx: click.Context) -> Iterator[Client]:
+    """A client for the command, with errors turned into one-line messages."""
+    state_dir: Path = ctx.obj["state_dir"]
+    connection: Path | None = ctx.obj.get("connection")
+    try:
+        if connection is not None:
+            client = Client.from_connection_file(connection, timeout=ctx.obj["timeout"])
+        else:
+            client = Client(state_dir, timeout=ctx.obj["timeout"])
+    except NotRunning as exc:
+        raise NotRunningError(
+            f"{exc}. Start it with: hermes-sup --state-dir {shlex.quote(str(state_dir))} serve"
+        ) from None
+    except ClientError as exc:  # permission denied, a bad connection file
+        raise click.ClickException(one_line(exc)) from None
+    try:
+        yield client
+    except NotRunning as exc:
+        raise NotRunningError(one_line(exc)) from None
+    except SupervisorError as exc:
+        raise click.ClickException(one_line(exc)) from None
+    except ClientError as exc:
+        raise click.ClickException(one_line(exc)) from None
+    finally:
+        client.close()
+
+
+def complete_sessions(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+    """Shell completion of session keys, asked of the running supervisor."""
+    from click.shell_completion import CompletionItem
+
+    obj = ctx.obj if isinstance(ctx.obj, dict) else {}
+    state_dir = obj.get("state_dir") or ctx.find_root().params.get("state_dir")
+    try:
+        with Client(Path(state_dir) if state_dir else None, timeout=1.0) as client:
+            rows = client.sessions(prefix=incomplete)
+    except Exception:
+        return []
+    return [CompletionItem(r["key"], help=r["state"]) for r in rows]
+
+
+SESSION = click.argument("session", shell_complete=complete_sessions)
+RAW = click.option(
+    "--raw",
+    is_flag=True,
+    help="Write the session's output byte-exact even to a terminal (control sequences "
+    "and all); by default they are shown escaped on a terminal.",
+)
+
+
+def options_from(
+    session_env: tuple[str, ...], workspace: str | None, runtime: str | None
+) -> dict[str, Any] | None:
+    return session_options(
+        session_env=parse_pairs(session_env, "--session-env") if session_env else None,
+        workspace=str(Path(workspace).absolute()) if workspace else None,
+        runtime=runtime,
+    )
+
+
+def new_session_options(func: Any) -> Any:
+    """--session-env, --workspace, --runtime: options of a session's new worker."""
+    func = click.option(
+        "--runtime", default=None, help="A runtime the supervisor allows (--allow-runtime)."
+    )(func)
+    func = click.option(
+        "--workspace",
+        default=None,
+        help="Work in this directory (under one of the supervisor's --workspace-root).",
+    )(func)
+    return click.option(
+        "--session-env",
+        "session_env",
+        multiple=True,
+        help="NAME=VALUE given to a new worker as HERMES_SESSION_NAME (repeat).",
+    )(func)
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '2h', '1h30m', '1d' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    total, number = 0.0, ""
+    for ch in text.strip().lower():
+        if ch.isdigit() or ch == ".":
+            number += ch
+        elif ch in units and number:
+            total += float(number) * units[ch]
+            number = ""
+        else:
+            raise click.BadParameter(f"{text!r} is not a duration like 90s, 10m, 2h or 1h30m")
+    if number:
+        total += float(number)
+    if not text.strip():
+        raise click.BadParameter("empty duration")
+    return total

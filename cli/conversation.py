@@ -1,0 +1,244 @@
+"""Commands that talk with a session: send a turn, cancel it, answer an
+approval, attach a terminal to it, and follow its events.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from typing import Any
+
+import click
+
+from .common import (
+    RAW,
+    SESSION,
+    complete_sessions,
+    connect,
+    new_session_options,
+    options_from,
+    start_hint,
+)
+from .options import (
+    SECONDS,
+    client_options,
+)
+from .show import (
+    use_color,
+)
+from .terminal import Screen, is_terminal
+
+
+@client_options
+@click.command()
+@SESSION
+@click.argument("text")
+@new_session_options
+@click.option(
+    "--turn-timeout",
+    type=SECONDS,
+    default=None,
+    help="Cancel the turn and give up after this many seconds.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print every event, then the reply, as JSON lines."
+)
+@RAW
+@click.pass_context
+def send(
+    ctx: click.Context,
+    session: str,
+    text: str,
+    session_env: tuple[str, ...],
+    workspace: str | None,
+    runtime: str | None,
+    turn_timeout: float | None,
+    as_json: bool,
+    raw: bool,
+) -> None:
+    """Send TEXT to SESSION, print its streamed output, then its reply.
+
+    What the turn does besides (queued, tools, retries) shows on stderr. An
+    approval request is asked at the terminal (once, session, deny); without
+    one, send says how to answer (hermes-sup approve) and exits 1 if nobody
+    did in time. Ctrl-C cancels the turn (never the session) and exits 130.
+
+    Options for a new session (--session-env, --workspace, --runtime) apply
+    when its worker starts; a running session with other options refuses.
+
+    \b
+    Examples:
+      hermes-sup send alice 'setenv COLOR blue'
+      hermes-sup send alice 'sh echo $COLOR; pwd'
+      hermes-sup send alice 'ask touch x'          # asks you to approve
+      hermes-sup send bob --workspace /srv/projects/acme 'sh ls'
+    """
+    from .send import Sender
+
+    options = options_from(session_env, workspace, runtime)
+    body: dict[str, Any] = {"text": text}
+    if options:
+        body["options"] = options
+    with connect(ctx) as client:
+        code = Sender(
+            client=client,
+            key=session,
+            body=body,
+            screen=Screen(raw),
+            interactive=is_terminal(sys.stdin) and not as_json,
+            as_json=as_json,
+            turn_timeout=turn_timeout,
+            hint_prefix=start_hint(ctx),
+        ).run()
+    sys.exit(code)
+
+
+@client_options
+@click.command()
+@SESSION
+@click.option("--turn", default=None, help="Cancel this queued turn (its send id) instead.")
+@click.pass_context
+def cancel(ctx: click.Context, session: str, turn: str | None) -> None:
+    """Cancel SESSION's running turn (the session keeps running).
+
+    The turn's own client gets its end (a reply or an error) as usual.
+
+    \b
+    Examples:
+      hermes-sup cancel alice
+    """
+    with connect(ctx) as client:
+        cancelled = client.cancel(session, turn)
+    if cancelled is None:
+        raise click.ClickException(
+            f"session {session!r} has no "
+            + ("such queued turn" if turn else "running turn")
+            + " to cancel"
+        )
+    click.echo(f"{session}: cancelled turn {cancelled}")
+
+
+@client_options
+@click.command()
+@SESSION
+@click.argument("choice", type=click.Choice(["once", "session", "always", "deny"]))
+@click.option(
+    "--id",
+    "approval",
+    default=None,
+    help="Answer only this request (the id send and attach show), never a later one.",
+)
+@click.pass_context
+def approve(ctx: click.Context, session: str, choice: str, approval: str | None) -> None:
+    """Answer SESSION's waiting approval request: once, session, always or deny.
+
+    Without --id it answers the oldest request waiting.
+
+    \b
+    Examples:
+      hermes-sup approve alice once
+      hermes-sup approve alice deny --id probe-3
+    """
+    with connect(ctx) as client:
+        answered = client.approve(session, choice, approval=approval)
+    click.echo(f"{session}: answered {answered}")
+
+
+@client_options
+@click.command()
+@click.argument("session", required=False, shell_complete=complete_sessions)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object a line.")
+@click.option("--replay", default=0, show_default=True, help="Recent events to show first.")
+@RAW
+@click.pass_context
+def events(ctx: click.Context, session: str | None, as_json: bool, replay: int, raw: bool) -> None:
+    """Print the live events of SESSION, or of every session, until Ctrl-C:
+    state changes, turns from any client, what they stream, their ends.
+
+    \b
+    Examples:
+      hermes-sup events
+      hermes-sup events alice --json
+    """
+    from .send import event_json, short
+
+    screen = Screen(raw)
+    with connect(ctx) as client:
+        stream = client.watch(session, replay=max(0, replay))
+        try:
+            for event in stream:
+                if as_json:
+                    item = event_json(event)
+                    if event.type == "state":
+                        del item["turn"]  # a change of state belongs to no turn
+                    item["time"] = time.time()
+                    click.echo(json.dumps(item, default=str), color=True)
+                    continue
+                data = event.data
+                if event.type == "state" and isinstance(data, dict):
+                    text = f"{data.get('previous')} -> {data.get('state')}"
+                    if data.get("reason"):
+                        text += f" ({data['reason']})"
+                elif event.type in ("output", "token") and isinstance(data, str):
+                    text = data
+                else:
+                    text = short(data, 200)
+                stamp = time.strftime("%H:%M:%S")
+                screen.out(f"{stamp} {event.session or '-'} {event.type} {text}")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stream.close()
+
+
+@client_options
+@click.command()
+@SESSION
+@click.option(
+    "--read-only", is_flag=True, help="Only watch: nothing typed is sent, Ctrl-C detaches."
+)
+@click.option("--create", is_flag=True, help="Start SESSION if it does not exist yet.")
+@click.option("--replay", default=50, show_default=True, help="Recent events to show first.")
+@RAW
+@click.pass_context
+def attach(
+    ctx: click.Context, session: str, read_only: bool, create: bool, replay: int, raw: bool
+) -> None:
+    """Watch SESSION live and talk to it, like tmux attach.
+
+    Shows the session's recent events, then everything it produces, including
+    turns sent by other clients. Each line you type is sent as a turn. A key
+    the supervisor does not know is refused unless --create.
+
+    \b
+    Keys:
+      Ctrl-D      detach (the session keeps running); Ctrl-] then Enter too
+      Ctrl-C      cancel the running turn (never the session); read-only: detach
+      /approve once|session|always, /deny   answer an approval request
+
+    \b
+    Examples:
+      hermes-sup attach alice
+      hermes-sup attach alice --read-only
+      hermes-sup attach tg:42 --create
+      hermes-sup attach alice --connection web-eu.json
+    """
+    from .attach import Attached
+
+    if create and read_only:
+        raise click.UsageError("--create starts a session; a --read-only attach changes nothing")
+    key = session
+    with connect(ctx) as client:
+        # Also fails now, with a clear message, if the supervisor is not there.
+        known = any(r["key"] == key for r in client.sessions(prefix=key))
+        if not known:
+            if not create:
+                raise click.ClickException(
+                    f"no session {key!r} (`{start_hint(ctx)} list` shows them); "
+                    f"to start it, use: {start_hint(ctx)} attach --create {shlex.quote(key)}"
+                )
+            client.open(key)
+        code = Attached(client, key, read_only, use_color(ctx), Screen(raw)).run(replay)
+    sys.exit(code)

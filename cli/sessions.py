@@ -1,0 +1,428 @@
+"""Commands that manage sessions and their workers: open (start),
+restart, signal, list, inspect, kill, and logs (also read from disk while
+the supervisor is down).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hermes_sup.client import (
+    SupervisorError,
+    Timeout,
+)
+from hermes_sup.protocol import Kind
+from hermes_sup.supervisor.config import DATA_DIR_ENV, default_data_dir
+
+from .common import (
+    RAW,
+    SESSION,
+    complete_sessions,
+    connect,
+    new_session_options,
+    one_line,
+    options_from,
+    parse_duration,
+)
+from .options import (
+    SECONDS,
+    client_options,
+)
+from .show import (
+    STATE_ORDER,
+    format_rows,
+    inspect_lines,
+    session_table,
+    sort_rows,
+    use_color,
+)
+from .terminal import Screen, is_terminal
+
+
+@client_options
+@click.command(name="open")
+@SESSION
+@new_session_options
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@click.pass_context
+def open_(
+    ctx: click.Context,
+    session: str,
+    session_env: tuple[str, ...],
+    workspace: str | None,
+    runtime: str | None,
+    as_json: bool,
+) -> None:
+    """Start SESSION's worker without sending a turn (also: start).
+
+    A session that does not exist yet is created, with the options given.
+
+    \b
+    Examples:
+      hermes-sup open alice
+      hermes-sup start tg:42 --session-env platform=telegram --session-env chat_id=42
+    """
+    options = options_from(session_env, workspace, runtime)
+    with connect(ctx) as client:
+        opened = client.open(session, options=options)
+    if as_json:
+        click.echo(json.dumps({"key": session, **opened.__dict__}))
+        return
+    what = "created and started" if opened.created else f"already {opened.state}"
+    click.echo(f"{session}: {what}" + (f" (pid {opened.pid})" if opened.pid else ""))
+
+
+@client_options
+@click.command()
+@click.argument("sessions", nargs=-1, required=True, shell_complete=complete_sessions)
+@click.option("--force", is_flag=True, help="SIGKILL the old worker at once.")
+@click.pass_context
+def restart(ctx: click.Context, sessions: tuple[str, ...], force: bool) -> None:
+    """Stop SESSIONS' workers (as kill does) and start fresh ones on the same data.
+
+    A running turn ends with session_killed; queued ones fail likewise.
+
+    \b
+    Examples:
+      hermes-sup restart alice
+    """
+    failed = 0
+    with connect(ctx) as client:
+        for key in sessions:
+            try:
+                killed = client.kill(key, force=force, timeout=max(ctx.obj["timeout"], 120.0))
+                opened = client.open(key)
+            except SupervisorError as exc:
+                failed += 1
+                click.echo(f"{key}: {one_line(exc)}", err=True)
+                continue
+            old = f" (pid {killed.pid})" if killed.pid else ""
+            click.echo(f"{key}: {killed.reason}{old}; started pid {opened.pid or '?'}")
+    if failed:
+        sys.exit(1)
+
+
+@client_options
+@click.command(name="signal")
+@click.argument("sig", metavar="SIGNAL")
+@SESSION
+@click.option("--group", is_flag=True, help="Signal the worker's whole process group.")
+@click.pass_context
+def signal_(ctx: click.Context, sig: str, session: str, group: bool) -> None:
+    """Send SIGNAL (HUP, TERM, USR1, ... or a number) to SESSION's worker.
+
+    What follows goes the usual way: a worker that dies of it is restarted
+    by the session's next turn.
+
+    \b
+    Examples:
+      hermes-sup signal USR1 alice
+      hermes-sup signal INT alice --group
+    """
+    with connect(ctx) as client:
+        done = client.signal(session, sig, group=group)
+    click.echo(f"{session}: sent {done.signal} to pid {done.pid}" + (" (group)" if group else ""))
+
+
+def _list_lines(
+    ctx: click.Context,
+    rows: list[dict[str, Any]],
+    quiet: bool,
+    template: str | None,
+    no_trunc: bool,
+) -> list[str]:
+    if quiet:
+        return [r["key"] for r in sort_rows(rows)]
+    if template is not None:
+        return format_rows(template, sort_rows(rows))
+    width = None
+    if is_terminal(sys.stdout) and not no_trunc:
+        try:  # the terminal's own size, over a COLUMNS that may be stale
+            width = os.get_terminal_size(sys.stdout.fileno()).columns
+        except OSError:
+            width = shutil.get_terminal_size().columns
+    return session_table(rows, use_color(ctx), time.time(), width)
+
+
+@client_options
+@click.command(name="list")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print a JSON array: numbers as numbers, times as epoch seconds.",
+)
+@click.option("--prefix", default="", help="Only sessions whose key starts with this.")
+@click.option(
+    "--state", type=click.Choice(STATE_ORDER), default=None, help="Only sessions in this state."
+)
+@click.option("-q", "--quiet", is_flag=True, help="Only the keys, one a line.")
+@click.option(
+    "--format",
+    "template",
+    default=None,
+    metavar="TEMPLATE",
+    help="A line per session from a template over the JSON fields: '{key} {state} {pid}' "
+    "(Python format specs, \\t a tab); 'json' for one JSON object a line.",
+)
+@click.option("--no-trunc", is_flag=True, help="Never cut keys to fit the terminal.")
+@click.option("-w", "--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
+@click.option(
+    "--interval", type=SECONDS, default=2.0, show_default=True, help="Seconds between redraws."
+)
+@click.pass_context
+def list_(
+    ctx: click.Context,
+    as_json: bool,
+    prefix: str,
+    state: str | None,
+    quiet: bool,
+    template: str | None,
+    no_trunc: bool,
+    watch: bool,
+    interval: float,
+) -> None:
+    """List sessions: state, pid, uptime, idle time, turns, memory and CPU.
+
+    Memory (RSS) and CPU% are of the worker and everything it started, sampled
+    when you ask (CPU% since the previous list, or since the worker started).
+    The key column is as wide as the longest key; on a narrower terminal keys
+    are cut in the middle (…), unless --no-trunc.
+
+    \b
+    JSON fields: key, state, pid (or null), started and last_activity (epoch
+    seconds), turns, queued, exits, last_exit, fast_failures, runtime,
+    rss (bytes), procs, cpu_percent.
+
+    \b
+    Examples:
+      hermes-sup list
+      hermes-sup list --state busy
+      hermes-sup list -q --prefix telegram:
+      hermes-sup list --format '{key}\t{state}\t{rss}'
+      hermes-sup list --json --prefix telegram:
+      hermes-sup list --watch
+    """
+    if sum([as_json, quiet, template is not None]) > 1:
+        raise click.UsageError("choose one of --json, -q and --format")
+    clear = watch and is_terminal(sys.stdout)
+    with connect(ctx) as client:
+        first = True
+        try:
+            while True:
+                rows = client.sessions(prefix=prefix, state=state)
+                if as_json:
+                    text = json.dumps(rows, indent=None if watch else 2)
+                else:
+                    text = "\n".join(_list_lines(ctx, rows, quiet, template, no_trunc))
+                if clear:
+                    stamp = time.strftime("%H:%M:%S")
+                    click.echo("\x1b[H\x1b[2J", nl=False)
+                    click.echo(f"every {interval:g}s, {stamp}; Ctrl-C stops\n")
+                elif watch and not first and not as_json:
+                    click.echo()
+                if text:
+                    click.echo(text)
+                if not watch:
+                    return
+                first = False
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return  # the way out of --watch
+
+
+@client_options
+@click.command()
+@SESSION
+@click.option("--json", "as_json", is_flag=True, help="Print every field as JSON.")
+@click.pass_context
+def inspect(ctx: click.Context, session: str, as_json: bool) -> None:
+    """Show one session in full: its directories (data, workspace, home), log
+    files, options, the names (never the values) of its worker's environment
+    variables, pid, state history and last exit.
+
+    \b
+    Examples:
+      hermes-sup inspect alice
+      hermes-sup inspect alice --json
+    """
+    with connect(ctx) as client:
+        info = client.inspect(session)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    screen = Screen()
+    for line in inspect_lines(info, time.time()):
+        screen.out(line)
+
+
+@client_options
+@click.command()
+@click.argument("sessions", nargs=-1, shell_complete=complete_sessions)
+@click.option("--all", "all_", is_flag=True, help="Kill every session.")
+@click.option(
+    "--idle-for",
+    "idle_for",
+    default=None,
+    metavar="DURATION",
+    help="Kill idle sessions idle at least this long (90s, 10m, 2h).",
+)
+@click.option("--force", is_flag=True, help="SIGKILL at once instead of asking the worker to stop.")
+@click.option("--purge", is_flag=True, help="Also delete the sessions' data (asks first).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask before purging.")
+@click.pass_context
+def kill(
+    ctx: click.Context,
+    sessions: tuple[str, ...],
+    all_: bool,
+    idle_for: str | None,
+    force: bool,
+    purge: bool,
+    yes: bool,
+) -> None:
+    """Kill sessions' workers and every process they started; return when gone.
+
+    Graceful by default: the worker is asked to stop, then its process group
+    gets SIGTERM, then SIGKILL. The data (workspace, HERMES_HOME, log) stays,
+    and the next message starts a fresh worker on it, unless --purge.
+
+    \b
+    Examples:
+      hermes-sup kill alice
+      hermes-sup kill --idle-for 30m
+      hermes-sup kill --all --force
+      hermes-sup kill bob --purge --yes
+    """
+    if not (sessions or all_ or idle_for):
+        raise click.UsageError("name sessions to kill, or use --all or --idle-for")
+    idle_seconds = parse_duration(idle_for) if idle_for else None
+    with connect(ctx) as client:
+        targets = list(sessions)
+        if all_ or idle_seconds is not None:
+            now = time.time()
+            for r in client.sessions():
+                if all_ or (r["state"] == "idle" and now - r["last_activity"] >= idle_seconds):
+                    if r["key"] not in targets:
+                        targets.append(r["key"])
+        if not targets:
+            click.echo("no sessions to kill")
+            return
+        if purge and not yes:
+            if not sys.stdin.isatty():
+                raise click.ClickException("refusing to purge without --yes (no terminal to ask)")
+            click.confirm(
+                f"Delete the data of {len(targets)} session(s) (workspace, HERMES_HOME, logs)?",
+                abort=True,
+            )
+        # All at once: each kill returns when its processes are gone.
+        pending = {
+            client.submit(Kind.KILL, {"force": force, "purge": purge}, session=k): k
+            for k in targets
+        }
+        failed = 0
+        deadline = time.monotonic() + 120
+        while pending:
+            msg = client.next(timeout=max(1.0, deadline - time.monotonic()))
+            key = pending.pop(msg.re, None)
+            if key is None:
+                continue
+            if msg.kind is Kind.ERROR:
+                failed += 1
+                click.echo(f"{key}: {msg.body['message']}", err=True)
+            else:
+                pid = msg.body.get("pid")
+                click.echo(f"{key}: {msg.body['reason']}" + (f" (pid {pid})" if pid else ""))
+    if failed:
+        sys.exit(1)
+
+
+@client_options
+@click.command()
+@SESSION
+@click.option("-n", "--lines", default=50, show_default=True, help="Lines to show from the end.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (across rotation).")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Read the log from this data directory, without the supervisor (it may be down); "
+    f"'-' for the default one [env {DATA_DIR_ENV}].",
+)
+@RAW
+@click.pass_context
+def logs(
+    ctx: click.Context, session: str, lines: int, follow: bool, data_dir: Path | None, raw: bool
+) -> None:
+    """Print a session's worker log (its stdout and stderr).
+
+    With --data-dir it is read from disk, so it works with the supervisor
+    down (hermes-sup inspect names a session's directory).
+
+    \b
+    Examples:
+      hermes-sup logs alice -n 100
+      hermes-sup logs alice -f
+      hermes-sup logs alice --data-dir /var/lib/hermes-sup
+    """
+    screen = Screen(raw)
+    if data_dir is not None:
+        _logs_from_disk(screen, session, lines, follow, data_dir)
+        return
+    with connect(ctx) as client:
+        req = client.submit(Kind.LOGS, {"lines": max(0, lines), "follow": follow}, session=session)
+        first = client.answer(req)
+        for line in first.body["lines"]:
+            screen.out(line)
+        if not follow:
+            return
+        try:
+            while True:
+                try:
+                    msg = client.answer(req, timeout=1.0)
+                except Timeout:
+                    continue  # a supervisor that went away raises NotRunning instead
+                if msg.body.get("type") == "log":
+                    screen.out(msg.body["data"])
+        except KeyboardInterrupt:
+            client.submit(Kind.UNWATCH, {"watch": req})
+
+
+def _logs_from_disk(screen: Screen, key: str, lines: int, follow: bool, data_dir: Path) -> None:
+    from hermes_sup.protocol import RemoteProtocolError, check_session_key
+
+    from .logfiles import follow as follow_file
+    from .logfiles import session_log, tail
+
+    try:
+        check_session_key(key)
+    except RemoteProtocolError as exc:
+        raise click.BadParameter(exc.message, param_hint="SESSION") from None
+    if str(data_dir) == "-":
+        data_dir = default_data_dir()
+    path = session_log(data_dir, key)
+    if not path.parent.is_dir():
+        if not (data_dir / "sessions").is_dir():
+            raise click.ClickException(
+                f"{data_dir} holds no sessions: is it the supervisor's --data-dir?"
+            )
+        raise click.ClickException(f"no session {key!r} in {data_dir} (no {path.parent})")
+    try:
+        for line in tail(path, max(0, lines)):
+            screen.out(line)
+        if follow:
+            for line in follow_file(path):
+                screen.out(line)
+    except KeyboardInterrupt:
+        pass
+    except PermissionError as exc:
+        raise click.ClickException(
+            f"permission denied reading {exc.filename}: run this as the supervisor's user"
+        ) from None
