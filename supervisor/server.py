@@ -102,12 +102,17 @@ class Supervisor:
         self.endpoints = Endpoints(s, key)
         self.watchers = Watchers(self.endpoints)
         self.table = SessionTable(ctx, self.watchers, SpareDirs(s.data_dir))
-        self.turns = Turns(ctx, self.table, self.endpoints, self.watchers)
+        # Lifecycle takes Turns, so Turns reaches it through a call made
+        # later: a runtime that ignores a timed-out turn's cancel loses its worker.
+        self.turns = Turns(
+            ctx,
+            self.table,
+            self.endpoints,
+            self.watchers,
+            terminate=lambda session, reason: self.lifecycle.terminate(session, reason),
+        )
         self.pool = WorkerPool(ctx, self.endpoints, WorkerRecords(s.state_dir), self.watchers)
         self.lifecycle = Lifecycle(ctx, self.table, self.turns, self.pool, self.endpoints)
-        # Lifecycle takes Turns, so this one is wired after: a runtime that
-        # ignores a timed-out turn's cancel loses its worker.
-        self.turns.terminate = self.lifecycle.terminate
         self.health = Health(ctx, self.table, self.lifecycle)
         self.front = Front(
             ctx,

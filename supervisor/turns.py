@@ -107,7 +107,12 @@ class Turns:
     """Every session's queue of turns, and the answers given."""
 
     def __init__(
-        self, ctx: Context, table: SessionTable, endpoints: Endpoints, watchers: Watchers
+        self,
+        ctx: Context,
+        table: SessionTable,
+        endpoints: Endpoints,
+        watchers: Watchers,
+        terminate: Callable[[Session, str], None],
     ) -> None:
         self.ctx = ctx
         self.table = table
@@ -118,9 +123,8 @@ class Turns:
         self.kept: OrderedDict[str, int] = OrderedDict()
         self.kept_bytes = 0
         self.queued_total = 0
-        # End a worker that will not stop a cancelled turn (set by the
-        # supervisor to the lifecycle's `terminate`, which needs Turns first).
-        self.terminate: Callable[[Session, str], None] = lambda session, reason: None
+        # End a worker that will not stop a cancelled turn: the lifecycle's.
+        self.terminate = terminate
 
     # ------------------------------------------------------------- resends
 

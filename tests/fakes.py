@@ -200,11 +200,16 @@ class Rig:
         self.watchers = Watchers(endpoints)
         self.table = SessionTable(self.ctx, self.watchers, SpareDirs(self.settings.data_dir))
         self.table.spare_dirs.reset()
-        self.turns = Turns(self.ctx, self.table, endpoints, self.watchers)
+        self.turns = Turns(
+            self.ctx,
+            self.table,
+            endpoints,
+            self.watchers,
+            terminate=lambda session, reason: self.lifecycle.terminate(session, reason),
+        )
         self.pool = FakePool(self.ctx, self.endpoints)
         pool: Any = self.pool
         self.lifecycle = Lifecycle(self.ctx, self.table, self.turns, pool, endpoints)
-        self.turns.terminate = self.lifecycle.terminate
         self.front = Front(
             self.ctx,
             self.table,
