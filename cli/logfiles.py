@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 from hermes_sup.protocol import session_dir_name
+from hermes_sup.supervisor import logs
 
 LOG_FILE = "worker.log"  # as the supervisor writes it (supervisor/session.py)
 POLL = 0.25
@@ -38,18 +38,9 @@ def rotated(path: Path) -> list[Path]:
 
 
 def tail(path: Path, count: int) -> list[str]:
-    """The last `count` lines of the log and its rotated files."""
-    out: deque[str] = deque(maxlen=count)
-    if count <= 0:
-        return []
-    for f in [*rotated(path), path]:
-        try:
-            with open(f, "rb") as fh:
-                for raw in fh:
-                    out.append(raw.rstrip(b"\n").decode("utf-8", "replace"))
-        except FileNotFoundError:
-            continue
-    return list(out)
+    """The last `count` lines of the log and its rotated files, read as the
+    supervisor reads them for `logs`."""
+    return logs.tail(path, count, backups=len(rotated(path)))
 
 
 def follow(path: Path) -> Iterator[str]:
