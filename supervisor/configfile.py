@@ -231,6 +231,8 @@ HERMES_DISTRIBUTION = "hermes-agent"
 
 def check_preload(modules: tuple[str, ...]) -> None:
     """Refuse preloading a module of hermes-agent itself (ConfigError)."""
+    if not modules:
+        return  # the usual case: no package metadata to read at start
     import importlib.metadata
 
     try:
