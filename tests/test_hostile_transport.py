@@ -180,7 +180,7 @@ def test_an_event_over_the_frame_limit_is_replaced_by_a_notice(small_frames) -> 
 
 def test_a_worker_told_the_limit_sends_a_notice_instead(workdir, zmq_context) -> None:
     from hermes_sup.protocol import decode as decode_frames
-    from hermes_sup.worker.main import Link
+    from hermes_sup.worker.loop import Link
 
     endpoint = f"ipc://{workdir}/w.sock"
     router = zmq_context.socket(zmq.ROUTER)
