@@ -2,7 +2,7 @@
 itself: ping, status, reload and shutdown. The others live beside this
 module and are added to the group here: send, cancel, approve, attach and
 events (conversation.py); open (start), restart, signal, list, inspect,
-kill and logs (sessions.py); serve and config (serve.py); keys (keys.py);
+kill (sessions.py); logs (logs.py); serve and config (serve.py); keys (keys.py);
 install-service (service.py); http and keys http (http.py). common.py holds
 what the client commands share, send.py runs a turn, attach.py an attached
 terminal, show.py and terminal.py shape what is printed, options.py holds
@@ -30,6 +30,7 @@ from .common import connect
 from .conversation import approve, attach, cancel, events, send
 from .http import http, http_keys
 from .keys import keys
+from .logs import logs
 from .options import (
     CONNECTION_ENV,
     CONNECTION_HELP,
@@ -43,7 +44,7 @@ from .options import (
 )
 from .serve import config, serve
 from .service import install_service
-from .sessions import inspect, kill, list_, logs, open_, restart, signal_
+from .sessions import inspect, kill, list_, open_, restart, signal_
 from .show import (
     duration,
     size,

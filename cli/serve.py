@@ -173,6 +173,25 @@ def tunables(func: Any) -> Any:
     help="A variable that decides the agent's approvals (HERMES_EXEC_ASK, "
     "HERMES_GATEWAY_SESSION, HERMES_YOLO_MODE) that front ends may set all the same (repeat).",
 )
+@click.option(
+    "--sealed",
+    type=click.Choice(["off", "auto", "on"]),
+    default=None,
+    help="Each worker in its own mount namespace, seeing only its session's files: "
+    "on (refuse to start without it), auto (where the kernel allows) or off [off].",
+)
+@click.option(
+    "--repo",
+    default=None,
+    metavar="PATH",
+    help="A git repository: each session works in its own worktree of it, on its own branch.",
+)
+@click.option(
+    "--repo-root",
+    "repo_roots",
+    multiple=True,
+    help="A directory under which front ends may name a session's repository (repeat).",
+)
 @click.option("--preload", multiple=True, help="Module the zygote imports before forking (repeat).")
 @click.option(
     "--pass-env",
@@ -230,6 +249,9 @@ def serve(
     workspace_roots: tuple[str, ...],
     runtimes: tuple[str, ...],
     allow_env: tuple[str, ...],
+    sealed: str | None,
+    repo: str | None,
+    repo_roots: tuple[str, ...],
     preload: tuple[str, ...],
     pass_env: tuple[str, ...],
     env_pairs: tuple[str, ...],
@@ -276,6 +298,12 @@ def serve(
         overrides["runtimes"] = runtimes
     if allow_env:
         overrides["allow_env"] = allow_env
+    if sealed is not None:
+        overrides["sealed"] = sealed
+    if repo is not None:
+        overrides["repo"] = str(Path(repo).absolute()) if repo else ""
+    if repo_roots:
+        overrides["repo_roots"] = tuple(str(Path(r).absolute()) for r in repo_roots)
     if pass_env:
         overrides["pass_env"] = DEFAULT_PASS_ENV + pass_env
     if env_pairs:

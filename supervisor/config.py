@@ -143,6 +143,17 @@ class Settings:
     # Variables that decide whether the agent asks before a dangerous command
     # (environment.APPROVAL_ENV) that front ends may set all the same.
     allow_env: tuple[str, ...] = ()
+    # Sealed sessions (worker/seal.py): each worker in its own mount
+    # namespace, seeing only its own session's files. "off": today's
+    # import-after-fork workers; "auto": sealed where the kernel allows it,
+    # else off with a warning at start; "on": refuse to start without it.
+    sealed: str = "off"
+    # A git repository: each session's workspace is its own `git worktree`
+    # of it, on its own branch (supervisor/worktrees.py). "" is off.
+    repo: str = ""
+    # Directories under which a front end may name a session's repository
+    # (the `repo` option); none: only `repo` above.
+    repo_roots: tuple[str, ...] = ()
     # Options a new session gets when its front end passes none (wire form).
     session_defaults: dict[str, Any] = field(default_factory=dict)
     # Where these settings came from, for reload: the file and what the

@@ -64,6 +64,7 @@ RESTART_FIELDS = (
     "metrics",
     "tcp",
     "max_clients",
+    "sealed",
 )
 # Bookkeeping, not settings: never reported as changed.
 META_FIELDS = ("config_file", "overrides")

@@ -43,7 +43,7 @@ from .endpoints import Endpoints
 from .environment import worker_env
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
-from .logs import tail
+from .logs import requested_lines
 from .pool import WorkerPool
 from .session import LOG_FILE, Session, StoredSession, Turn
 from .states import State
@@ -53,7 +53,6 @@ from .watchers import Watchers
 
 log = logging.getLogger("hermes_sup.supervisor")
 
-MAX_LOG_TAIL = 100_000
 APPROVAL_CHOICES = ("once", "session", "always", "deny")
 # Front socket 0 is the local control socket; others (TCP) are remote.
 LOCAL_FRONT = 0
@@ -398,8 +397,7 @@ class Front:
         follow = bool(msg.body.get("follow"))
         if follow:
             self.watchers.check_room(client)  # `busy` before any line is sent
-        count = max(0, min(int(msg.body.get("lines", 50)), MAX_LOG_TAIL))
-        lines = tail(session.log_path, count, self.ctx.settings.log_backups) if count else []
+        lines = requested_lines(session.log_path, msg.body, self.ctx.settings.log_backups)
         self.endpoints.to_client(client, msg.reply(Kind.LOG_LINES, {"lines": lines}))
         if follow:
             self.watchers.follow(client, msg.id, session)

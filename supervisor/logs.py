@@ -48,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hermes_sup.local.logfmt import kv
 
@@ -278,6 +279,16 @@ class SessionLog:
                 )
             )
             self._held = 0.0
+
+
+# The most lines one `logs` request may ask for.
+MAX_LOG_TAIL = 100_000
+
+
+def requested_lines(path: Path, body: dict[str, Any], backups: int) -> list[str]:
+    """The stored lines a `logs` request (PROTOCOL.md) asks for."""
+    count = max(0, min(int(body.get("lines", 50)), MAX_LOG_TAIL))
+    return tail(path, count, backups) if count else []
 
 
 def tail(path: Path, count: int, backups: int = 3) -> list[str]:
