@@ -46,6 +46,11 @@ from .terminal import Screen, is_terminal
 @click.command(name="open")
 @SESSION
 @new_session_options
+@click.option(
+    "--label",
+    default=None,
+    help="A text shown with the session in list and inspect (at most 200 characters).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.pass_context
 def open_(
@@ -54,6 +59,7 @@ def open_(
     session_env: tuple[str, ...],
     workspace: str | None,
     runtime: str | None,
+    label: str | None,
     as_json: bool,
 ) -> None:
     """Start SESSION's worker without sending a turn (also: start).
@@ -64,8 +70,11 @@ def open_(
     Examples:
       hermes-sup open alice
       hermes-sup start tg:42 --session-env platform=telegram --session-env chat_id=42
+      hermes-sup open h:3f9a2c --label 'conversation 8c1e-long-original-id'
     """
     options = options_from(session_env, workspace, runtime)
+    if label is not None:
+        options = {**(options or {}), "label": label}
     with connect(ctx) as client:
         opened = client.open(session, options=options)
     if as_json:
@@ -195,7 +204,7 @@ def list_(
     \b
     JSON fields: key, state, pid (or null), started and last_activity (epoch
     seconds), turns, queued, exits, last_exit, fast_failures, runtime,
-    rss (bytes), procs, cpu_percent.
+    label (or null), rss (bytes), procs, cpu_percent.
 
     \b
     Examples:

@@ -72,6 +72,9 @@ COLUMNS = [
     ("CPU%", 5, True),
 ]
 MIN_KEY_WIDTH = 16
+# The LABEL column (shown only when a session has a label) is at most this
+# wide: a label may have 200 characters; the rest is in `inspect`.
+MAX_LABEL_WIDTH = 32
 
 
 def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,13 +91,17 @@ def session_table(
     wide as the longest key; given a `width` (the terminal's) that the table
     would overflow, keys are cut in the middle to fit it."""
     rows = sort_rows(rows)
-    rest = sum(w + 1 for _, w, _ in COLUMNS)
+    labels = [r.get("label") or "" for r in rows]
+    label_width = min(MAX_LABEL_WIDTH, max([len("LABEL"), *map(len, labels)])) if any(labels) else 0
+    rest = sum(w + 1 for _, w, _ in COLUMNS) + (label_width + 1 if label_width else 0)
     key_width = max([len("SESSION"), *(len(r["key"]) for r in rows)])
     if width is not None and key_width + rest > width:
         key_width = max(MIN_KEY_WIDTH, width - rest)
     header = f"{'SESSION':<{key_width}} " + " ".join(
         f"{name:>{w}}" if right else f"{name:<{w}}" for name, w, right in COLUMNS
     )
+    if label_width:
+        header += f" {'LABEL'}"
     lines = [click.style(header, bold=True) if color else header]
     total_rss = 0
     for r in rows:
@@ -108,6 +115,7 @@ def session_table(
             f"{shorten(r['key'], key_width):<{key_width}} {state_cell} {r['pid'] or '-':>7} "
             f"{duration(up):>7} {duration(now - r['last_activity']):>6} {r['turns']:>5} "
             f"{size(r.get('rss')):>7} {cpu:>5}"
+            + (f" {shorten(r.get('label') or '-', label_width)}" if label_width else "")
         )
     counts: dict[str, int] = {}
     for r in rows:
@@ -184,6 +192,7 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
     ]
     lines = [
         f"session:    {info['key']}",
+        *([f"label:      {info['label']}"] if info.get("label") else []),
         f"state:      {state}",
         f"runtime:    {info.get('runtime')}"
         + (
@@ -206,5 +215,6 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
         f"history:    {'; '.join(steps) or 'no start or stop in its recent history'}",
     ]
     if info.get("approvals_waiting"):
-        lines.insert(4, f"approvals:  waiting: {', '.join(info['approvals_waiting'])}")
+        after_turns = next(i for i, line in enumerate(lines) if line.startswith("turns:")) + 1
+        lines.insert(after_turns, f"approvals:  waiting: {', '.join(info['approvals_waiting'])}")
     return lines

@@ -38,7 +38,11 @@ RESERVED = frozenset({"HERMES_HOME", "TERMINAL_CWD", "HERMES_SESSION_KEY"})
 # (HERMES_EXEC_ASK=0 with HERMES_GATEWAY_SESSION=0, or HERMES_YOLO_MODE=1):
 # refused from front ends unless the operator allows them (allow_env).
 APPROVAL_ENV = frozenset({"HERMES_EXEC_ASK", "HERMES_GATEWAY_SESSION", "HERMES_YOLO_MODE"})
-OPTION_NAMES = ("session_env", "env", "agent", "workspace", "runtime")
+OPTION_NAMES = ("session_env", "env", "agent", "workspace", "runtime", "label")
+# A label is for people (`list`, `inspect`): e.g. the conversation id a front
+# end hashed into a session key. Printable text only, so that it cannot
+# rewrite an operator's terminal.
+MAX_LABEL_LENGTH = 200
 # What a front end may choose per session for the agent runtime. Secrets
 # (api keys) are not among them: they come from the supervisor's config.
 AGENT_OPTION_TYPES: dict[str, tuple[type, ...]] = {
@@ -61,6 +65,11 @@ class SessionOptions:
     # (None: the session's own), and a runtime among its allowed ones.
     workspace: str | None = None
     runtime: str | None = None
+    # A free text shown with the session (see MAX_LABEL_LENGTH).
+    label: str | None = None
+    # A git repository under one of the supervisor's repo_roots: the
+    # session works in its own worktree of it (supervisor/worktrees.py).
+    repo: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The options as a plain map (for the worker and session.json)."""
@@ -73,10 +82,22 @@ class SessionOptions:
             wire["workspace"] = self.workspace
         if self.runtime is not None:
             wire["runtime"] = self.runtime
+        if self.label is not None:
+            wire["label"] = self.label
+        if self.repo is not None:
+            wire["repo"] = self.repo
         return wire
 
     def __bool__(self) -> bool:
-        return bool(self.session_env or self.env or self.agent or self.workspace or self.runtime)
+        return bool(
+            self.session_env
+            or self.env
+            or self.agent
+            or self.workspace
+            or self.runtime
+            or self.label is not None
+            or self.repo
+        )
 
 
 def _bad(message: str) -> RemoteProtocolError:
@@ -127,6 +148,8 @@ def parse_options(raw: object) -> SessionOptions:
         agent=_check_agent(raw.get("agent", {})),
         workspace=_check_string(raw, "workspace"),
         runtime=_check_string(raw, "runtime"),
+        label=_check_label(raw.get("label")),
+        repo=_check_string(raw, "repo"),
     )
 
 
@@ -143,6 +166,24 @@ def _check_string(raw: dict[Any, Any], name: str) -> str | None:
         return None
     if not isinstance(value, str) or not value or "\0" in value or len(value) > MAX_VALUE_LENGTH:
         raise _bad(f"option {name!r} must be a non-empty string without NUL")
+    return value
+
+
+def _check_label(value: object) -> str | None:
+    """A label: printable text (no control characters, no line breaks) of
+    1 to MAX_LABEL_LENGTH characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(f"option 'label' must be a string, got {type(value).__name__}")
+    if not value or len(value) > MAX_LABEL_LENGTH:
+        raise _bad(f"option 'label' must be 1 to {MAX_LABEL_LENGTH} characters, got {len(value)}")
+    if not value.isprintable():
+        bad = next(ch for ch in value if not ch.isprintable())
+        raise _bad(
+            f"option 'label' holds a control or non-printable character ({ord(bad):#x}); "
+            "a label is printable text"
+        )
     return value
 
 

@@ -496,6 +496,7 @@ class Front:
                 "agent": {k: v for k, v in options.agent.items() if "key" not in k.lower()},
                 "workspace": options.workspace,
                 "runtime": options.runtime,
+                "label": options.label,
             },
             "env_names": sorted(env),
             "current_turn": session.current.id if session.current is not None else None,

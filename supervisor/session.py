@@ -156,6 +156,7 @@ class Session:
             "exits": self.exits,
             "last_exit": self.last_exit,
             "fast_failures": self.fast_failures,
+            "label": self.options.label,
         }
 
 
@@ -169,6 +170,7 @@ class StoredSession:
     created: float
     last_activity: float  # when its log (else its session.json) last changed
     runtime: str | None  # the runtime it chose, if it chose one
+    label: str | None = None  # its label option, if it has one
 
     def describe(self) -> dict[str, Any]:
         """The session as a `sessions` list entry, as `Session.describe` has it."""
@@ -183,6 +185,7 @@ class StoredSession:
             "exits": 0,
             "last_exit": None,
             "fast_failures": 0,
+            "label": self.label,
         }
 
 
@@ -282,7 +285,9 @@ def scan_sessions(data_dir: Path) -> tuple[dict[str, StoredSession], int]:
         created = stored.get("created")
         created = float(created) if isinstance(created, (int, float)) else 0.0
         options = stored.get("options")
-        runtime = options.get("runtime") if isinstance(options, dict) else None
+        if not isinstance(options, dict):
+            options = {}
+        runtime, label = options.get("runtime"), options.get("label")
         try:
             changed = os.stat(os.path.join(entry.path, LOG_FILE)).st_mtime
         except OSError:
@@ -292,5 +297,6 @@ def scan_sessions(data_dir: Path) -> tuple[dict[str, StoredSession], int]:
             created=created,
             last_activity=changed,
             runtime=runtime if isinstance(runtime, str) else None,
+            label=label if isinstance(label, str) and label.isprintable() else None,
         )
     return found, skipped

@@ -18,12 +18,13 @@ import logging
 import shutil
 import time
 from collections import Counter, deque
+from dataclasses import replace
 
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
 from .context import Context
-from .environment import check_policy, parse_options
+from .environment import SessionOptions, check_policy, parse_options
 from .logs import SessionLog
 from .session import (
     Session,
@@ -120,6 +121,15 @@ class SessionTable:
             self.sessions[key] = session
             log.info(kv("session_new", session=key, dir=path.name))
         elif options is not None and options != session.options:
+            if _same_but_label(options, session.options):
+                # A label is for people: a new one applies at once, even to
+                # a running worker (which never sees it).
+                session.options = replace(
+                    session.options, label=options.label or session.options.label
+                )
+                if not session.unsaved:
+                    self._save_meta(session)
+                return session
             if session.state in LIVE_STATES:
                 raise RemoteProtocolError(
                     ErrorCode.SESSION_CONFLICT,
@@ -199,3 +209,8 @@ class SessionTable:
             if s.state is State.IDLE and not s.queue and s is not excluding
         ]
         return min(idle, key=lambda s: s.last_activity) if idle else None
+
+
+def _same_but_label(a: SessionOptions, b: SessionOptions) -> bool:
+    """Whether two sessions' options differ in their label at most."""
+    return replace(a, label=None) == replace(b, label=None)
