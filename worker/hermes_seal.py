@@ -1,0 +1,337 @@
+"""Hermes in sealed mode: imported once in the zygote, replayed in each worker.
+
+Importing hermes-agent captures HERMES_HOME, HOME and the working directory
+in module globals, and does a few things with what is under them (loads
+`.env`, bridges config.yaml into os.environ, creates the home's skeleton,
+remembers which homes it has done so for). So outside sealed mode the
+zygote may not import hermes: every session would share the zygote's home.
+
+In sealed mode it may. The zygote imports hermes under fixed paths P
+(HERMES_HOME), W (workspace) and U (HOME), and each worker, in its own
+mount namespace, finds its own session's directories bind-mounted over
+exactly those paths (worker/seal.py). Every path hermes captured is then
+the session's own by construction; only what hermes *did* at import with
+the contents under those paths is the zygote's, and must be done again for
+the session's contents. That is `replay`:
+
+- the memos keyed by path that say "already done for P" are cleared, by
+  name. Never generically: `tools.file_operations.WRITE_DENIED_PATHS` is
+  a set keyed by P's paths too, and it is a security deny-list;
+- the home skeleton is made (`ensure_hermes_home`);
+- the session's `.env` is loaded, as `run_agent` and `gateway.run` load it
+  at import;
+- `gateway.run`'s import-time statements that read the home (its `.env`,
+  its config.yaml bridged into TERMINAL_*, HERMES_* variables, the
+  terminal cwd) are run again, from hermes's own source, in its module;
+- the variables the import set in the zygote's os.environ (the worker's
+  environment is replaced by the session's, so they are gone) are set
+  again.
+
+`preload` also runs, once, what every session's first agent would run
+and that depends on nothing of the session: the CA bundle check
+(after which workers skip it, `HERMES_SKIP_SSL_GUARD=1`, unless the
+session names a CA bundle of its own) and the environment probe.
+
+A new hermes-agent version needs this re-checked (the replay refuses to
+run when the statements it re-runs are not where it expects them).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("hermes_sup.worker.hermes_seal")
+
+# What the Hermes runtime imports first (worker/hermes.py): hermes must load.
+BASE_MODULES = (
+    "gateway.run",
+    "run_agent",
+    "hermes_state",
+    "model_tools",
+    "tools.terminal_tool",
+    "tools.approval",
+)
+# The modules a first turn of a Hermes session loads, recorded from a real
+# worker (bench/sealed.py --record-modules); one name a line.
+MODULES_FILE = Path(__file__).with_name("hermes_modules.txt")
+
+# The memos hermes-agent 0.19 fills at import, keyed by a path under P, that
+# mean "already done for this path". After the bind mount the same path holds
+# another session's files, so each is cleared. Named one by one on purpose.
+PATH_MEMOS = (
+    ("hermes_cli.config", "_HERMES_HOME_ENSURED"),  # home skeleton made
+    ("hermes_cli.config", "_LAST_EXPANDED_CONFIG_BY_PATH"),  # last good config
+    ("hermes_cli.config", "_LOAD_CONFIG_CACHE"),  # parsed config.yaml by stat
+    ("hermes_cli.config", "_RAW_CONFIG_CACHE"),  # raw config.yaml by stat
+    ("hermes_cli.env_loader", "_APPLIED_HOMES"),  # secret sources pulled
+    ("hermes_cli.env_loader", "_SECRET_SOURCES"),  # where those secrets came from
+)
+# Variables naming a CA bundle: hermes's SSL guard checks each that is set.
+CA_BUNDLE_VARS = ("HERMES_CA_BUNDLE", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+SKIP_SSL_GUARD = "HERMES_SKIP_SSL_GUARD"
+# Files in P that would make the zygote's import read values every session
+# would then inherit: P must be the bare skeleton.
+UNSHARED_FILES = (".env", "config.yaml", ".op.env")
+
+
+class SealedPathsLike(Protocol):
+    """The fixed paths (worker/seal.py's SealedPaths)."""
+
+    @property
+    def home(self) -> Path: ...
+
+    @property
+    def workspace(self) -> Path: ...
+
+    @property
+    def user(self) -> Path: ...
+
+
+class SealError(RuntimeError):
+    """Hermes cannot be preloaded or replayed as sealed mode needs."""
+
+
+@dataclass
+class Preloaded:
+    """What `preload` did, kept in the zygote and inherited by workers."""
+
+    paths: tuple[str, str, str] = ("", "", "")
+    modules: int = 0
+    missing: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    # Variables the import and warm-ups changed: name -> value (None: removed).
+    env: dict[str, str | None] = field(default_factory=dict)
+    # Sets of CA bundle variables the zygote checked good (None: unset).
+    ca_checked: list[dict[str, str | None]] = field(default_factory=list)
+    warm_ups: dict[str, str] = field(default_factory=dict)
+
+
+_PRELOADED: Preloaded | None = None
+
+
+def preloaded() -> Preloaded | None:
+    """What this process's `preload` did, if it ran."""
+    return _PRELOADED
+
+
+def recorded_modules(path: Path = MODULES_FILE) -> list[str]:
+    """The recorded module list (comments and blank lines skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+
+
+def _check_paths(paths: SealedPathsLike) -> tuple[str, str, str]:
+    """The zygote must import under exactly the fixed paths, else hermes
+    captures others; and P must hold nothing every session would inherit."""
+    want = {"HERMES_HOME": paths.home, "TERMINAL_CWD": paths.workspace, "HOME": paths.user}
+    for name, path in want.items():
+        if os.environ.get(name) != str(path):
+            raise SealError(f"preload needs {name}={path}, found {os.environ.get(name)!r}")
+    if Path.cwd() != Path(paths.workspace):
+        raise SealError(f"preload needs the working directory {paths.workspace}, not {Path.cwd()}")
+    for name in UNSHARED_FILES:
+        if (Path(paths.home) / name).exists():
+            raise SealError(
+                f"{Path(paths.home) / name} exists: the zygote would load it into every "
+                "session; the sealed home must hold only what hermes makes there"
+            )
+    return str(paths.home), str(paths.workspace), str(paths.user)
+
+
+def preload(paths: SealedPathsLike) -> Preloaded:
+    """In the zygote, before gc.freeze: import hermes and the modules a first
+    turn loads, and run the warm-ups. Raises SealError if hermes itself
+    cannot be imported; a recorded module that is missing is only noted."""
+    global _PRELOADED
+    started = time.perf_counter()
+    done = Preloaded(paths=_check_paths(paths))
+    before = dict(os.environ)
+    for name in BASE_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise SealError(f"cannot import {name}: {type(exc).__name__}: {exc}") from exc
+    for name in recorded_modules():
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # a module may exit or need what is absent
+            done.missing[name] = f"{type(exc).__name__}: {exc}"
+    done.ca_checked = _check_ca_bundle(done.warm_ups)
+    _probe_environment(done.warm_ups)
+    _gateway_statements()  # compiled once, shared by every worker
+    after = dict(os.environ)
+    done.env = {
+        k: after.get(k) for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+    }
+    done.env.pop(SKIP_SSL_GUARD, None)  # decided per session, in replay
+    done.modules = len(sys.modules)
+    done.seconds = time.perf_counter() - started
+    _PRELOADED = done
+    return done
+
+
+def _check_ca_bundle(notes: dict[str, str]) -> list[dict[str, str | None]]:
+    """Hermes's SSL guard, once (each AIAgent otherwise parses the CA bundle
+    again), for the zygote's CA variables and for a session that sets none
+    (gateway.run then points SSL_CERT_FILE at the system's bundle, which is
+    what the supervisor's default environment gives a worker). Returns the
+    CA variable sets it found good; a session whose set is among them skips
+    the guard."""
+    from agent.ssl_guard import verify_ca_bundle
+
+    good: list[dict[str, str | None]] = []
+    saved = {name: os.environ.get(name) for name in CA_BUNDLE_VARS}
+    try:
+        for label in ("zygote", "none set"):
+            if label == "none set":
+                for name in CA_BUNDLE_VARS:
+                    os.environ.pop(name, None)
+                gateway_run = sys.modules.get("gateway.run")
+                if gateway_run is not None:
+                    gateway_run._ensure_ssl_certs()
+            state = {name: os.environ.get(name) for name in CA_BUNDLE_VARS}
+            try:
+                verify_ca_bundle()
+            except Exception as exc:
+                notes[f"ssl_guard ({label})"] = f"failed: {type(exc).__name__}: {exc}"
+                continue
+            notes[f"ssl_guard ({label})"] = "checked"
+            good.append(state)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return good
+
+
+def _probe_environment(notes: dict[str, str]) -> None:
+    """Hermes's environment probe (the python/pip line of the system prompt),
+    once, in this thread: the zygote must never start a thread."""
+    try:
+        from tools import env_probe
+
+        env_probe._probe_worker(env_probe._PROBE_GEN)
+        notes["env_probe"] = "done" if env_probe._PROBE_DONE.is_set() else "not done"
+    except Exception as exc:
+        notes["env_probe"] = f"failed, left to each session: {type(exc).__name__}: {exc}"
+
+
+def replay(paths: SealedPathsLike) -> None:
+    """In the worker, after its mounts and environment are set and before
+    the runtime loads: redo what hermes's import did with the contents of
+    P, now the session's. Raises SealError when it cannot; the worker must
+    then not run hermes."""
+    home = Path(paths.home)
+    if os.environ.get("HERMES_HOME") != str(home):
+        raise SealError(f"replay needs HERMES_HOME={home}, found {os.environ.get('HERMES_HOME')!r}")
+    if "run_agent" not in sys.modules:
+        return  # hermes was not preloaded: its own import does all of this
+    _clear_memos()
+    from hermes_cli.config import ensure_hermes_home
+
+    ensure_hermes_home()
+    _replay_import_env()
+    from hermes_cli.env_loader import load_hermes_dotenv
+
+    _replay_gateway_run()
+    run_agent = sys.modules["run_agent"]
+    load_hermes_dotenv(hermes_home=home, project_env=Path(run_agent.__file__ or "").parent / ".env")
+    _skip_ssl_guard_if_checked()
+
+
+def _clear_memos() -> None:
+    for module_name, attr in PATH_MEMOS:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        memo = getattr(module, attr, None)
+        if memo is None:
+            raise SealError(f"{module_name}.{attr} is gone: re-check the replay for this hermes")
+        memo.clear()
+
+
+def _replay_import_env() -> None:
+    """The variables the zygote's import set (HERMES_QUIET, ...), which the
+    worker's own environment replaced."""
+    done = _PRELOADED
+    if done is None:
+        return
+    for name, value in done.env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        elif name not in os.environ:
+            os.environ[name] = value
+
+
+def _skip_ssl_guard_if_checked() -> None:
+    """Skip hermes's CA bundle check in this worker if the zygote checked
+    the very bundles this session uses."""
+    done = _PRELOADED
+    if done is None:
+        return
+    used = {name: os.environ.get(name) for name in CA_BUNDLE_VARS}
+    if used in done.ca_checked:
+        os.environ[SKIP_SSL_GUARD] = "1"
+
+
+# The first and last of gateway.run's import-time statements that read
+# HERMES_HOME or the environment it loads (hermes-agent 0.19).
+_GATEWAY_FIRST = 'os.environ["_HERMES_GATEWAY"] = "1"'
+_GATEWAY_LAST_NAME = "_configured_cwd"
+_gateway_code: Any = None
+
+
+def _gateway_statements() -> Any:
+    """gateway.run's import-time statements from its `.env` load to its
+    terminal cwd, compiled from its own source (once, cached: the zygote
+    may compile it in preload so workers share it)."""
+    global _gateway_code
+    if _gateway_code is not None:
+        return _gateway_code
+    module = sys.modules["gateway.run"]
+    source = Path(module.__file__ or "").read_text(encoding="utf-8")
+    lines = source.splitlines()
+    body: list[ast.stmt] = []
+    started = False
+    for node in ast.parse(source).body:
+        first = lines[node.lineno - 1].strip() if node.lineno == node.end_lineno else ""
+        if not started:
+            started = first == _GATEWAY_FIRST
+            if not started:
+                continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if first.startswith("sys.path.insert"):
+            continue
+        body.append(node)
+        if isinstance(node, ast.If) and _GATEWAY_LAST_NAME in ast.unparse(node.test):
+            break
+    else:
+        raise SealError(
+            "gateway.run's import-time home statements are not where hermes-agent 0.19 has "
+            "them: re-check the replay for this hermes version"
+        )
+    _gateway_code = compile(ast.Module(body=body, type_ignores=[]), module.__file__ or "", "exec")
+    return _gateway_code
+
+
+def _replay_gateway_run() -> None:
+    module = sys.modules.get("gateway.run")
+    if module is None:
+        return
+    exec(_gateway_statements(), module.__dict__)
