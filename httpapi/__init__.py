@@ -12,6 +12,7 @@ so its own worker process, environment, working directory and HERMES_HOME.
                  /v1/capabilities, health
     chat.py      POST /v1/chat/completions, streaming and not
     runs.py      the runs API: /v1/runs, status, events, approval, stop
+    responses.py the Responses API: /v1/responses (streaming and not), stored responses
     sessions.py  which session a request is, and its turn's text
     turns.py     reading one turn in its own task, bounded per stream
     keys.py      bearer keys (`hermes-sup keys http ...`)

@@ -31,6 +31,7 @@ from hermes_sup.local.logfmt import kv
 from . import chat
 from .errors import ApiError, from_client_error
 from .keys import KeyStore
+from .responses import Responses
 from .runs import Runs
 from .sessions import SessionRef, header_id, ref_for
 from .turns import OpenTurn, open_turn
@@ -52,6 +53,7 @@ class ApiSettings:
     run_events: int = 10_000  # events a run keeps for late subscribers
     run_ttl: float = 3600.0  # seconds an ended run stays readable
     max_runs: int = 1000  # ended runs kept at most
+    max_responses: int = 1000  # stored responses kept at most (in memory)
 
 
 @functools.cache
@@ -75,6 +77,7 @@ class Api:
         self._client: AsyncClient | None = None
         self.tasks: set[asyncio.Task[Any]] = set()  # turn pumps
         self.runs = Runs(self)
+        self.responses = Responses(self)
         self._mapped: set[str] = set()
 
     def client(self) -> AsyncClient:
@@ -174,6 +177,7 @@ def _capabilities(api: Api) -> dict[str, Any]:
         "health": ("GET", "/health"),
         "models": ("GET", "/v1/models"),
         "chat_completions": ("POST", "/v1/chat/completions"),
+        "responses": ("POST", "/v1/responses"),
         "runs": ("POST", "/v1/runs"),
         "run_status": ("GET", "/v1/runs/{run_id}"),
         "run_events": ("GET", "/v1/runs/{run_id}/events"),
@@ -198,8 +202,8 @@ def _capabilities(api: Api) -> dict[str, Any]:
         "features": {
             "chat_completions": True,
             "chat_completions_streaming": True,
-            "responses_api": False,
-            "responses_streaming": False,
+            "responses_api": True,
+            "responses_streaming": True,
             "run_submission": True,
             "run_status": True,
             "run_events_sse": True,
@@ -307,6 +311,9 @@ def create_app(
         Route("/v1/models", authed(models)),
         Route("/v1/capabilities", authed(capabilities)),
         Route("/v1/chat/completions", authed(completions), methods=["POST"]),
+        Route("/v1/responses", authed(api.responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", authed(api.responses.get), methods=["GET"]),
+        Route("/v1/responses/{response_id}", authed(api.responses.delete), methods=["DELETE"]),
         Route("/v1/runs", authed(api.runs.create), methods=["POST"]),
         Route("/v1/runs/{run_id}", authed(api.runs.status)),
         Route("/v1/runs/{run_id}/events", authed(api.runs.events)),

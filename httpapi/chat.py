@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -156,14 +156,7 @@ async def chat_completions(api: Api, request: Request) -> Response:
     if key_header:
         headers[SESSION_KEY_HEADER] = key_header
 
-    async def deny_approvals(event: Event) -> None:
-        if isinstance(event, ApprovalRequest):
-            log.info(kv("http_approval_denied", session=ref.key, command=event.command[:200]))
-            try:
-                await opened.client.approve(ref.key, "deny", approval=event.id)
-            except ClientError as exc:
-                log.warning(kv("http_approval_deny_failed", session=ref.key, error=exc))
-
+    deny_approvals = approval_denier(opened)
     if not stream:
         return await _complete(
             api, request, opened, deny_approvals, completion_id, created, model, headers
@@ -176,21 +169,36 @@ async def chat_completions(api: Api, request: Request) -> Response:
     )
 
 
-async def _complete(
+def approval_denier(opened: OpenTurn) -> Callable[[Event], Awaitable[None]]:
+    """An `on_event` for a turn whose client cannot answer approvals (chat
+    completions, responses): each request is denied at once, as Hermes's
+    API server leaves such a command unapproved."""
+
+    async def deny(event: Event) -> None:
+        if isinstance(event, ApprovalRequest):
+            key = opened.key
+            log.info(kv("http_approval_denied", session=key, command=event.command[:200]))
+            try:
+                await opened.client.approve(key, "deny", approval=event.id)
+            except ClientError as exc:
+                log.warning(kv("http_approval_deny_failed", session=key, error=exc))
+
+    return deny
+
+
+async def collect(
     api: Api,
     request: Request,
     opened: OpenTurn,
-    on_event: Any,
-    completion_id: str,
-    created: int,
-    model: str,
-    headers: dict[str, str],
-) -> Response:
-    """The non-streaming answer; a client that hangs up cancels the turn."""
+    on_event: Callable[[Event], Awaitable[None]] | None,
+) -> list[Any] | None:
+    """Every event of a turn but its tokens (the reply holds the text),
+    ending with its Reply or error; None if the client hung up first (the
+    turn is cancelled then)."""
     items: list[Any] = []
 
     async def keep(item: Any) -> bool:
-        if not isinstance(item, Token):  # the reply holds the text
+        if not isinstance(item, Token):
             items.append(item)
         return True
 
@@ -203,7 +211,13 @@ async def _complete(
     if not pump.task.done():
         pump.abandon()
         await asyncio.gather(pump.task, return_exceptions=True)
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        return None
+    return items
+
+
+def reply_of(items: list[Any]) -> Reply:
+    """The turn's successful Reply from `collect`'s items; an OpenAI-style
+    error for a failure."""
     end = items[-1] if items else None
     if isinstance(end, ClientError):
         raise from_client_error(end)
@@ -211,6 +225,24 @@ async def _complete(
         raise ApiError(502, "the turn ended without a reply", "agent_incomplete", "server_error")
     if not end.ok:
         raise ApiError(502, end.text or "the agent failed", "agent_error", "server_error")
+    return end
+
+
+async def _complete(
+    api: Api,
+    request: Request,
+    opened: OpenTurn,
+    on_event: Callable[[Event], Awaitable[None]],
+    completion_id: str,
+    created: int,
+    model: str,
+    headers: dict[str, str],
+) -> Response:
+    """The non-streaming answer; a client that hangs up cancels the turn."""
+    items = await collect(api, request, opened, on_event)
+    if items is None:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    end = reply_of(items)
     return JSONResponse(
         {
             "id": completion_id,
@@ -236,6 +268,16 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def failure_of(item: Any) -> tuple[str, str]:
+    """The message and code of what ended a stream without a reply: the
+    turn's error, or END (the reader fell behind and the turn was cancelled)."""
+    if item is END:
+        return "the stream fell behind and its turn was cancelled", "stalled"
+    if isinstance(item, SupervisorError):
+        return item.message, item.code or "error"
+    return str(item), type(item).__name__
 
 
 async def _chunks(
@@ -284,12 +326,7 @@ async def _chunks(
                 yield b"data: [DONE]\n\n"
                 return
             elif isinstance(item, ClientError) or item is END:
-                if item is END:
-                    message, code = "the stream fell behind and its turn was cancelled", "stalled"
-                elif isinstance(item, SupervisorError):
-                    message, code = item.message, item.code
-                else:
-                    message, code = str(item), type(item).__name__
+                message, code = failure_of(item)
                 last = chunk({}, "error")
                 last["usage"] = usage_of(None)
                 last["error"] = {"message": message, "type": code}

@@ -148,6 +148,40 @@ class Run:
         return queue
 
 
+def history_of(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
+    """The conversation the front end sends with a run, as Hermes reads
+    it: `conversation_history`, else the messages of an `input` array
+    before its last one. Passed to the session's runtime as the turn's
+    context; the runtime decides whether it needs it."""
+    raw = body.get("conversation_history")
+    if raw:
+        if not isinstance(raw, list) or not all(
+            isinstance(e, dict) and "role" in e and "content" in e for e in raw
+        ):
+            raise ApiError(
+                400,
+                "'conversation_history' must be an array of objects with 'role' and 'content'",
+                "invalid_conversation_history",
+            )
+        return [
+            {
+                "role": str(e["role"]),
+                "content": text_of(e["content"], f"conversation_history[{i}]"),
+            }
+            for i, e in enumerate(raw)
+        ]
+    if isinstance(raw_input, list):
+        return [
+            {
+                "role": str(m["role"]),
+                "content": text_of(m.get("content"), f"input[{i}].content"),
+            }
+            for i, m in enumerate(raw_input[:-1])
+            if isinstance(m, dict) and m.get("role") and m.get("content")
+        ]
+    return []
+
+
 class Runs:
     """Every run this endpoint knows, by id."""
 
@@ -193,7 +227,7 @@ class Runs:
             text = text_of(raw_input, "input")
         if not text.strip():
             raise ApiError(400, "No user message found in input", "missing_input")
-        history = self._history(body, raw_input)
+        history = history_of(body, raw_input)
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise ApiError(400, "'instructions' must be a string", "invalid_instructions")
@@ -201,10 +235,22 @@ class Runs:
         session_id = body.get("session_id")
         if session_id is not None and not isinstance(session_id, str):
             raise ApiError(400, "'session_id' must be a string", "invalid_session_id")
-        ref = api.header_ref(request) or api.ref(session_id or run_id)
+        # A stored response (POST /v1/responses) named as previous_response_id
+        # continues its conversation, as in Hermes: same session, and its
+        # instructions when the run gives none.
+        previous = body.get("previous_response_id")
+        stored = api.responses.store.get(previous) if isinstance(previous, str) else None
+        if stored is not None and instructions is None:
+            instructions = stored.instructions
+        named = api.header_ref(request)
+        if named is None and not session_id and stored is not None:
+            ref, conversation = stored.ref, stored.conversation
+        else:
+            ref = named or api.ref(session_id or run_id)
+            conversation = session_id or ref.original
         model = api.model_of(body)
         self._sweep()
-        context = turn_context(instructions, history, session_id or ref.original)
+        context = turn_context(instructions, history, conversation)
         opened = await api.open_turn(ref, text, context)
         run = Run(run_id, ref, model, api.settings.run_events)
         run.turn = opened.id
@@ -221,40 +267,6 @@ class Runs:
         if key_header:
             headers[SESSION_KEY_HEADER] = key_header
         return JSONResponse({"run_id": run_id, "status": "started"}, 202, headers=headers)
-
-    @staticmethod
-    def _history(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
-        """The conversation the front end sends with a run, as Hermes reads
-        it: `conversation_history`, else the messages of an `input` array
-        before its last one. Passed to the session's runtime as the turn's
-        context; the runtime decides whether it needs it."""
-        raw = body.get("conversation_history")
-        if raw:
-            if not isinstance(raw, list) or not all(
-                isinstance(e, dict) and "role" in e and "content" in e for e in raw
-            ):
-                raise ApiError(
-                    400,
-                    "'conversation_history' must be an array of objects with 'role' and 'content'",
-                    "invalid_conversation_history",
-                )
-            return [
-                {
-                    "role": str(e["role"]),
-                    "content": text_of(e["content"], f"conversation_history[{i}]"),
-                }
-                for i, e in enumerate(raw)
-            ]
-        if isinstance(raw_input, list):
-            return [
-                {
-                    "role": str(m["role"]),
-                    "content": text_of(m.get("content"), f"input[{i}].content"),
-                }
-                for i, m in enumerate(raw_input[:-1])
-                if isinstance(m, dict) and m.get("role") and m.get("content")
-            ]
-        return []
 
     def _record(self, run: Run, item: Event | ClientError) -> None:
         """A turn's event, as the run's status and events."""

@@ -140,7 +140,9 @@ def test_the_openai_sdk_chats_streaming_and_not(endpoint) -> None:
     features = caps["features"]
     assert features["chat_completions"] and features["chat_completions_streaming"]
     assert features["approval_events"] and features["run_approval_response"]
-    assert features["responses_api"] is False and features["session_resources"] is False
+    assert features["responses_api"] and features["responses_streaming"]
+    assert caps["endpoints"]["responses"] == {"method": "POST", "path": "/v1/responses"}
+    assert features["session_resources"] is False
     health = httpx.get(endpoint.url + "/health").json()
     assert health["status"] == "ok" and health["platform"] == "hermes-agent"
 
@@ -206,6 +208,95 @@ def test_each_conversation_is_its_own_worker(endpoint) -> None:
     assert any(k.startswith("api-") for k in keys)
     assert any(k.startswith("chat_42__1=") for k in keys)
     assert 'id="chat 42/#1"' in endpoint.log()  # the exact id, for the operator
+
+
+# ------------------------------------------------------------------ responses API
+
+
+def test_the_responses_api_chains_to_one_session(endpoint) -> None:
+    client = endpoint.openai()
+    first = client.responses.create(model="m", input="pid", instructions="be brief")
+    assert first.object == "response" and first.status == "completed"
+    assert first.id.startswith("resp_") and first.output_text.isdigit()
+    assert first.usage is not None and first.usage.total_tokens == 0
+    # previous_response_id reaches the same worker, with the instructions carried on.
+    second = client.responses.create(model="m", input="pid", previous_response_id=first.id)
+    assert second.output_text == first.output_text
+    told = client.responses.create(model="m", input="context", previous_response_id=second.id)
+    assert json.loads(told.output_text) == {"conversation": first.id, "instructions": "be brief"}
+    # A conversation by name is one session; it is not another conversation's.
+    named = client.responses.create(model="m", input="setenv WHO named", conversation="conv-1")
+    assert named.output_text == "WHO=named"
+    again = client.responses.create(model="m", input="env WHO", conversation="conv-1")
+    assert again.output_text == "named"
+    assert client.responses.create(model="m", input="env WHO").output_text == ""
+    assert client.responses.create(model="m", input="pid").output_text != first.output_text
+    # An input array: its earlier messages are the turn's history.
+    history = client.responses.create(
+        model="m",
+        input=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "input_text", "text": "context"}]},
+        ],
+    )
+    assert json.loads(history.output_text)["history"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+
+    # Streaming, as Hermes streams it: created, the message item, its text
+    # deltas in order, done, completed; every event numbered.
+    events = list(
+        client.responses.create(
+            model="m", input="stream one two three", previous_response_id=first.id, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert deltas == ["one", " two", " three"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds.index("response.output_item.added") < kinds.index("response.output_text.delta")
+    assert "response.output_text.done" in kinds and "response.output_item.done" in kinds
+    streamed = events[-1].response
+    assert streamed.output_text == "one two three" and streamed.status == "completed"
+
+    # Stored: GET returns it, DELETE forgets it; store=false keeps nothing.
+    url, auth = endpoint.url, endpoint.headers()
+    got = httpx.get(f"{url}/v1/responses/{streamed.id}", headers=auth)
+    assert got.status_code == 200 and got.json()["output"][-1]["content"][0]["text"] == (
+        "one two three"
+    )
+    gone = httpx.delete(f"{url}/v1/responses/{streamed.id}", headers=auth)
+    assert gone.json() == {"id": streamed.id, "object": "response", "deleted": True}
+    assert httpx.get(f"{url}/v1/responses/{streamed.id}", headers=auth).status_code == 404
+    unstored = client.responses.create(model="m", input="pid", store=False)
+    assert httpx.get(f"{url}/v1/responses/{unstored.id}", headers=auth).status_code == 404
+
+    # No answer channel: an approval is denied at once, as on chat completions.
+    asked = client.responses.create(model="m", input="ask touch never.txt")
+    assert asked.output_text == "denied: touch never.txt"
+
+    # The session headers name the session when nothing else does.
+    keyed = httpx.post(
+        url + "/v1/responses",
+        json={"input": "env HERMES_SESSION_KEY"},
+        headers=endpoint.headers(**{"X-Hermes-Session-Key": "webui:r1"}),
+    )
+    assert keyed.json()["output"][-1]["content"][0]["text"] == "webui:r1"
+    assert keyed.headers["X-Hermes-Session-Key"] == "webui:r1"
+
+    def error(body: dict, status: int, code: str) -> None:
+        response = httpx.post(url + "/v1/responses", json=body, headers=auth)
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["code"] == code
+
+    error({}, 400, "missing_input")
+    error({"input": 5}, 400, "invalid_input")
+    error({"input": "x", "conversation": "c", "previous_response_id": first.id}, 400,
+          "conflicting_conversation")  # fmt: skip
+    error({"input": "x", "previous_response_id": "resp_nope"}, 404, "response_not_found")
 
 
 # ------------------------------------------------------------------ errors

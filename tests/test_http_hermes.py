@@ -99,3 +99,31 @@ def test_sessions_behind_the_endpoint_never_bleed(hermes_http) -> None:
     assert "again=from-a" in a_again[0] and "key=tg-a" in a_again[0]
     assert "leak= key=tg-b" in b_seen[0]
     assert "from-a" not in b_seen[0] and "tg-a" not in b_seen[0]
+
+
+def test_the_responses_api_streams_tool_calls_as_function_call_items(hermes_http) -> None:
+    url, key = hermes_http
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+    events = list(client.responses.create(model="m", input="run: echo from-responses", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    call = next(i for i in added if i.type == "function_call")
+    assert (
+        call.name == "terminal" and "echo from-responses" in json.loads(call.arguments)["command"]
+    )
+    output = next(i for i in added if i.type == "function_call_output")
+    assert output.call_id == call.call_id and "from-responses" in output.output[0]["text"]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert any(i.type == "function_call" and i.status == "completed" for i in done)
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["function_call", "function_call_output", "message"]
+    assert "from-responses" in final.output_text
+    # Chained, not streamed: the same session's shell, the same conversation.
+    again = client.responses.create(
+        model="m", input="run: echo key=$HERMES_SESSION_KEY", previous_response_id=final.id
+    )
+    assert [i.type for i in again.output] == ["function_call", "function_call_output", "message"]
+    assert f"key={final.id}" in again.output_text

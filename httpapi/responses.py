@@ -1,0 +1,567 @@
+"""The Responses API, as Hermes's API server serves it:
+
+    POST   /v1/responses        {input, instructions?, previous_response_id? | conversation?,
+                                 conversation_history?, store?, stream?, model?}
+    GET    /v1/responses/{id}   a stored response
+    DELETE /v1/responses/{id}
+
+A conversation is one session, as everywhere here. Which one:
+`previous_response_id` names a stored response, so the session it ran in
+(404 if it is not stored); else `conversation` names the session itself;
+else the session headers (sessions.py); else the response starts a new
+conversation whose session is named by the response's own id. Hermes
+chains by replaying the stored history into a fresh agent; here the
+session's worker keeps its conversation (Hermes's state.db), so a chain
+just reaches the same worker. `instructions` are carried forward from the
+previous response when a request has none, as Hermes does.
+
+`store` (default true) keeps the response object in memory, for GET and as
+a `previous_response_id`: at most `max_responses` of them, the least used
+dropped first, and none survive a restart of the endpoint. With `store:
+false` the conversation still goes on in its session; only the object is
+not kept. Tool call arguments and outputs are shortened in what is kept
+(as Hermes shortens them in `response.completed`).
+
+Streaming follows Hermes's events: `response.created`, the assistant
+message as `response.output_item.added` then `response.output_text.delta`
+pieces, each tool call as a `function_call` item (added, then done with its
+`function_call_output`), `response.output_text.done` and the message's
+`response.output_item.done`, then `response.completed` or
+`response.failed`; every event carries a `sequence_number`. A client that
+disconnects cancels the turn; the response is kept as `incomplete`.
+
+As on chat completions, an approval cannot be answered here: the command
+is denied at once (use the runs API to approve). Client-side `tools`,
+`truncation` and `Idempotency-Key` are not honoured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from hermes_sup.client import ClientError, Reply, Token, ToolComplete, ToolStart
+
+from .chat import (
+    SSE_HEADERS,
+    approval_denier,
+    collect,
+    failure_of,
+    reply_of,
+    usage_of,
+)
+from .errors import ApiError
+from .runs import history_of
+from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
+from .turns import END, OpenTurn, Pump, QueueSink
+
+if TYPE_CHECKING:
+    from .app import Api
+
+TRUE_STRINGS = ("1", "true", "yes", "on")
+FALSE_STRINGS = ("0", "false", "no", "off")
+KEPT_ARGUMENT = 500  # characters of a tool argument kept in a stored response
+KEPT_OUTPUT = 1000  # characters of a tool's output kept in a stored response
+_HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,256}")
+
+
+def request_bool(value: Any, default: bool) -> bool:
+    """A boolean flag as Hermes reads it: "false" is false, junk the default."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        return True if word in TRUE_STRINGS else False if word in FALSE_STRINGS else default
+    if isinstance(value, (int, float)):
+        return bool(value)
+    return default
+
+
+@dataclass
+class Stored:
+    """A kept response: its object, and where its conversation goes on."""
+
+    response: dict[str, Any]
+    ref: SessionRef
+    conversation: str  # the id the session's runtime records the conversation under
+    instructions: str | None
+
+
+class ResponseStore:
+    """Stored responses by id, in memory: at most `limit`, least used first out."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def get(self, response_id: str) -> Stored | None:
+        stored = self._items.get(response_id)
+        if stored is not None:
+            self._items.move_to_end(response_id)
+        return stored
+
+    def put(self, response_id: str, stored: Stored) -> None:
+        self._items[response_id] = stored
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    """A POST /v1/responses body, checked."""
+
+    text: str
+    history: list[dict[str, str]]
+    instructions: str | None
+    previous: str | None
+    conversation: str | None
+    store: bool
+    stream: bool
+
+
+def _conversation(raw: Any) -> str | None:
+    """`conversation`: a name, or the OpenAI SDK's {"id": name}."""
+    if isinstance(raw, dict):
+        raw = raw.get("id")
+    if raw is None or raw == "":
+        return None
+    if not isinstance(raw, str):
+        raise ApiError(400, "'conversation' must be a string", "invalid_conversation")
+    return raw
+
+
+def parse_request(body: dict[str, Any]) -> ResponseRequest:
+    """Read a request as Hermes's API server does; 400 for what it refuses."""
+    raw_input = body.get("input")
+    if raw_input is None:
+        raise ApiError(400, "Missing 'input' field", "missing_input")
+    messages: list[dict[str, str]] = []
+    if isinstance(raw_input, str):
+        messages.append({"role": "user", "content": raw_input})
+    elif isinstance(raw_input, list):
+        for i, item in enumerate(raw_input):
+            if isinstance(item, str):
+                messages.append({"role": "user", "content": item})
+            elif isinstance(item, dict):
+                role = item.get("role", "user")
+                text = text_of(item.get("content", ""), f"input[{i}].content")
+                messages.append({"role": str(role), "content": text})
+    else:
+        raise ApiError(400, "'input' must be a string or array", "invalid_input")
+    if not messages or not messages[-1]["content"].strip():
+        raise ApiError(400, "No user message found in input", "missing_input")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "'instructions' must be a string", "invalid_instructions")
+    previous = body.get("previous_response_id") or None
+    if previous is not None and not isinstance(previous, str):
+        raise ApiError(400, "'previous_response_id' must be a string", "invalid_previous_response")
+    conversation = _conversation(body.get("conversation"))
+    if conversation and previous:
+        raise ApiError(
+            400,
+            "Cannot use both 'conversation' and 'previous_response_id'",
+            "conflicting_conversation",
+        )
+    # The front end's history: conversation_history, then the input's
+    # messages before its last (the runtime uses it only for a conversation
+    # it does not hold yet).
+    history = history_of(body, None) + messages[:-1]
+    return ResponseRequest(
+        text=messages[-1]["content"],
+        history=history,
+        instructions=instructions,
+        previous=previous,
+        conversation=conversation,
+        store=request_bool(body.get("store"), True),
+        stream=request_bool(body.get("stream"), False),
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+def _result_text(result: Any) -> str:
+    return result if isinstance(result, str) else json.dumps(result)
+
+
+def _shortened(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items with long tool arguments and outputs cut, as Hermes cuts
+    them in `response.completed` (the events carried them whole)."""
+    out = []
+    for item in items:
+        item = dict(item)
+        if item.get("type") == "function_call":
+            try:
+                args = json.loads(item.get("arguments") or "{}")
+            except ValueError:
+                args = None
+            if isinstance(args, dict):
+                for name, value in args.items():
+                    if isinstance(value, str) and len(value) > KEPT_ARGUMENT:
+                        args[name] = f"[{len(value)} chars, cut in the stored response]"
+                item["arguments"] = json.dumps(args)
+        elif item.get("type") == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, str) and len(output) > KEPT_OUTPUT:
+                item["output"] = output[: KEPT_OUTPUT // 2] + f"...[{len(output)} chars]"
+            elif isinstance(output, list):
+                item["output"] = [
+                    {**p, "text": p["text"][: KEPT_OUTPUT // 2] + f"...[{len(p['text'])} chars]"}
+                    if isinstance(p, dict)
+                    and isinstance(p.get("text"), str)
+                    and len(p["text"]) > KEPT_OUTPUT
+                    else p
+                    for p in output
+                ]
+        out.append(item)
+    return out
+
+
+class ToolItems:
+    """Tool calls as `function_call` / `function_call_output` output items,
+    paired by call id; internal tools (a leading `_`) stay off the wire, as
+    in Hermes."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, dict[str, Any]] = {}
+        self.items: list[dict[str, Any]] = []  # as they will appear in `output`
+
+    def start(self, event: ToolStart) -> dict[str, Any] | None:
+        if event.name.startswith("_"):
+            return None
+        call_id = event.id or f"call_{uuid.uuid4().hex[:24]}"
+        args = event.args if event.args is not None else {}
+        item = {
+            "id": f"fc_{uuid.uuid4().hex[:24]}",
+            "type": "function_call",
+            "status": "in_progress",
+            "name": event.name,
+            "call_id": call_id,
+            "arguments": args if isinstance(args, str) else json.dumps(args),
+        }
+        self.pending[call_id] = item
+        self.items.append(item)
+        return item
+
+    def complete(self, event: ToolComplete) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The finished call's item and its output item; None when its start
+        was not seen (an orphaned completion is dropped, as Hermes drops it)."""
+        call = self.pending.pop(event.id, None)
+        if call is None:
+            return None
+        call["status"] = "completed"
+        output = {
+            "id": f"fco_{uuid.uuid4().hex[:24]}",
+            "type": "function_call_output",
+            "call_id": call["call_id"],
+            "output": _result_text(event.result),
+            "status": "completed",
+        }
+        self.items.append(output)
+        return call, output
+
+
+def message_item(
+    text: str, item_id: str | None = None, status: str | None = None
+) -> dict[str, Any]:
+    item: dict[str, Any] = {"type": "message", "role": "assistant"}
+    if item_id is not None:
+        item["id"] = item_id
+    if status is not None:
+        item["status"] = status
+    item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+    return item
+
+
+def usage_in_responses(reply: Reply | None) -> dict[str, int]:
+    u = usage_of(reply)
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "output_tokens": u["completion_tokens"],
+        "total_tokens": u["total_tokens"],
+    }
+
+
+# ---------------------------------------------------------------- handlers
+
+
+class Responses:
+    """The Responses API routes and the responses they keep."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.store = ResponseStore(api.settings.max_responses)
+
+    def _get(self, response_id: str) -> Stored:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"Response not found: {response_id}", "response_not_found")
+        return stored
+
+    async def get(self, request: Request) -> Response:
+        return JSONResponse(self._get(request.path_params["response_id"]).response)
+
+    async def delete(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        self._get(response_id)
+        self.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def create(self, request: Request) -> Response:
+        api = self.api
+        body = await api.read_json(request)
+        asked = parse_request(body)
+        response_id = f"resp_{uuid.uuid4().hex[:28]}"
+        instructions = asked.instructions
+        previous = None
+        if asked.previous:
+            previous = self.store.get(asked.previous)
+            if previous is None:
+                raise ApiError(
+                    404, f"Previous response not found: {asked.previous}", "response_not_found"
+                )
+            if instructions is None:
+                instructions = previous.instructions
+        ref: SessionRef
+        if previous is not None:
+            ref, conversation = previous.ref, previous.conversation
+        else:
+            if asked.conversation:
+                ref = api.ref(asked.conversation)
+            else:
+                ref = api.header_ref(request) or api.ref(response_id)
+            conversation = ref.original
+        context = turn_context(instructions, asked.history, conversation)
+        opened = await api.open_turn(ref, asked.text, context)
+        model = api.model_of(body)
+        created_at = int(time.time())
+        headers = {}
+        if _HEADER_SAFE.fullmatch(conversation):  # a header cannot carry just any name
+            headers["X-Hermes-Session-Id"] = conversation
+        key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
+        if key_header:
+            headers[SESSION_KEY_HEADER] = key_header
+        response = {
+            "id": response_id,
+            "object": "response",
+            "status": "in_progress",
+            "created_at": created_at,
+            "model": model,
+            "output": [],
+        }
+        kept = Stored(response, ref, conversation, instructions)
+
+        def keep() -> None:
+            if asked.store:
+                self.store.put(response_id, kept)
+
+        keep()
+        if asked.stream:
+            sink = QueueSink(
+                api.settings.stream_queue, api.settings.stall_timeout, f"responses {ref.key}"
+            )
+            pump = Pump(opened, sink, api.tasks, on_event=approval_denier(opened))
+            events = self._events(pump, sink, kept, keep)
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            )
+        return await self._complete(request, opened, kept, keep, headers)
+
+    async def _complete(
+        self,
+        request: Request,
+        opened: OpenTurn,
+        kept: Stored,
+        keep: Callable[[], None],
+        headers: dict[str, str],
+    ) -> Response:
+        """The non-streaming answer: the whole response object."""
+        items = await collect(self.api, request, opened, approval_denier(opened))
+        response = kept.response
+        if items is None:  # the client hung up: the turn was cancelled
+            response["status"] = "incomplete"
+            keep()
+            return Response(status_code=499)
+        tools = ToolItems()
+        for item in items:
+            if isinstance(item, ToolStart):
+                tools.start(item)
+            elif isinstance(item, ToolComplete):
+                tools.complete(item)
+        try:
+            reply = reply_of(items)
+        except ApiError as exc:
+            response.update(status="failed", error={"message": exc.message, "type": "server_error"})
+            keep()
+            raise
+        output = [{k: v for k, v in item.items() if k != "status"} for item in tools.items] + [
+            message_item(reply.text, f"msg_{uuid.uuid4().hex[:24]}", "completed")
+        ]
+        response.update(status="completed", output=output, usage=usage_in_responses(reply))
+        kept.response = {**response, "output": _shortened(output)}
+        keep()
+        return JSONResponse(response, headers=headers)
+
+    async def _events(
+        self, pump: Pump, sink: QueueSink, kept: Stored, keep: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
+        """The SSE body (see the module docstring)."""
+        response = kept.response
+        sequence = 0
+
+        def event(kind: str, **data: Any) -> bytes:
+            nonlocal sequence
+            payload = {"type": kind, **data, "sequence_number": sequence}
+            sequence += 1
+            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+
+        def envelope(status: str, **more: Any) -> dict[str, Any]:
+            return {**response, "status": status, **more}
+
+        message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        message_index: int | None = None
+        next_index = 0
+        parts: list[str] = []
+        tools = ToolItems()
+        indexes: dict[str, int] = {}  # output index of each output item, by id
+        finished = False
+
+        def open_message() -> bytes | None:
+            nonlocal message_index, next_index
+            if message_index is not None:
+                return None
+            message_index, next_index = next_index, next_index + 1
+            item = {**message_item("", message_id, "in_progress"), "content": []}
+            return event("response.output_item.added", output_index=message_index, item=item)
+
+        def text(delta: str) -> list[bytes]:
+            out = [b for b in [open_message()] if b is not None]
+            parts.append(delta)
+            out.append(
+                event(
+                    "response.output_text.delta",
+                    item_id=message_id,
+                    output_index=message_index,
+                    content_index=0,
+                    delta=delta,
+                    logprobs=[],
+                )
+            )
+            return out
+
+        def final_items(text: str) -> list[dict[str, Any]]:
+            done = [{k: v for k, v in i.items() if k != "status"} for i in tools.items]
+            return _shortened(done) + [message_item(text)]
+
+        try:
+            yield event("response.created", response=envelope("in_progress"))
+            while True:
+                try:
+                    item = await asyncio.wait_for(sink.queue.get(), self.api.settings.keepalive)
+                except TimeoutError:
+                    yield b": keepalive\n\n"
+                    continue
+                if isinstance(item, Token):
+                    if item.text:
+                        for chunk in text(item.text):
+                            yield chunk
+                elif isinstance(item, ToolStart):
+                    call = tools.start(item)
+                    if call is not None:
+                        indexes[call["id"]], next_index = next_index, next_index + 1
+                        yield event(
+                            "response.output_item.added",
+                            output_index=indexes[call["id"]],
+                            item=dict(call),
+                        )
+                elif isinstance(item, ToolComplete):
+                    pair = tools.complete(item)
+                    if pair is not None:
+                        call, output = pair
+                        yield event(
+                            "response.output_item.done",
+                            output_index=indexes[call["id"]],
+                            item=dict(call),
+                        )
+                        indexes[output["id"]], next_index = next_index, next_index + 1
+                        shown = {
+                            **output,
+                            "output": [{"type": "input_text", "text": output["output"]}],
+                        }
+                        yield event(
+                            "response.output_item.added",
+                            output_index=indexes[output["id"]],
+                            item=shown,
+                        )
+                        yield event(
+                            "response.output_item.done",
+                            output_index=indexes[output["id"]],
+                            item=shown,
+                        )
+                elif isinstance(item, Reply) or isinstance(item, ClientError) or item is END:
+                    reply = item if isinstance(item, Reply) else None
+                    if reply is not None and reply.ok and not parts and reply.text:
+                        for chunk in text(reply.text):  # a runtime that does not stream
+                            yield chunk
+                    said = "".join(parts)
+                    if message_index is not None:
+                        yield event(
+                            "response.output_text.done",
+                            item_id=message_id,
+                            output_index=message_index,
+                            content_index=0,
+                            text=said,
+                            logprobs=[],
+                        )
+                        yield event(
+                            "response.output_item.done",
+                            output_index=message_index,
+                            item=message_item(said, message_id, "completed"),
+                        )
+                    usage = usage_in_responses(reply)
+                    finished = True
+                    if reply is not None and reply.ok:
+                        done = envelope("completed", output=final_items(said), usage=usage)
+                        kept.response = done
+                        keep()
+                        yield event("response.completed", response=done)
+                    else:
+                        if reply is not None:
+                            message = reply.text or "the agent failed"
+                        else:
+                            message = failure_of(item)[0]
+                        failed = envelope(
+                            "failed",
+                            output=final_items(said or message),
+                            usage=usage,
+                            error={"message": message, "type": "server_error"},
+                        )
+                        kept.response = failed
+                        keep()
+                        yield event("response.failed", response=failed)
+                    return
+        finally:
+            if not finished:
+                pump.abandon()  # the client went away mid-stream: cancel its turn
+                kept.response = envelope(
+                    "incomplete", output=final_items("".join(parts)) if parts else []
+                )
+                keep()
