@@ -23,6 +23,7 @@ the session's contents. That is `replay`:
 - `gateway.run`'s import-time statements that read the home (its `.env`,
   its config.yaml bridged into TERMINAL_*, HERMES_* variables, the
   terminal cwd) are run again, from hermes's own source, in its module;
+- plugins are discovered again if the session's home or config names any;
 - the variables the import set in the zygote's os.environ (the worker's
   environment is replaced by the session's, so they are gone) are set
   again.
@@ -172,6 +173,7 @@ def preload(paths: SealedPathsLike) -> Preloaded:
     done.ca_checked = _check_ca_bundle(done.warm_ups)
     _probe_environment(done.warm_ups)
     _gateway_statements()  # compiled once, shared by every worker
+    _check_left_behind(done.paths)
     after = dict(os.environ)
     done.env = {
         k: after.get(k) for k in before.keys() | after.keys() if before.get(k) != after.get(k)
@@ -181,6 +183,24 @@ def preload(paths: SealedPathsLike) -> Preloaded:
     done.seconds = time.perf_counter() - started
     _PRELOADED = done
     return done
+
+
+def _check_left_behind(paths: tuple[str, str, str]) -> None:
+    """The zygote forks sealed workers: it must hold no thread (unshare
+    refuses a threaded process) and no open file under P, W or U (a worker
+    would inherit the zygote's, not see its session's)."""
+    import threading
+
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if others:
+        raise SealError(f"preloading hermes left threads running: {', '.join(others)}")
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own fd, closed since
+        if any(target == p or target.startswith(p + "/") for p in paths):
+            raise SealError(f"preloading hermes left {target} open (fd {fd})")
 
 
 def _check_ca_bundle(notes: dict[str, str]) -> list[dict[str, str | None]]:
@@ -249,9 +269,24 @@ def replay(paths: SealedPathsLike) -> None:
     from hermes_cli.env_loader import load_hermes_dotenv
 
     _replay_gateway_run()
+    _replay_plugins(home, Path(paths.workspace))
     run_agent = sys.modules["run_agent"]
     load_hermes_dotenv(hermes_home=home, project_env=Path(run_agent.__file__ or "").parent / ".env")
     _skip_ssl_guard_if_checked()
+
+
+def _replay_plugins(home: Path, workspace: Path) -> None:
+    """model_tools discovered plugins at import from P's (empty) home and
+    default config. Discover again, for this session, if its home or
+    config can name others (about 80 ms, so only then)."""
+    config = home / "config.yaml"
+    named = (home / "plugins").is_dir() and any((home / "plugins").iterdir())
+    if not named and config.is_file():
+        named = any(line.startswith("plugins:") for line in config.read_text().splitlines())
+    if not named and os.environ.get("HERMES_ENABLE_PROJECT_PLUGINS"):
+        named = (workspace / ".hermes" / "plugins").is_dir()
+    if named and "hermes_cli.plugins" in sys.modules:
+        sys.modules["hermes_cli.plugins"].discover_plugins(force=True)
 
 
 def _clear_memos() -> None:
