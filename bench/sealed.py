@@ -108,14 +108,159 @@ def record_modules() -> int:
     return 0
 
 
+def _sup_class() -> Any:
+    sys.path[:0] = [str(REPO), str(HERE)]
+    from run import Sup  # bench/run.py
+
+    return Sup
+
+
+def hermes_sessions(
+    label: str, args: list[str], count: int, model_url: str, python: str
+) -> dict[str, Any]:
+    """`count` new Hermes sessions one after another on one supervisor:
+    each one's ready time (open -> idle) and first reply (open -> the reply
+    to its first message, from a model that answers at once), then its
+    worker's USS once idle a second after the turn."""
+    import tempfile
+    import time
+
+    import psutil
+
+    Sup = _sup_class()
+    scratch = Path(tempfile.mkdtemp(prefix="hsb-sealed-", dir="/var/tmp"))
+    config = _agent_config(scratch, model_url)
+    ready: list[float] = []
+    first: list[float] = []
+    uss: list[float] = []
+    sup = Sup("--agent", "hermes", "--agent-config", str(config), *args, python=python)
+    try:
+        with sup.client() as c:
+            for i in range(count):
+                key = f"{label}-{i}"
+                started = time.perf_counter()
+                c.open(key)
+                deadline = time.monotonic() + 120
+                while c.sessions(prefix=key)[0]["state"] != "idle":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{key} never became idle: {sup.root / 'log'}")
+                    time.sleep(0.002)
+                ready.append(time.perf_counter() - started)
+                reply = c.run(key, "hello")
+                first.append(time.perf_counter() - started)
+                if not reply.ok:
+                    raise RuntimeError(f"{key}: {reply}")
+                pid = c.sessions(prefix=key)[0]["pid"]
+                time.sleep(1.0)
+                uss.append(psutil.Process(pid).memory_full_info().uss / 2**20)
+        zygote = [
+            p for p in psutil.Process(sup.proc.pid).children() if "zygote" in " ".join(p.cmdline())
+        ]
+        zygote_rss = zygote[0].memory_info().rss / 2**20 if zygote else None
+    finally:
+        sup.close()
+    return {
+        "ready": summary(ready),
+        "first_reply": summary(first),
+        "uss_mib": {"p50": pct(uss, 50), "max": max(uss), "all": [round(u, 1) for u in uss]},
+        "zygote_rss_mib": zygote_rss,
+    }
+
+
+def probe_spawn(args: list[str], count: int, python: str) -> dict[str, Any]:
+    """The probe runtime's spawn (first message to a new key -> reply)."""
+    Sup = _sup_class()
+    from run import spawn_hermes_sup
+
+    sup = Sup(*args, python=python)
+    try:
+        return summary(spawn_hermes_sup(sup, count, "p"))
+    finally:
+        sup.close()
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    """p50/min/max of seconds, in milliseconds."""
+    return {
+        "n": len(values),
+        "p50_ms": round(pct(values, 50) * 1000, 1),
+        "min_ms": round(min(values) * 1000, 1),
+        "max_ms": round(max(values) * 1000, 1),
+    }
+
+
+def bench(count: int, pythons: dict[str, str], spares: bool) -> dict[str, Any]:
+    """Both modes (and with spares) on each Python, side by side."""
+    import json
+    import platform
+
+    sys.path[:0] = [str(REPO)]
+    from tests.fake_model import FakeModel
+
+    model = FakeModel()
+    out: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "load": os.getloadavg(), "kernel": platform.release()},
+        "count": count,
+        "runs": {},
+    }
+    modes = [("unsealed", ["--sealed", "off"]), ("sealed", ["--sealed", "on"])]
+    if spares:
+        modes.append(("sealed+spares", ["--sealed", "on", "--spare-workers", "2"]))
+    try:
+        for py_label, python in pythons.items():
+            for label, args in modes:
+                name = f"{label} ({py_label})"
+                print(f"{name} ...", file=sys.stderr, flush=True)
+                try:
+                    out["runs"][name] = hermes_sessions(label, args, count, model.url, python)
+                except Exception as exc:
+                    out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"  {json.dumps(out['runs'][name])}", file=sys.stderr, flush=True)
+            for label, args in modes[:2]:
+                name = f"probe spawn {label} ({py_label})"
+                try:
+                    out["runs"][name] = probe_spawn(args, count * 2, python)
+                except Exception as exc:
+                    out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"{name}: {json.dumps(out['runs'][name])}", file=sys.stderr, flush=True)
+    finally:
+        model.close()
+    out["machine"]["load_after"] = os.getloadavg()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--record-modules", action="store_true")
+    parser.add_argument("--count", type=int, default=8, help="sessions per mode (default 8)")
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also run under this interpreter (a venv with hermes-agent and hermes-sup)",
+    )
+    parser.add_argument("--no-spares", action="store_true")
     args = parser.parse_args(argv)
     if args.record_modules:
         return record_modules()
+    pythons = {f"python{sys.version_info[0]}.{sys.version_info[1]}": sys.executable}
+    for entry in args.python:
+        label, _, path = entry.partition("=")
+        pythons[label] = path
+    out = bench(args.count, pythons, not args.no_spares)
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    (results / "sealed.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out["runs"], indent=1))
     return 0
 
 
