@@ -129,6 +129,11 @@ class Settings:
     log_rate_burst: int = 4 * 1024 * 1024
     # Recent turns and events kept per session, replayed to `attach`.
     history: int = 200
+    # A worker merges the stream deltas (`token`, `output`) of a turn made
+    # within this many milliseconds into one event, losing nothing; a turn's
+    # first delta and every other event go out at once (worker/coalesce.py).
+    # Told in the spawn request (`coalesce_ms`). 0 is off.
+    stream_coalesce_ms: float = 10.0
     # CURVE-encrypted TCP endpoint for remote front ends, "PORT" (127.0.0.1)
     # or "HOST:PORT" (0.0.0.0 for every interface); "" is off.
     tcp: str = ""

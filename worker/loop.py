@@ -3,7 +3,8 @@ its one socket to the supervisor (`Link`) and the one thread that runs turns
 (`TurnThread`).
 
 The main loop never runs agent code. It polls the supervisor socket and a
-wake-up pipe, forwards what the turn thread produced, and watches for the
+wake-up pipe, forwards what the turn thread produced (stream deltas merged
+within a short window: worker/coalesce.py), and watches for the
 supervisor's death. The turn runs in one thread at a time, so the main loop
 stays responsive for cancel and stop while an agent thinks. How the process
 got here (fork, its own process group, directories, environment) is
@@ -40,6 +41,7 @@ from hermes_sup.protocol import (
 )
 
 from . import runtime as runtime_mod
+from .coalesce import MAX_MERGED_BYTES, Coalescer, delta_type
 
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
@@ -196,6 +198,19 @@ class WorkerLoop:
         self.link.set_limit(req)
         self.ctx, self.sock = self.link.ctx, self.link.sock
         self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        # Stream deltas merged within a window: the spawn request's
+        # `coalesce_ms` (the supervisor's stream_coalesce_ms); a request
+        # without one, from a supervisor that does not know it, keeps one
+        # event per delta. A merged event stays a small fraction of the
+        # frame limit (a character may take 4 bytes, the envelope some more).
+        self.coalescer = Coalescer(
+            self._deliver,
+            float(req.get("coalesce_ms") or 0.0),
+            min(MAX_MERGED_BYTES, max(1024, self.link.limit // 8)),
+        )
+        # True while the main loop holds a delta and so wakes by its window's
+        # end anyway: the turn thread then posts deltas without waking it.
+        self._quiet = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.turns = turns or TurnThread()  # a spare started its own already
@@ -226,6 +241,9 @@ class WorkerLoop:
             wait_ms = min(MAX_POLL_MS, int(until_beat * 1000) + 1)
             if self.cancelling is not None:
                 wait_ms = min(wait_ms, CANCEL_REPEAT_MS)
+            held_until = self.coalescer.deadline
+            if held_until is not None:
+                wait_ms = min(wait_ms, max(0, int((held_until - time.monotonic()) * 1000) + 1))
             ready = dict(poller.poll(wait_ms))
             if os.getppid() != self.supervisor_pid:
                 log.error("supervisor (pid %d) is gone; stopping", self.supervisor_pid)
@@ -381,29 +399,42 @@ class WorkerLoop:
 
     def _post(self, msg: Message) -> None:
         self.outbox.put(msg)
+        # Put first, then read the flag: the main loop clears it before it
+        # drains the outbox, so a delta posted unwoken is drained all the same.
+        if self._quiet and delta_type(msg) is not None:
+            return  # the main loop wakes at its window's end and takes it then
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:
             pass  # the pipe is full, so the main loop is awake anyway
 
     def _flush_outbox(self) -> None:
+        """Send what the turn thread produced, through the coalescer."""
+        self._quiet = False
+        coalescer = self.coalescer
+        now = time.monotonic()
+        coalescer.tick(now)
         while not self.outbox.empty():  # this thread alone takes from it
-            msg = self.outbox.get_nowait()
-            final = msg.kind is not Kind.EVENT
-            if final and self.turn is not None:
-                # The final answer is the turn's last act: mark it over
-                # before the supervisor, seeing it, sends the next one.
-                self.turn = None
-            try:
-                self._send(msg)
-            except Exception as exc:  # e.g. an event whose data msgpack cannot carry
-                log.error("cannot send %s: %s", msg.kind.value, exc)
-                if final:
-                    self._send(
-                        error_message(
-                            ErrorCode.TURN_FAILED.value,
-                            f"the reply could not be sent: {exc}",
-                            re=msg.re,
-                            session=self.key,
-                        )
+            coalescer.offer(self.outbox.get_nowait(), now)
+        self._quiet = coalescer.holding
+
+    def _deliver(self, msg: Message) -> None:
+        """Send one of the turn's messages (the coalescer's way out)."""
+        final = msg.kind is not Kind.EVENT
+        if final and self.turn is not None:
+            # The final answer is the turn's last act: mark it over
+            # before the supervisor, seeing it, sends the next one.
+            self.turn = None
+        try:
+            self._send(msg)
+        except Exception as exc:  # e.g. an event whose data msgpack cannot carry
+            log.error("cannot send %s: %s", msg.kind.value, exc)
+            if final:
+                self._send(
+                    error_message(
+                        ErrorCode.TURN_FAILED.value,
+                        f"the reply could not be sent: {exc}",
+                        re=msg.re,
+                        session=self.key,
                     )
+                )
