@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("hermes_sup.httpapi")
 
 ENDED = ("completed", "failed", "cancelled")
+REASONING = "reasoning"  # a piece of the model's reasoning (the Hermes runtime's event)
+TOOL_PROGRESS = "tool_progress"
 CHOICE_ALIASES = {"approve": "once", "approved": "once", "allow": "once"}
 CHOICES = ("once", "session", "always", "deny")
 _CLOSE = object()  # a subscriber's stream ends after what it already has
@@ -76,6 +78,7 @@ class Run:
     turn: str | None = None
     stopping: bool = False
     approvals: list[str | None] = field(default_factory=list)  # waiting, oldest first
+    reasoning: list[str] = field(default_factory=list)  # the model's reasoning, not yet published
     fields: dict[str, Any] = field(default_factory=dict)
     events: deque[dict[str, Any]] = field(init=False)
     subscribers: set[asyncio.Queue[Any]] = field(default_factory=set)
@@ -270,7 +273,23 @@ class Runs:
 
     def _record(self, run: Run, item: Event | ClientError) -> None:
         """A turn's event, as the run's status and events."""
-        if isinstance(item, Queued):
+        if isinstance(item, Event) and item.type == REASONING:
+            # The model's reasoning streams in pieces; a front end gets it
+            # as one `reasoning.available` when the stretch of it ends.
+            if isinstance(item.data, str) and item.data:
+                run.reasoning.append(item.data)
+            return
+        if run.reasoning:
+            run.publish("reasoning.available", text="".join(run.reasoning))
+            run.reasoning.clear()
+        if isinstance(item, Event) and item.type == TOOL_PROGRESS:
+            d = item.data if isinstance(item.data, dict) else {}
+            if d.get("event") == "reasoning.available":
+                # What Hermes itself reports (the agent's words beside its
+                # tool calls), as its API server's runs report it.
+                preview = d.get("preview")
+                run.publish("reasoning.available", text=preview if isinstance(preview, str) else "")
+        elif isinstance(item, Queued):
             run.set_status("queued")
         elif isinstance(item, Running):
             if not run.stopping:

@@ -7,6 +7,7 @@ Scripted by the user's message, so each session drives it independently:
   "runs: A ;; B"   a `terminal` tool call for each command in turn, then "done: RESULT"
   "narrate: COMMAND"  as "run:", with a sentence to the user beside the tool call
   "ask: QUESTION ;; A | B"  a `clarify` tool call (choices A, B), then "done: RESULT"
+  "think: THOUGHT ;; TEXT"  streams THOUGHT as `reasoning_content`, then "said: TEXT"
   "slow: N"        streams a reply token by token over about N seconds
   anything else    streams "echo: TEXT" (with the number of earlier user turns)
 
@@ -141,6 +142,12 @@ class FakeModel:
             question, _, choices = text[len("ask: ") :].partition(" ;; ")
             args = {"question": question, "choices": choices.split(" | ") if choices else []}
             return self._tool_call("", name="clarify", args=args)
+        if text.startswith("think: "):
+            thought, _, said = text[len("think: ") :].partition(" ;; ")
+            pieces = [thought[i : i + 8] for i in range(0, len(thought), 8)]
+            reasoning = [(self._chunk({"reasoning_content": p}), 0.0) for p in pieces]
+            answer = self._say(f"said: {said}")
+            return answer[:1] + reasoning + answer[1:]
         slow = re.fullmatch(r"slow: (\d+(?:\.\d+)?)", text)
         if slow:
             seconds = float(slow.group(1))
@@ -178,13 +185,16 @@ class FakeModel:
 
     def non_streaming(self, chunks: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
         """Fold streamed chunks into one non-streaming completion."""
-        content, calls, finish = "", [], "stop"
+        content, reasoning, calls, finish = "", "", [], "stop"
         for chunk, _ in chunks:
             choice = chunk["choices"][0]
             content += choice["delta"].get("content") or ""
+            reasoning += choice["delta"].get("reasoning_content") or ""
             calls += choice["delta"].get("tool_calls") or []
             finish = choice["finish_reason"] or finish
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         return {

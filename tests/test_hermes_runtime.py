@@ -200,6 +200,18 @@ def test_tool_progress_interim_messages_and_clarify_reach_the_front_end(hermes) 
     assert "next message" in answered["user_response"]
 
 
+def test_the_models_reasoning_reaches_the_front_end_apart_from_the_reply(hermes) -> None:
+    with hermes.client(timeout=120) as client:
+        thought = client.run("thinker", "think: first I weigh it, then I answer ;; yes")
+    reasoning = [e.data for e in thought.events if e.type == "reasoning"]
+    assert "".join(reasoning) == "first I weigh it, then I answer"
+    assert len(reasoning) > 1  # streamed as it came, in pieces
+    tokens = "".join(e.data for e in thought.events if e.type == "token")
+    assert thought.text == "said: yes" and "weigh" not in tokens + thought.text
+    kinds = [e.type for e in thought.events]
+    assert kinds.index("reasoning") < kinds.index("token")  # in the order the model said them
+
+
 def test_a_context_is_checked_before_the_turn() -> None:
     from hermes_sup.worker.hermes import HermesTurnError, TurnContext
 

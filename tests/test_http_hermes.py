@@ -127,3 +127,39 @@ def test_the_responses_api_streams_tool_calls_as_function_call_items(hermes_http
     )
     assert [i.type for i in again.output] == ["function_call", "function_call_output", "message"]
     assert f"key={final.id}" in again.output_text
+
+
+def run_events(url: str, key: str, text: str) -> list[dict]:
+    """Start a run and follow its events to its end."""
+    auth = {"Authorization": f"Bearer {key}"}
+    started = httpx.post(url + "/v1/runs", json={"input": text}, headers=auth)
+    assert started.status_code == 202, started.text
+    events = []
+    with httpx.stream(
+        "GET", f"{url}/v1/runs/{started.json()['run_id']}/events", headers=auth, timeout=120
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if events[-1]["event"].startswith("run."):
+                    break
+    return events
+
+
+def test_runs_report_the_models_reasoning_as_reasoning_available(hermes_http) -> None:
+    url, key = hermes_http
+    thought = run_events(url, key, "think: weigh it first, then answer ;; yes")
+    kinds = [e["event"] for e in thought]
+    assert kinds[-1] == "run.completed" and thought[-1]["output"] == "said: yes"
+    reasoning = [e for e in thought if e["event"] == "reasoning.available"]
+    # The model's reasoning, whole, before the text; then what Hermes's own
+    # API server reports as reasoning too: the words of each model answer.
+    assert [e["text"] for e in reasoning] == ["weigh it first, then answer", "said: yes"]
+    assert kinds.index("reasoning.available") < kinds.index("message.delta")
+    narrated = run_events(url, key, "narrate: echo narrated")
+    said = [e["text"] for e in narrated if e["event"] == "reasoning.available"]
+    assert said[0] == "Running echo narrated for you." and said[1].startswith("done: ")
+    assert [e["event"] for e in narrated if e["event"].startswith("tool.")] == [
+        "tool.started",
+        "tool.completed",
+    ]

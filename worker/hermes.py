@@ -34,7 +34,8 @@ then it is written into state.db before the turn, so that the next turns
 find it there (Hermes persists only the messages a turn adds). A front end
 that resends its whole history each turn therefore never doubles it.
 
-Hermes's callbacks become events: tokens, tool start/progress/complete with
+Hermes's callbacks become events: tokens, the model's reasoning
+(`reasoning`, a piece of text, as tokens are), tool start/progress/complete with
 every field Hermes gives (and the emoji and label its API server shows),
 interim assistant messages (`assistant_message`), approvals, and clarify
 questions (`clarify`). The protocol has no way yet to answer a clarify
@@ -265,6 +266,7 @@ class HermesRuntime:
             user_id=env.get("HERMES_SESSION_USER_ID"),
             user_name=env.get("HERMES_SESSION_USER_NAME"),
             stream_delta_callback=self._on_delta,
+            reasoning_callback=self._on_reasoning,
             tool_start_callback=self._on_tool_start,
             tool_complete_callback=self._on_tool_complete,
             tool_progress_callback=self._on_tool_progress,
@@ -377,6 +379,12 @@ class HermesRuntime:
     def _on_delta(self, delta: str | None) -> None:
         if delta:
             self._send("token", delta)
+
+    def _on_reasoning(self, text: str | None) -> None:
+        """A piece of the model's reasoning (its `reasoning_content`, or a
+        <think> block), kept apart from the reply's tokens."""
+        if text:
+            self._send("reasoning", str(text))
 
     def _on_tool_start(self, call_id: str, name: str, args: Any, *rest: Any) -> None:
         self._send(
