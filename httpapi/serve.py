@@ -15,7 +15,9 @@ Two ways, one code path (`run`):
   exits, however it exits, the pipe reads EOF and the endpoint stops. It
   connects as a local client of the state directory, like any front end,
   and answers 503 until the supervisor is ready. Its log lines go to the
-  supervisor's stderr.
+  supervisor's stderr. What is started is the keeper (keeper.py), which
+  runs the endpoint as its child and starts a new one (backing off) if it
+  dies; the keeper holds the socket and watches the same pipe.
 - `hermes-sup http --connection FILE [--listen HOST:PORT]`: the same
   endpoint as a process of its own, on another host, a remote client over
   CURVE (a connection file from `hermes-sup keys generate`). It runs until
@@ -153,6 +155,7 @@ def start_beside_supervisor(
         sys.executable,
         "-m",
         "hermes_sup.httpapi",
+        "--keep",
         "--state-dir",
         str(state_dir),
         "--data-dir",
@@ -198,12 +201,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-body", type=int, default=ApiSettings.max_body)
     parser.add_argument("--stall-timeout", type=float, default=ApiSettings.stall_timeout)
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--keep", action="store_true", help="run the endpoint as a child, restarted if it dies"
+    )
+    given = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(given)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    if args.keep:
+        if args.fd is None or args.watch_fd is None:
+            parser.error("--keep needs --fd and --watch-fd")
+        from .keeper import keep
+
+        endpoint = [sys.executable, "-m", "hermes_sup.httpapi"]
+        keep(
+            [*endpoint, *(a for a in given if a != "--keep")],
+            args.watch_fd,
+            (args.fd, args.watch_fd),
+        )
+        return
     try:
         keys = require_keys(args.data_dir)
         if args.fd is not None:

@@ -661,6 +661,43 @@ def test_serve_http_needs_a_key_and_ends_with_its_supervisor(supervisor_factory,
     assert wait_gone(str(workdir), timeout=10.0) == []  # the endpoint went with it
 
 
+def test_a_dead_endpoint_is_restarted_on_its_port_and_goes_with_its_supervisor(
+    endpoint, workdir
+) -> None:
+    chat = endpoint.url + "/v1/chat/completions"
+    turn = {"messages": [{"role": "user", "content": "pid"}]}
+    auth = endpoint.headers()
+    ready = re.compile(r"http_ready url=(\S+) pid=(\d+)")
+
+    def endpoints() -> list[tuple[str, int]]:
+        return [(url, int(pid)) for url, pid in ready.findall(endpoint.log())]
+
+    def wait_for(count: int) -> tuple[str, int]:
+        deadline = time.monotonic() + 60
+        while len(endpoints()) < count:
+            assert time.monotonic() < deadline, endpoint.log()
+            time.sleep(0.05)
+        return endpoints()[count - 1]
+
+    url, first = wait_for(1)
+    keeper = psutil.Process(first).ppid()
+    assert keeper != endpoint.sup.pid and psutil.Process(keeper).ppid() != endpoint.sup.pid
+    assert httpx.post(chat, json=turn, headers=auth).status_code == 200
+    for n in (2, 3):  # twice: the second restart waits longer (back-off)
+        os.kill(endpoints()[-1][1], signal.SIGKILL)
+        again, pid = wait_for(n)
+        assert again == url and pid != first  # the same port, a new process
+        assert psutil.Process(pid).ppid() == keeper
+        assert httpx.post(chat, json=turn, headers=auth, timeout=30).status_code == 200
+    restarts = re.findall(r"http_endpoint_exited .*restart_in=(\S+)", endpoint.log())
+    assert [float(r) for r in restarts] == [0.5, 1.0]
+    # The supervisor dies: the keeper and its endpoint go with it.
+    os.kill(endpoint.sup.pid, signal.SIGKILL)
+    endpoint.sup.proc.wait()
+    assert wait_gone(str(workdir), timeout=20.0) == []
+    assert not psutil.pid_exists(keeper) or psutil.Process(keeper).status() == "zombie"
+
+
 def test_the_endpoint_on_its_own_against_a_remote_supervisor(supervisor_factory, workdir) -> None:
     port = free_port()
     sup = supervisor_factory("--tcp", str(port))
