@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hermes_sup.client import AsyncClient, ClientError
+from hermes_sup.client import AsyncClient, ClientError, SessionConflict
 from hermes_sup.local.logfmt import kv
 
 from . import chat
@@ -33,7 +33,7 @@ from .errors import ApiError, from_client_error
 from .keys import KeyStore
 from .responses import Responses
 from .runs import Runs
-from .sessions import SessionRef, header_id, ref_for
+from .sessions import SessionRef, header_id, label_of, ref_for
 from .turns import OpenTurn, open_turn
 
 log = logging.getLogger("hermes_sup.httpapi")
@@ -79,6 +79,7 @@ class Api:
         self.runs = Runs(self)
         self.responses = Responses(self)
         self._mapped: set[str] = set()
+        self._labelled: set[str] = set()  # sessions given their label by this process
 
     def client(self) -> AsyncClient:
         """The supervisor client, made now if it is not yet (or could not be)."""
@@ -160,7 +161,25 @@ class Api:
     async def open_turn(
         self, ref: SessionRef, text: str, context: dict[str, Any] | None = None
     ) -> OpenTurn:
-        return await open_turn(self.client(), ref.key, text, context)
+        """Start the session's turn. The first turn this endpoint sends to a
+        session whose key is a mapped id names that id as the session's
+        `label`, so `hermes-sup list` shows what the client called it."""
+        client = self.client()
+        if not ref.mapped or ref.key in self._labelled:
+            return await open_turn(client, ref.key, text, context)
+        try:
+            opened = await open_turn(
+                client, ref.key, text, context, options={"label": label_of(ref.original)}
+            )
+        except SessionConflict as exc:
+            # The session runs with options of its own (an operator opened
+            # it): it keeps them, and its turn goes on without a label.
+            log.info(kv("http_session_label_skipped", session=ref.key, error=exc))
+            opened = await open_turn(client, ref.key, text, context)
+        if len(self._labelled) > 100_000:
+            self._labelled.clear()
+        self._labelled.add(ref.key)
+        return opened
 
 
 def _peer(request: Request) -> str:

@@ -17,7 +17,9 @@ non-ASCII, at most 128 characters) is mapped to a key that keeps a readable
 part of it: its allowed characters (others become `_`), cut to 80, then `=`
 and 16 hex digits of SHA-256 of the whole id. Different ids never share a
 session (but for a hash collision), and `hermes-sup list` still shows what
-the id looked like; the endpoint logs the exact mapping (`http_session_key`).
+the id looked like; the endpoint logs the exact mapping (`http_session_key`)
+and names the id as the session's `label` with its first turn, which `list`
+and `inspect` show.
 
 Only the newest user message is sent as the turn: the session's worker
 keeps the conversation itself (Hermes in the session's own state.db).
@@ -88,6 +90,18 @@ def header_id(headers: Any) -> str | None:
             )
         return raw
     return None
+
+
+MAX_LABEL = 200  # the session option `label`: 1 to 200 printable characters
+
+
+def label_of(original: str) -> str:
+    """A client's id as a session label: printable, at most MAX_LABEL
+    characters (others shown as escapes, the end cut with an ellipsis)."""
+    shown = "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in original
+    )
+    return shown if len(shown) <= MAX_LABEL else shown[: MAX_LABEL - 1] + "…"
 
 
 def ref_for(original: str) -> SessionRef:

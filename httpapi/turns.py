@@ -45,12 +45,17 @@ class OpenTurn:
 
 
 async def open_turn(
-    client: AsyncClient, key: str, text: str, context: dict[str, Any] | None = None
+    client: AsyncClient,
+    key: str,
+    text: str,
+    context: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> OpenTurn:
-    """Send a turn (with its front end's context, if any) and read its first
-    answer (queued or running, said at once), so that a refusal (overloaded,
-    busy, failed session) raises here, before the HTTP response has started."""
-    turn = await client.send(key, text, context=context or None)
+    """Send a turn (with its front end's context, if any, and session
+    options) and read its first answer (queued or running, said at once), so
+    that a refusal (overloaded, busy, failed session) raises here, before
+    the HTTP response has started."""
+    turn = await client.send(key, text, context=context or None, options=options)
     events: AsyncGenerator[Event, None] = turn.__aiter__()
     try:
         first = await events.__anext__()

@@ -202,12 +202,19 @@ def test_each_conversation_is_its_own_worker(endpoint) -> None:
     # An id that breaks the key rules still gets its own session, named readably.
     odd = "chat 42/#1"
     assert say("env HERMES_SESSION_KEY", **{"X-Hermes-Session-Id": odd}).startswith("chat_42_")
-    with endpoint.sup.client() as hs:
-        keys = {row["key"] for row in hs.sessions()}
-    assert {"alice", "webui:bob"} <= keys
-    assert any(k.startswith("api-") for k in keys)
-    assert any(k.startswith("chat_42__1=") for k in keys)
+    with endpoint.sup.client() as client:
+        rows = {row["key"]: row for row in client.sessions()}
+    assert {"alice", "webui:bob"} <= set(rows)
+    assert any(k.startswith("api-") for k in rows)
+    mapped = next(k for k in rows if k.startswith("chat_42__1="))
     assert 'id="chat 42/#1"' in endpoint.log()  # the exact id, for the operator
+    # ... and as the session's label, in `list` and `inspect`; an id that is
+    # its own key needs none.
+    assert rows[mapped]["label"] == odd and rows["alice"]["label"] is None
+    state = ["--state-dir", endpoint.sup.state_dir]
+    listed = hs(*state, "list", "--no-trunc")
+    assert listed.returncode == 0 and odd in listed.stdout, listed.stderr
+    assert odd in hs(*state, "inspect", mapped).stdout
 
 
 # ------------------------------------------------------------------ responses API
