@@ -37,7 +37,7 @@ paths = SimpleNamespace(home=base / "home", workspace=base / "workspace", user=b
 for p in (paths.home, paths.workspace, paths.user):
     p.mkdir(parents=True)
 os.environ.update(HERMES_HOME=str(paths.home), TERMINAL_CWD=str(paths.workspace),
-                  HOME=str(paths.user))
+                  HOME=str(paths.user), HERMES_YOLO_MODE="1", HERMES_REDACT_SECRETS="false")
 os.chdir(paths.workspace)
 done = hermes_seal.preload(paths)
 from hermes_cli import config
@@ -55,7 +55,8 @@ os.environ.clear()
 os.environ.update(session_env)
 if do_replay:
     hermes_seal.replay(paths)
-from tools import file_operations
+from tools import approval, file_operations
+from agent import redact
 print(json.dumps({
     "env": {k: os.environ.get(k) for k in ("SEALED_MARK", "TERMINAL_TIMEOUT", "HERMES_QUIET",
                                            "HERMES_EXEC_ASK", "_HERMES_GATEWAY",
@@ -66,6 +67,8 @@ print(json.dumps({
     "denied": sorted(file_operations.WRITE_DENIED_PATHS),
     "missing": sorted(done.missing),
     "threads": __import__("threading").active_count(),
+    "yolo": approval._YOLO_MODE_FROZEN,
+    "redact": redact._REDACT_ENABLED,
 }))
 """
 
@@ -99,6 +102,15 @@ def test_replay_loads_the_sessions_env_and_config_not_the_zygotes(replayed: dict
     assert replayed["threads"] == 1
 
 
+def test_replay_recomputes_what_the_import_froze_from_the_zygotes_env(
+    replayed: dict[str, Any],
+) -> None:
+    """The zygote ran with HERMES_YOLO_MODE=1 and redaction off; the session
+    has neither, so its approvals are on and its secrets redacted."""
+    assert replayed["yolo"] is False
+    assert replayed["redact"] is True
+
+
 def test_replay_makes_the_sessions_home_skeleton(replayed: dict[str, Any]) -> None:
     for name in ("SOUL.md", "memories", "skills", "cron", "logs", "sessions"):
         assert name in replayed["home"], name
@@ -119,6 +131,7 @@ def test_without_replay_the_session_would_get_the_zygotes_view(tmp_path: Path) -
     assert seen["env"]["SEALED_MARK"] is None
     assert seen["env"]["HERMES_QUIET"] is None
     assert "SOUL.md" not in seen["home"]  # _HERMES_HOME_ENSURED said P was done
+    assert seen["yolo"] is True and seen["redact"] is False
 
 
 def test_preload_refuses_other_paths_and_a_home_with_files(

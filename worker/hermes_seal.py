@@ -23,6 +23,9 @@ the session's contents. That is `replay`:
 - `gateway.run`'s import-time statements that read the home (its `.env`,
   its config.yaml bridged into TERMINAL_*, HERMES_* variables, the
   terminal cwd) are run again, from hermes's own source, in its module;
+- the globals computed from the environment at import (approvals' frozen
+  YOLO mode, secret redaction, terminal limits) are computed again from the
+  session's;
 - plugins are discovered again if the session's home or config names any;
 - the variables the import set in the zygote's os.environ (the worker's
   environment is replaced by the session's, so they are gone) are set
@@ -269,10 +272,57 @@ def replay(paths: SealedPathsLike) -> None:
     from hermes_cli.env_loader import load_hermes_dotenv
 
     _replay_gateway_run()
+    _refreeze_env_globals()
     _replay_plugins(home, Path(paths.workspace))
     run_agent = sys.modules["run_agent"]
     load_hermes_dotenv(hermes_home=home, project_env=Path(run_agent.__file__ or "").parent / ".env")
     _skip_ssl_guard_if_checked()
+
+
+def _yolo() -> bool:
+    from utils import is_truthy_value
+
+    return bool(is_truthy_value(os.getenv("HERMES_YOLO_MODE", "")))
+
+
+def _redact() -> bool:
+    return os.getenv("HERMES_REDACT_SECRETS", "true").lower() in {"1", "true", "yes", "on"}
+
+
+def _terminal_env(name: str, default: Any, kind: type, label: str) -> Any:
+    parse = sys.modules["tools.terminal_tool"]._safe_parse_import_env
+    return parse(name, default, kind, label)
+
+
+# Module globals hermes-agent 0.19 computes from os.environ at import, each
+# recomputed as its module computes it, from the session's environment (its
+# own, its .env and its config.yaml bridged): else the zygote's values would
+# hold for every session. _YOLO_MODE_FROZEN above all: a zygote started with
+# HERMES_YOLO_MODE=1 would switch approvals off in every session.
+ENV_GLOBALS: tuple[tuple[str, str, Any], ...] = (
+    ("tools.approval", "_YOLO_MODE_FROZEN", _yolo),
+    ("agent.redact", "_REDACT_ENABLED", _redact),
+    (
+        "tools.terminal_tool",
+        "FOREGROUND_MAX_TIMEOUT",
+        lambda: _terminal_env("TERMINAL_MAX_FOREGROUND_TIMEOUT", 600, int, "integer"),
+    ),
+    (
+        "tools.terminal_tool",
+        "DISK_USAGE_WARNING_THRESHOLD_GB",
+        lambda: _terminal_env("TERMINAL_DISK_WARNING_GB", 500.0, float, "number"),
+    ),
+)
+
+
+def _refreeze_env_globals() -> None:
+    for module_name, attr, compute in ENV_GLOBALS:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        if not hasattr(module, attr):
+            raise SealError(f"{module_name}.{attr} is gone: re-check the replay for this hermes")
+        setattr(module, attr, compute())
 
 
 def _replay_plugins(home: Path, workspace: Path) -> None:
