@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -51,6 +52,12 @@ from .terminal import Screen, is_terminal
     default=None,
     help="A text shown with the session in list and inspect (at most 200 characters).",
 )
+@click.option(
+    "--repo",
+    default=None,
+    help="Work in a worktree of this git repository, on a branch of its own (under one "
+    "of the supervisor's --repo-root).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.pass_context
 def open_(
@@ -60,6 +67,7 @@ def open_(
     workspace: str | None,
     runtime: str | None,
     label: str | None,
+    repo: str | None,
     as_json: bool,
 ) -> None:
     """Start SESSION's worker without sending a turn (also: start).
@@ -71,10 +79,13 @@ def open_(
       hermes-sup open alice
       hermes-sup start tg:42 --session-env platform=telegram --session-env chat_id=42
       hermes-sup open h:3f9a2c --label 'conversation 8c1e-long-original-id'
+      hermes-sup open fix-login --repo ~/src/webapp
     """
     options = options_from(session_env, workspace, runtime)
     if label is not None:
         options = {**(options or {}), "label": label}
+    if repo is not None:
+        options = {**(options or {}), "repo": str(Path(repo).absolute())}
     with connect(ctx) as client:
         opened = client.open(session, options=options)
     if as_json:
@@ -168,6 +179,12 @@ def _list_lines(
 @click.option(
     "--state", type=click.Choice(STATE_ORDER), default=None, help="Only sessions in this state."
 )
+@click.option(
+    "--repo",
+    default=None,
+    metavar="PATH",
+    help="Only sessions working on this git repository (each in its own worktree).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Only the keys, one a line.")
 @click.option(
     "--format",
@@ -188,6 +205,7 @@ def list_(
     as_json: bool,
     prefix: str,
     state: str | None,
+    repo: str | None,
     quiet: bool,
     template: str | None,
     no_trunc: bool,
@@ -204,7 +222,7 @@ def list_(
     \b
     JSON fields: key, state, pid (or null), started and last_activity (epoch
     seconds), turns, queued, exits, last_exit, fast_failures, runtime,
-    label (or null), rss (bytes), procs, cpu_percent.
+    label, repo and branch (or null), rss (bytes), procs, cpu_percent.
 
     \b
     Examples:
@@ -213,6 +231,7 @@ def list_(
       hermes-sup list -q --prefix telegram:
       hermes-sup list --format '{key}\t{state}\t{rss}'
       hermes-sup list --json --prefix telegram:
+      hermes-sup list --repo ~/src/webapp --state idle
       hermes-sup list --watch
     """
     if sum([as_json, quiet, template is not None]) > 1:
@@ -223,6 +242,8 @@ def list_(
         try:
             while True:
                 rows = client.sessions(prefix=prefix, state=state)
+                if repo is not None:
+                    rows = on_repo(rows, repo)
                 if as_json:
                     text = json.dumps(rows, indent=None if watch else 2)
                 else:
@@ -241,6 +262,13 @@ def list_(
                 time.sleep(interval)
         except KeyboardInterrupt:
             return  # the way out of --watch
+
+
+def on_repo(rows: list[dict[str, Any]], repo: str) -> list[dict[str, Any]]:
+    """The rows of sessions working on `repo` (symlinks resolved, as the
+    supervisor records it)."""
+    real = os.path.realpath(repo)
+    return [r for r in rows if r.get("repo") == real]
 
 
 @client_options
@@ -281,6 +309,11 @@ def inspect(ctx: click.Context, session: str, as_json: bool) -> None:
 )
 @click.option("--force", is_flag=True, help="SIGKILL at once instead of asking the worker to stop.")
 @click.option("--purge", is_flag=True, help="Also delete the sessions' data (asks first).")
+@click.option(
+    "--delete-branch",
+    is_flag=True,
+    help="With --purge: delete the session's git branch too (its worktree always goes).",
+)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before purging.")
 @click.pass_context
 def kill(
@@ -290,13 +323,16 @@ def kill(
     idle_for: str | None,
     force: bool,
     purge: bool,
+    delete_branch: bool,
     yes: bool,
 ) -> None:
     """Kill sessions' workers and every process they started; return when gone.
 
     Graceful by default: the worker is asked to stop, then its process group
     gets SIGTERM, then SIGKILL. The data (workspace, HERMES_HOME, log) stays,
-    and the next message starts a fresh worker on it, unless --purge.
+    and the next message starts a fresh worker on it, unless --purge. A
+    session's git worktree goes with --purge; its branch stays (with its
+    commits) unless --delete-branch.
 
     \b
     Examples:
@@ -304,9 +340,14 @@ def kill(
       hermes-sup kill --idle-for 30m
       hermes-sup kill --all --force
       hermes-sup kill bob --purge --yes
+      hermes-sup kill fix-login --purge --delete-branch --yes
     """
     if not (sessions or all_ or idle_for):
         raise click.UsageError("name sessions to kill, or use --all or --idle-for")
+    if delete_branch and not purge:
+        raise click.UsageError(
+            "--delete-branch goes with --purge (a kept session keeps its branch)"
+        )
     idle_seconds = parse_duration(idle_for) if idle_for else None
     with connect(ctx) as client:
         targets = list(sessions)
@@ -328,7 +369,11 @@ def kill(
             )
         # All at once: each kill returns when its processes are gone.
         pending = {
-            client.submit(Kind.KILL, {"force": force, "purge": purge}, session=k): k
+            client.submit(
+                Kind.KILL,
+                {"force": force, "purge": purge, "delete_branch": delete_branch},
+                session=k,
+            ): k
             for k in targets
         }
         failed = 0

@@ -75,6 +75,17 @@ MIN_KEY_WIDTH = 16
 # The LABEL column (shown only when a session has a label) is at most this
 # wide: a label may have 200 characters; the rest is in `inspect`.
 MAX_LABEL_WIDTH = 32
+# BRANCH (shown only when a session works in a git worktree): the branch.
+MAX_BRANCH_WIDTH = 48
+
+
+def _optional_width(rows: list[dict[str, Any]], field: str, most: int) -> int:
+    """The width of a column shown only when some row has the field: 0
+    when none has it."""
+    values = [len(r.get(field) or "") for r in rows]
+    if not any(values):
+        return 0
+    return min(most, max(len(field), *values))
 
 
 def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -91,17 +102,20 @@ def session_table(
     wide as the longest key; given a `width` (the terminal's) that the table
     would overflow, keys are cut in the middle to fit it."""
     rows = sort_rows(rows)
-    labels = [r.get("label") or "" for r in rows]
-    label_width = min(MAX_LABEL_WIDTH, max([len("LABEL"), *map(len, labels)])) if any(labels) else 0
-    rest = sum(w + 1 for _, w, _ in COLUMNS) + (label_width + 1 if label_width else 0)
+    branch_width = _optional_width(rows, "branch", MAX_BRANCH_WIDTH)
+    label_width = _optional_width(rows, "label", MAX_LABEL_WIDTH)
+    rest = sum(w + 1 for _, w, _ in COLUMNS)
+    rest += sum(w + 1 for w in (branch_width, label_width) if w)
     key_width = max([len("SESSION"), *(len(r["key"]) for r in rows)])
     if width is not None and key_width + rest > width:
         key_width = max(MIN_KEY_WIDTH, width - rest)
     header = f"{'SESSION':<{key_width}} " + " ".join(
         f"{name:>{w}}" if right else f"{name:<{w}}" for name, w, right in COLUMNS
     )
+    if branch_width:
+        header += f" {'BRANCH':<{branch_width}}"
     if label_width:
-        header += f" {'LABEL'}"
+        header += " LABEL"
     lines = [click.style(header, bold=True) if color else header]
     total_rss = 0
     for r in rows:
@@ -115,6 +129,11 @@ def session_table(
             f"{shorten(r['key'], key_width):<{key_width}} {state_cell} {r['pid'] or '-':>7} "
             f"{duration(up):>7} {duration(now - r['last_activity']):>6} {r['turns']:>5} "
             f"{size(r.get('rss')):>7} {cpu:>5}"
+            + (
+                f" {shorten(r.get('branch') or '-', branch_width):<{branch_width}}"
+                if branch_width
+                else ""
+            )
             + (f" {shorten(r.get('label') or '-', label_width)}" if label_width else "")
         )
     counts: dict[str, int] = {}
@@ -204,7 +223,12 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
         + (f", running {info['current_turn']}" if info.get("current_turn") else ""),
         f"exits:      {exits}",
         f"data:       {info['dir']}",
-        f"workspace:  {info['workspace']}",
+        f"workspace:  {info['workspace']}"
+        + (
+            f"   (a worktree of {info['repo']}, branch {info['branch']})"
+            if info.get("repo")
+            else ""
+        ),
         f"home:       {info['home']}",
         f"tmp:        {info['tmp']}",
         f"log:        {info['log']}"

@@ -21,6 +21,8 @@ from typing import Any
 
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
+from .worktrees import repository_problem
+
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 SESSION_ENV_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 MAX_VALUE_LENGTH = 4096
@@ -38,7 +40,7 @@ RESERVED = frozenset({"HERMES_HOME", "TERMINAL_CWD", "HERMES_SESSION_KEY"})
 # (HERMES_EXEC_ASK=0 with HERMES_GATEWAY_SESSION=0, or HERMES_YOLO_MODE=1):
 # refused from front ends unless the operator allows them (allow_env).
 APPROVAL_ENV = frozenset({"HERMES_EXEC_ASK", "HERMES_GATEWAY_SESSION", "HERMES_YOLO_MODE"})
-OPTION_NAMES = ("session_env", "env", "agent", "workspace", "runtime", "label")
+OPTION_NAMES = ("session_env", "env", "agent", "workspace", "runtime", "label", "repo")
 # A label is for people (`list`, `inspect`): e.g. the conversation id a front
 # end hashed into a session key. Printable text only, so that it cannot
 # rewrite an operator's terminal.
@@ -192,10 +194,17 @@ def check_policy(
     workspace_roots: tuple[str, ...],
     runtimes: tuple[str, ...],
     allow_env: tuple[str, ...] = (),
+    repo_roots: tuple[str, ...] = (),
 ) -> None:
     """Refuse a workspace outside the configured roots (symlinks resolved),
-    a runtime the operator did not allow, and variables that switch the
-    agent's approvals (APPROVAL_ENV) unless the operator allows them."""
+    a repository outside repo_roots or that is no git repository, a runtime
+    the operator did not allow, and variables that switch the agent's
+    approvals (APPROVAL_ENV) unless the operator allows them."""
+    if options.repo is not None and options.workspace is not None:
+        raise _bad(
+            "options 'workspace' and 'repo' exclude each other: with a repository, "
+            "the session's workspace is its own worktree of it"
+        )
     switches = sorted((APPROVAL_ENV & options.env.keys()) - set(allow_env))
     if switches:
         raise _bad(
@@ -218,11 +227,31 @@ def check_policy(
                 f"option 'workspace': {options.workspace} is not under a workspace root "
                 f"({', '.join(workspace_roots)})"
             )
+    if options.repo is not None:
+        _check_repo(options, repo_roots)
     if options.runtime is not None and options.runtime not in runtimes:
         allowed = ", ".join(runtimes) or "none besides the default"
         raise _bad(
             f"option 'runtime': {options.runtime!r} is not allowed here (allowed: {allowed})"
         )
+
+
+def _check_repo(options: SessionOptions, repo_roots: tuple[str, ...]) -> None:
+    """The `repo` option: an absolute git repository under a repo root."""
+    assert options.repo is not None
+    if not repo_roots:
+        raise _bad("option 'repo': this supervisor allows no chosen repositories (set repo_roots)")
+    if not Path(options.repo).is_absolute():
+        raise _bad(f"option 'repo' must be an absolute path, got {options.repo!r}")
+    real = Path(os.path.realpath(options.repo))
+    if not any(real.is_relative_to(os.path.realpath(root)) for root in repo_roots):
+        raise _bad(
+            f"option 'repo': {options.repo} is not under a repository root "
+            f"({', '.join(repo_roots)})"
+        )
+    problem = repository_problem(str(real))
+    if problem is not None:
+        raise _bad(f"option 'repo': {problem}")
 
 
 def _check_agent(value: object) -> dict[str, Any]:

@@ -281,12 +281,14 @@ class Front:
         session = self.table.require(key)
         force = bool(msg.body.get("force", False))
         purge = bool(msg.body.get("purge", False))
+        # With purge: the session's branch goes too (its worktree always does).
+        delete_branch = bool(msg.body.get("delete_branch", False))
 
         async def kill_and_reply() -> None:
             pid, reason = await self.lifecycle.kill_session(session, force=force)
             if purge and session.state is State.EXITED and self.table.get(key) is session:
-                self.table.purge(session)
-                reason += ", data purged"
+                note = await self.lifecycle.purge(session, delete_branch)
+                reason += ", data purged" + note
             self.endpoints.to_client(client, msg.reply(Kind.KILLED, {"pid": pid, "reason": reason}))
 
         self.ctx.spawn(kill_and_reply())
@@ -497,6 +499,7 @@ class Front:
                 "workspace": options.workspace,
                 "runtime": options.runtime,
                 "label": options.label,
+                "repo": options.repo,
             },
             "env_names": sorted(env),
             "current_turn": session.current.id if session.current is not None else None,

@@ -31,6 +31,8 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
+from typing import Any
 
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
@@ -53,6 +55,15 @@ from .spawner import ZygoteError
 from .states import Event, State, backoff_delay, exit_event
 from .table import SessionTable
 from .turns import Turns
+from .worktrees import (
+    GitRunner,
+    WorktreeError,
+    Worktrees,
+    home_is_empty,
+    placeholder_values,
+    seed_home,
+    worktree_ready,
+)
 
 log = logging.getLogger("hermes_sup.supervisor")
 
@@ -83,6 +94,21 @@ class Lifecycle:
         # The runtimes (name and config) whose workers have said hello: a
         # first turn is handed over in the spawn request only to those.
         self.runtimes_started: set[str] = set()
+        # git runs as our child: the pool holds its orphan cull meanwhile and
+        # hands over the exit status if the supervisor's reaper took it.
+        self.worktrees = Worktrees(
+            GitRunner(
+                ctx.environ,
+                self._hold_cull,
+                pool.forked,
+                lambda pid: self.pool.unclaimed_exits.pop(pid, None),
+            )
+        )
+
+    def _hold_cull(self) -> None:
+        """A child of ours that is no worker (git) runs: counted as a spawn,
+        so that the orphan cull waits for it (pool.forked() ends it)."""
+        self.pool.spawning += 1
 
     # ---------------------------------------------------------- admission
 
@@ -130,7 +156,13 @@ class Lifecycle:
             session.retry_timer = None
         session.generation += 1
         pool = self.pool
-        spare = pool.take_spare()
+        # A worktree to make or a home to seed first: the worker starts
+        # once they are there (_prepare_and_fork), not before.
+        template = self._template_to_seed(session)
+        prepare = template is not None or (
+            session.repo is not None and not worktree_ready(session.workspace)
+        )
+        spare = None if prepare else pool.take_spare()
         token, worker_id = (spare.token, spare.worker_id) if spare else new_identity()
         pool.identify(session, token, worker_id)
         session.proc = session.hello_pid = None
@@ -143,6 +175,9 @@ class Lifecycle:
         session.settings = self.ctx.settings
         self.table.transition(session, Event.SPAWN)
         request = pool.spawn_request(session)
+        # The supervisor seeds the home (worktrees.seed_home), with the
+        # session's own values: the runtime must not copy the template again.
+        request["runtime_config"].pop("template_home", None)
         session.runtime_kind = repr((request["runtime"], sorted(request["runtime_config"].items())))
         if (
             session.queue
@@ -161,6 +196,11 @@ class Lifecycle:
             # for a retry as it would behind a runtime that cannot start.
             turn = self.turns.hand_over(session)
             request["turn"] = {"id": turn.id, "text": turn.text}
+        if prepare:
+            self.table.save_new(session)  # the directory the worktree goes in
+            self.ctx.spawn(self._prepare_and_fork(session, session.generation, request, template))
+            return
+        self.table.refresh_peers(session)
         # Asked now, not when the task first runs: the fork starts sooner.
         if spare is not None:
             if pool.assign(session, spare, request):
@@ -175,6 +215,80 @@ class Lifecycle:
             forked = pool.fork(request)
             self.ctx.spawn(self._register(session, session.generation, forked))
         self.table.save_new(session)
+
+    def _template_to_seed(self, session: Session) -> Path | None:
+        """The template its home is to be copied from, if it has one and
+        its home is still empty (a new session)."""
+        template = self.ctx.settings.runtime_config.get("template_home")
+        if not template or not home_is_empty(session.home):
+            return None
+        return Path(template)
+
+    async def _prepare_and_fork(
+        self,
+        session: Session,
+        generation: int,
+        request: dict[str, Any],
+        template: Path | None,
+    ) -> None:
+        """Make what the worker needs before it starts (its worktree, its
+        home from the template), then fork it; a failure fails the session
+        with the reason, as a runtime that cannot load does."""
+        try:
+            if session.repo is not None and session.branch is not None:
+                await self.worktrees.ensure(session.repo, session.workspace, session.branch)
+            if template is not None:
+                values = placeholder_values(session.key, session.options.session_env)
+                await asyncio.to_thread(seed_home, template, session.home, values)
+        except (WorktreeError, OSError) as exc:
+            if session.generation == generation and session.proc is None:
+                reason = f"could not be started: {exc}"
+                log.error(kv("prepare_failed", session=session.key, error=exc))
+                self.worker_gone(session, reason, exit_code=WorkerExit.RUNTIME_LOAD_FAILED)
+            return
+        if session.generation != generation or session.proc is not None:
+            return
+        if session.state is State.STOPPING:
+            # Killed while its worktree was being made: it never started.
+            self.worker_gone(session, session.kill_reason or "stopped", exit_code=None)
+            return
+        self.table.refresh_peers(session)
+        spare = self.pool.take_spare()
+        if spare is not None:
+            self.pool.identify(session, spare.token, spare.worker_id)
+            request.update(token=spare.token, worker_id=spare.worker_id)
+            if self.pool.assign(session, spare, request):
+                assert spare.proc is not None
+                status = self._adopt(session, spare.proc, spare.out_fd)
+                if status is not None:
+                    self.on_exit(spare.proc.pid, status)
+                return
+            token, worker_id = new_identity()
+            self.pool.identify(session, token, worker_id)
+            request.update(token=token, worker_id=worker_id)
+        await self._register(session, generation, self.pool.fork(request))
+
+    async def purge(self, session: Session, delete_branch: bool) -> str:
+        """Delete a stopped session's data (kill --purge): first its
+        worktree (git worktree remove, prune; its branch only if asked),
+        then the rest. A note on what stayed, for the reply."""
+        note = ""
+        if session.repo is not None and session.branch is not None:
+            self.table.purging.add(session.key)
+            try:
+                problems = await self.worktrees.remove(
+                    session.repo, session.workspace, session.branch, delete_branch
+                )
+            finally:
+                self.table.purging.discard(session.key)
+            if problems:
+                note = " (" + "; ".join(problems) + ")"
+            elif not delete_branch:
+                note = f", branch {session.branch} kept"
+            else:
+                note = f", branch {session.branch} deleted"
+        self.table.purge(session)
+        return note
 
     async def _register(
         self, session: Session, generation: int, forked: asyncio.Future[tuple[int, int | None]]

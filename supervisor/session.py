@@ -47,6 +47,10 @@ class Session:
     key: str
     dir: Path
     options: SessionOptions
+    # The git repository whose worktree (on `branch`) is its workspace, if
+    # any: fixed when the session is created (worktrees.py).
+    repo: str | None = None
+    branch: str | None = None
     state: State = State.EXITED
     proc: WorkerProcess | None = None
     hello_pid: int | None = None  # the pid its hello gave, until proc is known
@@ -157,6 +161,8 @@ class Session:
             "last_exit": self.last_exit,
             "fast_failures": self.fast_failures,
             "label": self.options.label,
+            "repo": self.repo,
+            "branch": self.branch,
         }
 
 
@@ -171,6 +177,8 @@ class StoredSession:
     last_activity: float  # when its log (else its session.json) last changed
     runtime: str | None  # the runtime it chose, if it chose one
     label: str | None = None  # its label option, if it has one
+    repo: str | None = None  # its repository and branch, if it works in a worktree
+    branch: str | None = None
 
     def describe(self) -> dict[str, Any]:
         """The session as a `sessions` list entry, as `Session.describe` has it."""
@@ -186,6 +194,8 @@ class StoredSession:
             "last_exit": None,
             "fast_failures": 0,
             "label": self.label,
+            "repo": self.repo,
+            "branch": self.branch,
         }
 
 
@@ -221,11 +231,27 @@ def stored_options(stored: dict[str, Any] | None, key: str, path: Path) -> Sessi
         return None
 
 
+def stored_worktree(stored: dict[str, Any] | None) -> dict[str, str | None]:
+    """The repository and branch a session.json names (both, or neither)."""
+    if stored is None:
+        return {"repo": None, "branch": None}
+    repo, branch = stored.get("repo"), stored.get("branch")
+    if isinstance(repo, str) and isinstance(branch, str) and repo and branch:
+        return {"repo": repo, "branch": branch}
+    return {"repo": None, "branch": None}
+
+
 def save_session_meta(session: Session) -> None:
     """Record the key and options next to the session's data (atomically)."""
     meta = session.dir / SESSION_FILE
     tmp = meta.with_suffix(".tmp")
-    data = {"key": session.key, "options": session.options.to_wire(), "created": session.created_at}
+    data: dict[str, Any] = {
+        "key": session.key,
+        "options": session.options.to_wire(),
+        "created": session.created_at,
+    }
+    if session.repo is not None:
+        data.update(repo=session.repo, branch=session.branch)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -298,5 +324,6 @@ def scan_sessions(data_dir: Path) -> tuple[dict[str, StoredSession], int]:
             last_activity=changed,
             runtime=runtime if isinstance(runtime, str) else None,
             label=label if isinstance(label, str) and label.isprintable() else None,
+            **stored_worktree(stored),
         )
     return found, skipped

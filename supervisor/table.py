@@ -15,6 +15,7 @@ an exited `Session` of the table, without starting a worker.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from collections import Counter, deque
@@ -35,10 +36,12 @@ from .session import (
     scan_sessions,
     session_path,
     stored_options,
+    stored_worktree,
 )
 from .spare_dirs import SpareDirs
 from .states import LIVE_STATES, Event, State
 from .watchers import Watchers
+from .worktrees import Peer, branch_for, peers_text, repository_problem, write_peers
 
 log = logging.getLogger("hermes_sup.supervisor")
 
@@ -56,6 +59,9 @@ class SessionTable:
         self.running = 0  # sessions with a worker that is not being stopped
         # Sessions on disk from an earlier run, not loaded yet (never also in `sessions`).
         self.stored: dict[str, StoredSession] = {}
+        # Keys whose worktree is being removed before their data is deleted:
+        # no new worker for them meanwhile.
+        self.purging: set[str] = set()
         self.load_stored()
 
     def load_stored(self) -> None:
@@ -99,16 +105,28 @@ class SessionTable:
                 settings.workspace_roots,
                 (settings.runtime, *settings.runtimes),
                 settings.allow_env,
+                settings.repo_roots,
+            )
+        if key in self.purging:
+            raise RemoteProtocolError(
+                ErrorCode.BUSY,
+                f"session {key!r} is being purged (its worktree removed); try again in a moment",
             )
         session = self.sessions.get(key)
         if session is None:
             path = session_path(settings.data_dir, key)
-            self.stored.pop(key, None)
             fresh = not path.exists()
             meta = None if fresh else read_session_meta(path)
             stored = None if fresh else stored_options(meta, key, path)
             defaults = parse_options(settings.session_defaults or None)
             session = Session(key=key, dir=path, options=options or stored or defaults)
+            if fresh:
+                self._choose_repo(session)
+            else:
+                bound = stored_worktree(meta)
+                session.repo, session.branch = bound["repo"], bound["branch"]
+            _check_same_repo(session, options)
+            self.stored.pop(key, None)
             created = None if meta is None else meta.get("created")
             if isinstance(created, (int, float)) and not isinstance(created, bool):
                 session.created_at = float(created)  # the session's, not this load's
@@ -121,6 +139,7 @@ class SessionTable:
             self.sessions[key] = session
             log.info(kv("session_new", session=key, dir=path.name))
         elif options is not None and options != session.options:
+            _check_same_repo(session, options)
             if _same_but_label(options, session.options):
                 # A label is for people: a new one applies at once, even to
                 # a running worker (which never sees it).
@@ -139,6 +158,47 @@ class SessionTable:
             if not session.unsaved:
                 self._save_meta(session)
         return session
+
+    def _choose_repo(self, session: Session) -> None:
+        """A new session's repository: its `repo` option, else the
+        supervisor's `repo` unless it chose its own workspace. Fixed from
+        now on (session.json keeps it), whatever later settings say."""
+        repo = session.options.repo
+        if repo is None and session.options.workspace is None and self.ctx.settings.repo:
+            repo = self.ctx.settings.repo
+            problem = repository_problem(repo)
+            if problem is not None:
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_CONFIG,
+                    f"the supervisor's repo setting cannot be used: {problem}",
+                )
+        if repo is not None:
+            session.repo = os.path.realpath(repo)
+            session.branch = branch_for(session.key)
+
+    def peers_of(self, session: Session) -> list[Peer]:
+        """The other sessions with a running worker on the session's
+        repository, by key."""
+        if session.repo is None:
+            return []
+        return [
+            Peer(s.key, s.branch or "", s.state.value, s.options.label)
+            for s in sorted(self.sessions.values(), key=lambda s: s.key)
+            if s is not session and s.repo == session.repo and s.state in RUNNING_STATES
+        ]
+
+    def refresh_peers(self, session: Session) -> None:
+        """Rewrite the session's peers file (worktrees.write_peers), if it
+        works on a repository; a failure is logged, never the turn's."""
+        if session.repo is None or session.branch is None:
+            return
+        text = peers_text(
+            session.key, session.repo, session.branch, self.peers_of(session), time.time()
+        )
+        try:
+            write_peers(session.dir, text)
+        except OSError as exc:
+            log.warning(kv("peers_not_written", session=session.key, error=exc.strerror or exc))
 
     def _save_meta(self, session: Session) -> None:
         """Rewrite a session's session.json; on a full disk the old one stays
@@ -186,7 +246,8 @@ class SessionTable:
         )
 
     def purge(self, session: Session) -> None:
-        """Forget a stopped session and delete its data (kill --purge)."""
+        """Forget a stopped session and delete its data (kill --purge); its
+        worktree, if it has one, the lifecycle has removed first."""
         if session.log is not None:
             session.log.close()
         self.watchers.forget_follows(session)
@@ -209,6 +270,21 @@ class SessionTable:
             if s.state is State.IDLE and not s.queue and s is not excluding
         ]
         return min(idle, key=lambda s: s.last_activity) if idle else None
+
+
+def _check_same_repo(session: Session, options: SessionOptions | None) -> None:
+    """Refuse options that name another repository than the session's: a
+    session's repository is fixed when it is created."""
+    if options is None or options.repo is None:
+        return
+    if session.repo is None or os.path.realpath(options.repo) != session.repo:
+        raise RemoteProtocolError(
+            ErrorCode.SESSION_CONFLICT,
+            f"session {session.key!r} works "
+            + (f"on {session.repo}" if session.repo else "without a repository")
+            + "; a session's repository is fixed when it is created "
+            "(kill --purge it to start over on another)",
+        )
 
 
 def _same_but_label(a: SessionOptions, b: SessionOptions) -> bool:

@@ -310,6 +310,9 @@ class Turns:
         # The worker first: its turn is the critical path; the client's
         # acknowledgement and the history are made while the worker runs it.
         if not handed:
+            # Who else works on its repository, as of this turn (see
+            # worktrees.py); a handed turn's was written before its fork.
+            self.table.refresh_peers(session)
             body: dict[str, Any] = {"text": turn.text}
             if turn.context:
                 body["context"] = turn.context

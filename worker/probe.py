@@ -14,6 +14,8 @@ It lets tests and operators see a session's isolation for themselves:
     ask COMMAND        ask for approval (an `approval` event), then run COMMAND
                        as `sh` does if allowed; no answer in 60 s is a deny
     context            the turn's context from the front end, as sorted JSON
+    peers              the other live sessions on this session's repository (from
+                       .hermes-sup/peers, which the supervisor rewrites each turn)
     anything else      echoed back
 """
 
@@ -36,6 +38,8 @@ from .runtime import Emit, SessionInfo, TurnReply
 MAX_SLEEP = 24 * 3600.0
 APPROVAL_TIMEOUT = 60.0
 STREAM_DELAY = 0.02
+# Where the supervisor lists a session's peers (supervisor/worktrees.py).
+PEERS_PATH = ".hermes-sup/peers"
 
 
 class ProbeError(Exception):
@@ -87,6 +91,32 @@ class ProbeRuntime:
 
     def _do_context(self, rest: str, emit: Emit) -> TurnReply:
         return TurnReply(json.dumps(self._context, sort_keys=True))
+
+    def _do_peers(self, rest: str, emit: Emit) -> TurnReply:
+        # Read as an agent would find it: in the workspace, fresh this turn.
+        path = self.session.workspace / PEERS_PATH
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return TurnReply(
+                "this session works on no repository: it has no peers", {"peers": None}
+            )
+        peers = []
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, branch, state, label = (line.split("\t") + ["", "", "", ""])[:4]
+                peers.append(
+                    {
+                        "session": key,
+                        "branch": branch,
+                        "state": state,
+                        "label": None if label in ("", "-") else label,
+                    }
+                )
+        if not peers:
+            return TurnReply("no other session is live on this repository", {"peers": []})
+        lines = [f"{p['session']} {p['branch']} {p['state']}" for p in peers]
+        return TurnReply("\n".join(lines), {"peers": peers})
 
     def _do_env(self, rest: str, emit: Emit) -> TurnReply:
         name = rest.strip()

@@ -1,0 +1,571 @@
+"""A session's workspace as its own git worktree, the list of its peers, and
+its home seeded from a template: what is made for a session before its
+worker starts.
+
+Theory of operation
+-------------------
+Sessions that all work in one checkout clobber each other: one sees the
+other's uncommitted changes as its own, both commit to one branch. With a
+repository (`repo` setting, or a session's `repo` option under `repo_roots`),
+each session's workspace is instead its own `git worktree` of it, on its own
+branch (`branch_for`: named from the session key, made safe for git), added
+when the session first starts and reused when it restarts (`ensure`).
+
+git locks a repository's files itself (index.lock, the worktrees directory,
+refs), and two `git worktree add` at once fail on those locks rather than
+wait. So every git command that changes a repository's worktrees runs under
+one asyncio lock per repository (its common git directory): twenty sessions
+started at once make their worktrees one after the other, without blocking
+the event loop for anything else.
+
+git runs as a child of the supervisor, which reaps every child itself
+(server.py) and kills children that are no worker's (pool.py's orphan
+cull). `GitRunner` therefore spawns git with posix_spawn (no Popen
+bookkeeping), reads its output without blocking, and takes its exit status
+from whichever of the two reaps it, while holding off the cull.
+
+A crash leaves nothing that `git worktree prune` cannot clean: a worktree
+whose directory went with its session's data is pruned (`ensure` prunes
+before each add, `remove` after each removal), and one left half made is
+removed and made again.
+
+Peers: at each start and each turn, a session on a repository finds in
+`.hermes-sup/peers` (in its worktree, ignored by git through a .gitignore
+of its own) the other live sessions on the same repository, with their
+branches. The supervisor writes it through directory descriptors without
+following symlinks: the worktree is the session's to change.
+
+Home: a session's HERMES_HOME starts as a copy of `template_home`, made
+here when the home is still empty, with the placeholders {session},
+{platform}, {chat_id} and {user_id} in its text files replaced by the
+session's own values (so a memory provider's session or peer name in the
+template's config is each session's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from hermes_sup.local.logfmt import kv
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+BRANCH_PREFIX = "hermes-sup/"
+# The part of a branch name taken from the key, before its digest.
+BRANCH_KEY_LENGTH = 40
+PEERS_DIR = ".hermes-sup"
+PEERS_FILE = "peers"
+GIT_TIMEOUT = 120.0
+# git's own lock files, should something outside the supervisor hold one.
+LOCK_RETRIES = 5
+LOCK_ERRORS = ("index.lock", ".lock': File exists", "cannot lock ref", "Unable to create")
+MAX_GIT_OUTPUT = 64 * 1024
+
+
+class WorktreeError(Exception):
+    """A repository or worktree that cannot be used; the message says why."""
+
+
+# ----------------------------------------------------------- repositories
+
+
+def repository_problem(path: str) -> str | None:
+    """Why `path` is not a git repository's top directory (None if it is
+    one): a work tree with its `.git`, or a bare repository. Cheap (a few
+    stats), so it can run at every `open`."""
+    p = Path(path)
+    if not p.is_absolute():
+        return f"{path} is not an absolute path"
+    if not p.exists():
+        return f"{path} does not exist"
+    if not p.is_dir():
+        return f"{path} is not a directory"
+    if (p / ".git").exists():
+        return None
+    if (p / "HEAD").is_file() and (p / "objects").is_dir() and (p / "refs").is_dir():
+        return None  # a bare repository
+    return f"{path} is not a git repository (it has no .git)"
+
+
+def common_dir(repo: str) -> str:
+    """The repository's common git directory (shared by all its worktrees):
+    what its lock is keyed by, whichever path names it."""
+    top = Path(os.path.realpath(repo))
+    dotgit = top / ".git"
+    if dotgit.is_dir():
+        return str(dotgit)
+    if dotgit.is_file():
+        # A linked worktree named as the repository: .git says where its
+        # own git dir is, and that one's `commondir` where the shared one is.
+        text = dotgit.read_text(errors="replace").strip()
+        if text.startswith("gitdir:"):
+            own = (top / text[len("gitdir:") :].strip()).resolve()
+            try:
+                shared = (own / "commondir").read_text().strip()
+            except OSError:
+                return str(own)
+            return str((own / shared).resolve())
+    return str(top)  # bare
+
+
+def branch_for(key: str) -> str:
+    """The session's branch: `hermes-sup/<key made safe>-<digest>`. Only
+    letters, digits, `_` and `-` are kept from the key (so none of git's
+    check-ref-format rules can be broken: no `..`, `@{`, `:`, leading dot
+    or `.lock`), and a digest of the whole key keeps two keys that look
+    alike once made safe apart."""
+    safe = re.sub(r"[^A-Za-z0-9_-]+", "-", key).strip("-")[:BRANCH_KEY_LENGTH].strip("-")
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    return f"{BRANCH_PREFIX}{safe or 'session'}-{digest}"
+
+
+def worktree_ready(workspace: Path) -> bool:
+    """Whether `workspace` is a finished worktree: its `.git` file names a
+    git dir that exists and is not still marked as being made."""
+    try:
+        text = (workspace / ".git").read_text(errors="replace").strip()
+    except OSError:
+        return False
+    if not text.startswith("gitdir:"):
+        return False
+    gitdir = workspace / text[len("gitdir:") :].strip()
+    if not (gitdir / "HEAD").is_file():
+        return False
+    try:
+        # `git worktree add` locks the worktree "initializing" until done.
+        return "initializing" not in (gitdir / "locked").read_text()
+    except OSError:
+        return True
+
+
+# -------------------------------------------------------------------- git
+
+
+@dataclass(frozen=True)
+class GitResult:
+    code: int
+    output: str  # stdout and stderr together
+
+    @property
+    def last_line(self) -> str:
+        lines = [line for line in self.output.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else f"exit status {self.code}"
+
+
+class GitRunner:
+    """Runs git without a Popen: the supervisor reaps its children itself.
+
+    `hold`/`release` bracket a run (the orphan cull waits meanwhile), and
+    `reaped(pid)` is the exit status the supervisor's reaper took for the
+    pid, if it took it first."""
+
+    def __init__(
+        self,
+        environ: Mapping[str, str],
+        hold: Callable[[], None],
+        release: Callable[[], None],
+        reaped: Callable[[int], int | None],
+    ) -> None:
+        # What git needs of the supervisor's environment, and nothing that
+        # would point it elsewhere (GIT_DIR, GIT_INDEX_FILE, ...).
+        self.env = {k: v for k, v in environ.items() if k in ("PATH", "HOME", "USER", "TMPDIR")}
+        self.env.update(LC_ALL="C", GIT_TERMINAL_PROMPT="0")
+        self.env.setdefault("PATH", os.defpath)
+        self.hold = hold
+        self.release = release
+        self.reaped = reaped
+
+    async def run(self, repo: str, *args: str, timeout: float = GIT_TIMEOUT) -> GitResult:
+        """`git -C repo args...`, hooks off (the repository's hooks are not
+        the supervisor's to run); its exit code and output."""
+        argv = ["git", "-c", "core.hooksPath=/dev/null", "-C", repo, *args]
+        read_fd, write_fd = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        self.hold()
+        try:
+            try:
+                pid = os.posix_spawnp(
+                    "git",
+                    argv,
+                    self.env,
+                    file_actions=[
+                        (os.POSIX_SPAWN_DUP2, null, 0),
+                        (os.POSIX_SPAWN_DUP2, write_fd, 1),
+                        (os.POSIX_SPAWN_DUP2, write_fd, 2),
+                    ],
+                    setsid=True,
+                )
+            except OSError as exc:
+                raise WorktreeError(f"cannot run git: {exc.strerror or exc}") from None
+            finally:
+                os.close(write_fd)
+                os.close(null)
+            output = await self._read(read_fd, pid, timeout)
+            code = await self._wait(pid)
+        finally:
+            os.close(read_fd)
+            self.release()
+        return GitResult(code, output.decode("utf-8", "replace"))
+
+    async def _read(self, fd: int, pid: int, timeout: float) -> bytes:
+        """Everything git writes, until it closes its end (or is killed
+        for taking longer than `timeout`)."""
+        loop = asyncio.get_running_loop()
+        os.set_blocking(fd, False)
+        chunks: list[bytes] = []
+        size = 0
+        done = loop.create_future()
+
+        def readable() -> None:
+            nonlocal size
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                loop.remove_reader(fd)
+                if not done.done():
+                    done.set_result(None)
+                return
+            if size < MAX_GIT_OUTPUT:
+                chunks.append(chunk)
+                size += len(chunk)
+
+        loop.add_reader(fd, readable)
+        try:
+            await asyncio.wait_for(done, timeout)
+        except TimeoutError:
+            loop.remove_reader(fd)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            chunks.append(f"\ngit took longer than {timeout:g}s and was killed".encode())
+        return b"".join(chunks)
+
+    async def _wait(self, pid: int) -> int:
+        """git's exit code, reaped here or by the supervisor's reaper."""
+        delay = 0.001
+        while True:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                reaped = self.reaped(pid)
+                return 255 if reaped is None else os.waitstatus_to_exitcode(reaped)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+# -------------------------------------------------------------- worktrees
+
+
+class Worktrees:
+    """Sessions' worktrees, made and removed one repository at a time."""
+
+    def __init__(self, git: GitRunner) -> None:
+        self.git = git
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _lock(self, repo: str) -> asyncio.Lock:
+        key = common_dir(repo)
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    async def _git(self, repo: str, *args: str) -> GitResult:
+        """A git command that changes the repository, tried again while
+        something else (a person's git, say) holds one of git's locks."""
+        delay = 0.05
+        for attempt in range(LOCK_RETRIES):
+            result = await self.git.run(repo, *args)
+            if result.code == 0 or not any(m in result.output for m in LOCK_ERRORS):
+                return result
+            if attempt < LOCK_RETRIES - 1:
+                await asyncio.sleep(delay)
+                delay *= 2
+        return result
+
+    async def ensure(self, repo: str, workspace: Path, branch: str) -> bool:
+        """Make `workspace` a worktree of `repo` on `branch` (its own branch
+        from the repository's HEAD, or the existing branch of that name)
+        unless it is one already; True if it was made now. WorktreeError
+        says why it cannot be."""
+        problem = repository_problem(repo)
+        if problem is not None:
+            raise WorktreeError(problem)
+        async with self._lock(repo):
+            if worktree_ready(workspace):
+                return False
+            started = time.monotonic()
+            if workspace.exists() and any(workspace.iterdir()):
+                if not (workspace / ".git").is_file():
+                    # Files that are no worktree's: never ours to delete.
+                    raise WorktreeError(
+                        f"{workspace} holds files but is no git worktree; move them away "
+                        "(or kill --purge the session) to let it start"
+                    )
+                # Left half made (a crash during `git worktree add`): start over.
+                await self.git.run(repo, "worktree", "remove", "--force", "--force", str(workspace))
+                await asyncio.to_thread(shutil.rmtree, workspace, True)
+            # Worktrees whose directories are gone (purged, or lost with a
+            # crash) would block a new one of the same branch or path.
+            await self._git(repo, "worktree", "prune")
+            known = await self.git.run(
+                repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"
+            )
+            if known.code == 0:
+                args = ["worktree", "add", str(workspace), branch]
+            else:
+                args = ["worktree", "add", "-b", branch, str(workspace), "HEAD"]
+            made = await self._git(repo, *args)
+            if made.code != 0:
+                head = await self.git.run(repo, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+                if head.code != 0:
+                    raise WorktreeError(
+                        f"{repo} has no commit yet to start a session's branch from; "
+                        "make a first commit"
+                    )
+                raise WorktreeError(f"git worktree add in {repo} failed: {made.last_line}")
+            log.info(
+                kv(
+                    "worktree_added",
+                    repo=repo,
+                    branch=branch,
+                    ms=round((time.monotonic() - started) * 1000),
+                )
+            )
+            return True
+
+    async def remove(
+        self, repo: str, workspace: Path, branch: str, delete_branch: bool
+    ) -> list[str]:
+        """Remove a session's worktree (uncommitted changes and all), prune,
+        and delete its branch only if asked; what could not be done, as
+        sentences (the caller deletes the directory all the same)."""
+        problems: list[str] = []
+        if repository_problem(repo) is not None:
+            return [f"repository {repo} is gone: nothing to remove there"]
+        async with self._lock(repo):
+            if workspace.exists():
+                gone = await self._git(
+                    repo, "worktree", "remove", "--force", "--force", str(workspace)
+                )
+                if gone.code != 0:
+                    problems.append(f"git worktree remove: {gone.last_line}")
+                    await asyncio.to_thread(shutil.rmtree, workspace, True)
+            pruned = await self._git(repo, "worktree", "prune")
+            if pruned.code != 0:
+                problems.append(f"git worktree prune: {pruned.last_line}")
+            if delete_branch:
+                deleted = await self._git(repo, "branch", "-D", branch)
+                if deleted.code != 0:
+                    problems.append(f"branch {branch} kept: {deleted.last_line}")
+        log.info(kv("worktree_removed", repo=repo, branch=branch, branch_deleted=delete_branch))
+        return problems
+
+
+# ------------------------------------------------------------------ peers
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another live session on the same repository."""
+
+    key: str
+    branch: str
+    state: str
+    label: str | None
+
+
+def peers_text(key: str, repo: str, branch: str, peers: list[Peer], now: float) -> str:
+    """The peers file: comment lines for a person or an agent, then one
+    tab-separated line per peer (session, branch, state, label or -)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    lines = [
+        f"# hermes-sup: other live sessions working on the repository {repo}, as of {stamp}",
+        "# (rewritten at the start of each of your turns).",
+        f"# You are session {key}, on branch {branch}, in a git worktree of your own.",
+        "# Each session below works in its own worktree on its own branch: its uncommitted",
+        "# changes are not in yours, nor yours in its. Share work through commits.",
+    ]
+    if not peers:
+        lines.append("# No other session is live on this repository now.")
+    else:
+        lines.append("# session\tbranch\tstate\tlabel")
+        lines += [f"{p.key}\t{p.branch}\t{p.state}\t{p.label or '-'}" for p in peers]
+    return "\n".join(lines) + "\n"
+
+
+def write_peers(session_dir: Path, text: str) -> None:
+    """Write `workspace/.hermes-sup/peers` of the session in `session_dir`
+    (atomically), with a `.gitignore` that keeps the directory out of git.
+    Opened a directory at a time, never following a symlink: the worktree
+    belongs to the session, which could have put one there. OSError if it
+    cannot be written."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    top = os.open(session_dir, flags)
+    try:
+        workspace = os.open("workspace", flags, dir_fd=top)
+    finally:
+        os.close(top)
+    try:
+        try:
+            os.mkdir(PEERS_DIR, 0o700, dir_fd=workspace)
+        except FileExistsError:
+            pass
+        own = os.open(PEERS_DIR, flags, dir_fd=workspace)
+    finally:
+        os.close(workspace)
+    try:
+        _write_at(own, ".gitignore", "# hermes-sup's own files, not the project's\n*\n", keep=True)
+        _write_at(own, PEERS_FILE, text, keep=False)
+    finally:
+        os.close(own)
+
+
+def _write_at(dir_fd: int, name: str, text: str, keep: bool) -> None:
+    """Write `name` in the directory `dir_fd` through a new temporary file
+    renamed over it; with `keep`, leave an existing one as it is."""
+    if keep:
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            return
+        except FileNotFoundError:
+            pass
+    tmp = f".{name}.tmp"
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+# ------------------------------------------------------------------- home
+
+PLACEHOLDERS = ("session", "platform", "chat_id", "user_id")
+# Template files larger than this are copied as they are, never read whole.
+MAX_TEMPLATE_TEXT = 1024 * 1024
+# What a value may hold as it is; anything else is %XX-encoded, so that no
+# value can end a quoted string or start a new line in the file it lands
+# in (a chat id from a front end must not add keys to a config.yaml).
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9._:@+=-]")
+
+
+def placeholder_values(key: str, session_env: Mapping[str, str]) -> dict[str, str]:
+    """The values of a session's placeholders: its key, and platform,
+    chat_id, user_id from its session_env (as HERMES_SESSION_* gets them).
+    One it lacks falls back to something never shared with another
+    session: chat_id to the part of the key after `platform:` (or the
+    whole key), user_id to the key; platform to the key's `platform:` part,
+    else `api` (Hermes's own default)."""
+    platform_part, sep, rest = key.partition(":")
+    values = {
+        "session": key,
+        "platform": session_env.get("PLATFORM") or (platform_part if sep else "api"),
+        "chat_id": session_env.get("CHAT_ID") or (rest if sep and rest else key),
+        "user_id": session_env.get("USER_ID") or key,
+    }
+    return {name: safe_value(value) for name, value in values.items()}
+
+
+def safe_value(value: str) -> str:
+    """`value` with every character outside letters, digits and `._:@+=-`
+    written as %XX (its UTF-8 bytes), like a URL."""
+    return "".join(
+        ch if _SAFE_VALUE.fullmatch(ch) else "".join(f"%{b:02X}" for b in ch.encode())
+        for ch in value
+    )
+
+
+def home_is_empty(home: Path) -> bool:
+    """Whether a home has nothing in it yet (or is not there): the only
+    home a template is copied into, so a session's own is never overwritten."""
+    try:
+        with os.scandir(home) as entries:
+            return next(entries, None) is None
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+
+
+def seed_home(template: Path, home: Path, values: Mapping[str, str]) -> int:
+    """Copy `template` into `home`, replacing {session}, {platform},
+    {chat_id} and {user_id} in its text files (UTF-8 without NUL, up to
+    MAX_TEMPLATE_TEXT); symlinks stay symlinks. The number of files in
+    which a placeholder was replaced. Runs in a thread."""
+    replaced = 0
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for root, dirs, files in os.walk(template):
+        rel = Path(root).relative_to(template)
+        dest_dir = home / rel
+        for name in dirs:
+            src = Path(root) / name
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dest_dir / name)
+            else:
+                (dest_dir / name).mkdir(mode=0o700, exist_ok=True)
+        dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
+        for name in files:
+            src, dest = Path(root) / name, dest_dir / name
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dest)
+                continue
+            if _copy_with_values(src, dest, values):
+                replaced += 1
+    return replaced
+
+
+def _copy_with_values(src: Path, dest: Path, values: Mapping[str, str]) -> bool:
+    """Copy one file; True if placeholders were replaced in it."""
+    info = src.stat()
+    if stat.S_ISREG(info.st_mode) and info.st_size <= MAX_TEMPLATE_TEXT:
+        data = src.read_bytes()
+        if b"{" in data and b"\0" not in data:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            if text is not None:
+                new = text
+                for name, value in values.items():
+                    new = new.replace("{" + name + "}", value)
+                if new != text:
+                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        f.write(new)
+                    os.chmod(dest, stat.S_IMODE(info.st_mode) & 0o700 | 0o600)
+                    return True
+    try:
+        shutil.copy2(src, dest)
+    except OSError as exc:
+        if exc.errno != errno.EEXIST:
+            raise
+    return False

@@ -1,0 +1,400 @@
+"""One repository, many sessions: each session works in its own git worktree
+on its own branch, knows which other sessions are live on the repository,
+and gets its own values in a home seeded from a template. Real supervisor,
+real workers, real git in temporary directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hermes_sup.client import Output, SupervisorError
+from hermes_sup.protocol import Kind
+from hermes_sup.supervisor.worktrees import (
+    branch_for,
+    peers_text,
+    placeholder_values,
+    repository_problem,
+    safe_value,
+)
+
+GIT_ENV = {
+    **os.environ,
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.com",
+}
+# What a session runs to commit: its worker has no git identity of its own.
+COMMIT = "git -c user.name=s -c user.email=s@example.com commit -q -m"
+
+
+def git(repo: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=GIT_ENV, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def make_repo(path: Path) -> Path:
+    path.mkdir(parents=True)
+    git(path, "init", "-q", "-b", "main")
+    (path / "README").write_text("shared\n")
+    git(path, "add", "README")
+    git(path, "commit", "-q", "-m", "first")
+    return path
+
+
+def worktrees(repo: Path) -> dict[str, str]:
+    """`git worktree list`: path -> branch (ref), the main one included."""
+    found: dict[str, str] = {}
+    path = None
+    for line in git(repo, "worktree", "list", "--porcelain").splitlines():
+        if line.startswith("worktree "):
+            path = line.split(" ", 1)[1]
+            found[path] = ""
+        elif line.startswith("branch ") and path is not None:
+            found[path] = line.split(" ", 1)[1].removeprefix("refs/heads/")
+    return found
+
+
+def output(reply) -> list[str]:  # noqa: ANN001
+    return [e.line for e in reply.events if isinstance(e, Output)]
+
+
+def cli(sup, *args: str) -> subprocess.CompletedProcess[str]:  # noqa: ANN001
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(sup.state_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# ------------------------------------------------------------------ units
+
+
+def test_branch_names_are_safe_for_git_and_apart_for_every_key() -> None:
+    keys = ["telegram:42", "a..b", "x.lock", "@{u}", "...", "-flag", "user@host:1/..", "a" * 128]
+    names = [branch_for(k) for k in keys]
+    assert len(set(names)) == len(names)
+    assert branch_for("telegram:42") != branch_for("telegram-42")  # alike once made safe
+    for name in names:
+        assert name.startswith("hermes-sup/")
+        ok = subprocess.run(["git", "check-ref-format", f"refs/heads/{name}"], timeout=30)
+        assert ok.returncode == 0, name
+        assert len(name) < 80
+
+
+def test_a_missing_or_plain_directory_is_no_repository(tmp_path: Path) -> None:
+    assert repository_problem(str(tmp_path / "nope")) == f"{tmp_path / 'nope'} does not exist"
+    (tmp_path / "plain").mkdir()
+    assert "is not a git repository" in (repository_problem(str(tmp_path / "plain")) or "")
+    assert repository_problem("relative/repo") == "relative/repo is not an absolute path"
+    assert repository_problem(str(make_repo(tmp_path / "r"))) is None
+    git(tmp_path, "init", "-q", "--bare", "bare.git")
+    assert repository_problem(str(tmp_path / "bare.git")) is None
+
+
+def test_placeholder_values_cannot_break_out_of_the_file_they_land_in() -> None:
+    values = placeholder_values(
+        "telegram:42", {"PLATFORM": "telegram", "USER_ID": 'u"1\nmodel: evil'}
+    )
+    assert values == {
+        "session": "telegram:42",
+        "platform": "telegram",
+        "chat_id": "42",
+        "user_id": "u%221%0Amodel:%20evil",
+    }
+    # Values a front end did not give fall back to ones no other session has.
+    assert placeholder_values("plainkey", {})["user_id"] == "plainkey"
+    assert placeholder_values("plainkey", {})["chat_id"] == "plainkey"
+    assert safe_value("é") == "%C3%A9"
+
+
+def test_the_peers_file_names_the_session_and_lists_each_peer_a_line() -> None:
+    from hermes_sup.supervisor.worktrees import Peer
+
+    text = peers_text("a", "/r", "hermes-sup/a-1", [Peer("b", "hermes-sup/b-2", "busy", None)], 0)
+    lines = text.splitlines()
+    assert "You are session a, on branch hermes-sup/a-1" in text
+    assert [line for line in lines if not line.startswith("#")] == ["b\thermes-sup/b-2\tbusy\t-"]
+    alone = peers_text("a", "/r", "hermes-sup/a-1", [], 0)
+    assert "No other session is live" in alone
+    assert all(line.startswith("#") for line in alone.splitlines())
+
+
+# ------------------------------------------------------------- end to end
+
+
+def test_two_sessions_on_one_repository_each_work_on_their_own_branch(
+    supervisor_factory, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    sup = supervisor_factory("--repo", str(repo))
+    with sup.client() as client:
+        assert client.run("alice", "write alice.txt from alice").ok
+        assert client.run("bob", "write bob.txt from bob").ok
+        # Each sees its own uncommitted file and not the other's (nor the
+        # supervisor's .hermes-sup/, which git ignores).
+        assert output(client.run("alice", "sh git status --porcelain")) == ["?? alice.txt"]
+        assert output(client.run("bob", "sh git status --porcelain")) == ["?? bob.txt"]
+        spaces = {k: Path(client.inspect(k)["workspace"]) for k in ("alice", "bob")}
+        branches = {k: client.inspect(k)["branch"] for k in ("alice", "bob")}
+        assert branches == {"alice": branch_for("alice"), "bob": branch_for("bob")}
+        for key in ("alice", "bob"):
+            head = output(client.run(key, "sh git rev-parse --abbrev-ref HEAD"))
+            assert head == [branches[key]]
+            reply = client.run(key, f"sh git add {key}.txt && {COMMIT} 'work of {key}'")
+            assert reply.text == "exit 0", output(reply)
+        listed = worktrees(repo)
+        assert listed[str(repo)] == "main"
+        assert listed[str(spaces["alice"])] == branches["alice"]
+        assert listed[str(spaces["bob"])] == branches["bob"]
+        # Each branch has its own commit on top of main; main has neither.
+        assert git(repo, "log", "--format=%s", branches["alice"]).split("\n")[:2] == [
+            "work of alice",
+            "first",
+        ]
+        assert git(repo, "log", "--format=%s", branches["bob"]).split("\n")[:2] == [
+            "work of bob",
+            "first",
+        ]
+        assert git(repo, "log", "--format=%s", "main").strip() == "first"
+        assert not (repo / "alice.txt").exists() and not (repo / "bob.txt").exists()
+        # A restart of the worker finds its worktree as it left it.
+        client.kill("alice")
+        assert output(client.run("alice", "sh git log -1 --format=%s")) == ["work of alice"]
+        rows = {r["key"]: r for r in client.sessions()}
+        assert rows["alice"]["repo"] == rows["bob"]["repo"] == str(repo)
+
+        killed = client.kill("alice", purge=True)
+        assert "data purged" in killed.reason and "kept" in killed.reason
+    assert not spaces["alice"].exists()
+    listed = worktrees(repo)
+    assert str(spaces["alice"]) not in listed and listed[str(spaces["bob"])] == branches["bob"]
+    assert git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branches['alice']}")
+    assert git(repo, "-C", str(spaces["bob"]), "status", "--porcelain") == ""
+    assert (spaces["bob"] / "bob.txt").read_text() == "from bob"
+    with sup.client() as client:
+        # Back again, the session finds its kept branch and its commit.
+        assert output(client.run("alice", "sh git log -1 --format=%s")) == ["work of alice"]
+        assert client.run("bob", "cwd").text == str(spaces["bob"])
+    gone = cli(sup, "kill", "alice", "--purge", "--delete-branch", "--yes")
+    assert gone.returncode == 0, gone.stderr
+    assert "deleted" in gone.stdout
+    assert branches["alice"] not in git(repo, "branch", "--list", "hermes-sup/*")
+    assert branches["bob"] in git(repo, "branch", "--list", "hermes-sup/*")
+    assert "worktree_removed" in sup.log()
+
+
+def test_twenty_sessions_created_at_once_get_twenty_worktrees(
+    supervisor_factory, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    sup = supervisor_factory("--repo", str(repo))
+    keys = [f"s{i:02d}" for i in range(20)]
+    with sup.client(timeout=120) as client:
+        # All twenty asked for before any is answered.
+        pending = {client.submit(Kind.OPEN, {}, session=k): k for k in keys}
+        deadline = time.monotonic() + 120
+        while pending:
+            msg = client.next(timeout=max(1.0, deadline - time.monotonic()))
+            key = pending.pop(msg.re, None)
+            assert msg.kind is Kind.OPENED, (key, msg.body)
+        tops = {k: output(client.run(k, "sh git rev-parse --show-toplevel")) for k in keys}
+    assert len({tuple(v) for v in tops.values()}) == 20
+    listed = worktrees(repo)
+    assert len(listed) == 21
+    assert sorted(b for b in listed.values() if b != "main") == sorted(map(branch_for, keys))
+    log = sup.log()
+    assert "prepare_failed" not in log and "lock" not in log.lower()
+    assert log.count("worktree_added") == 20
+
+
+def test_peers_lists_the_other_live_sessions_on_the_same_repository_only(
+    supervisor_factory, tmp_path: Path
+) -> None:
+    roots = tmp_path / "src"
+    one, two = make_repo(roots / "one"), make_repo(roots / "two")
+    sup = supervisor_factory("--repo-root", str(roots))
+    with sup.client() as client:
+        client.open("a", options={"repo": str(one), "label": "fixing login"})
+        client.open("b", options={"repo": str(one)})
+        client.open("c", options={"repo": str(two)})
+        client.run("plain", "pid")
+        reply = client.run("b", "peers")
+        assert reply.text == f"a {branch_for('a')} idle"
+        assert reply.data == {
+            "peers": [
+                {
+                    "session": "a",
+                    "branch": branch_for("a"),
+                    "state": "idle",
+                    "label": "fixing login",
+                }
+            ]
+        }
+        assert client.run("a", "peers").data["peers"] == [
+            {"session": "b", "branch": branch_for("b"), "state": "idle", "label": None}
+        ]
+        assert client.run("c", "peers").text == "no other session is live on this repository"
+        assert client.run("plain", "peers").data == {"peers": None}
+        # Refreshed at each turn: a stopped peer is no longer listed.
+        client.kill("b")
+        assert client.run("a", "peers").data == {"peers": []}
+        # git does not see the supervisor's file.
+        assert output(client.run("a", "sh git status --porcelain --ignored=no")) == []
+        assert "You are session a" in output(client.run("a", "sh cat .hermes-sup/peers"))[2]
+    listed = cli(sup, "list", "--repo", str(one), "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert {(r["key"], r["repo"], r["branch"]) for r in rows} == {
+        ("a", str(one), branch_for("a")),
+        ("b", str(one), branch_for("b")),
+    }
+    table = cli(sup, "list")
+    assert table.returncode == 0, table.stderr
+    header, *lines = table.stdout.splitlines()
+    assert "BRANCH" in header.split() and "LABEL" in header.split()
+    assert any(line.startswith("a ") and branch_for("a") in line for line in lines)
+
+
+def test_a_repository_option_is_checked_at_open(supervisor_factory, tmp_path: Path) -> None:
+    roots = tmp_path / "src"
+    (roots / "plain").mkdir(parents=True)
+    make_repo(roots / "good")
+    outside = make_repo(tmp_path / "outside")
+    sup = supervisor_factory("--repo-root", str(roots))
+    with sup.client() as client:
+        cases = {
+            str(roots / "missing"): "does not exist",
+            str(roots / "plain"): "is not a git repository",
+            str(outside): "is not under a repository root",
+            "relative": "must be an absolute path",
+        }
+        for repo, says in cases.items():
+            with pytest.raises(SupervisorError) as err:
+                client.open("x", options={"repo": repo})
+            assert err.value.code == "bad_field" and says in str(err.value), err.value
+        with pytest.raises(SupervisorError) as err:
+            client.open("x", options={"repo": str(roots / "good"), "workspace": str(roots)})
+        assert "exclude each other" in str(err.value)
+        client.open("y", options={"repo": str(roots / "good")})
+        with pytest.raises(SupervisorError) as err:
+            client.kill("y")
+            client.open("y", options={"repo": str(outside)})
+        assert err.value.code == "bad_field"
+        assert [r["key"] for r in client.sessions()] == ["y"]
+
+
+def test_a_bad_repo_setting_is_a_clear_error_at_open(supervisor_factory, tmp_path: Path) -> None:
+    (tmp_path / "plain").mkdir()
+    sup = supervisor_factory("--repo", str(tmp_path / "plain"))
+    with sup.client() as client:
+        with pytest.raises(SupervisorError) as err:
+            client.open("x")
+        assert err.value.code == "bad_config"
+        assert f"{tmp_path / 'plain'} is not a git repository" in str(err.value)
+        assert client.sessions() == []
+
+
+def test_a_repository_without_commits_fails_the_session_with_the_reason(
+    supervisor_factory, tmp_path: Path
+) -> None:
+    repo = tmp_path / "empty"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    sup = supervisor_factory("--repo", str(repo))
+    with sup.client() as client:
+        with pytest.raises(SupervisorError) as err:
+            client.run("x", "pid")
+        assert err.value.code == "session_failed"
+        assert "has no commit yet" in str(err.value)
+        assert client.sessions()[0]["state"] == "failed"
+
+
+def test_a_template_home_gives_each_session_its_own_values(
+    supervisor_factory, tmp_path: Path
+) -> None:
+    template = tmp_path / "template"
+    (template / "memories").mkdir(parents=True)
+    (template / "config.yaml").write_text(
+        'memory:\n  provider: honcho\n  session: "hermes-{session}"\n  peer: "{platform}-{user_id}"\n'
+    )
+    (template / "memories" / "note.md").write_text("chat {chat_id} of {platform}, {unknown}\n")
+    (template / "blob.bin").write_bytes(b"\0{session}\xff")
+    (template / "link").symlink_to("config.yaml")
+    agent = tmp_path / "agent.toml"
+    agent.write_text(f'template_home = "{template}"\n')
+    sup = supervisor_factory("--agent-config", str(agent))
+    with sup.client() as client:
+        client.open(
+            "telegram:42", session_env={"platform": "telegram", "chat_id": "42", "user_id": "u7"}
+        )
+        client.open("slack:C9", session_env={"platform": "slack", "user_id": "w1"})
+        homes = {k: Path(client.inspect(k)["home"]) for k in ("telegram:42", "slack:C9")}
+        seen = output(client.run("telegram:42", "sh cat $HERMES_HOME/config.yaml"))
+    assert seen == [
+        "memory:",
+        "  provider: honcho",
+        '  session: "hermes-telegram:42"',
+        '  peer: "telegram-u7"',
+    ]
+    other = (homes["slack:C9"] / "config.yaml").read_text()
+    assert 'session: "hermes-slack:C9"' in other and 'peer: "slack-w1"' in other
+    assert (
+        homes["slack:C9"] / "memories" / "note.md"
+    ).read_text() == "chat C9 of slack, {unknown}\n"
+    assert (homes["telegram:42"] / "blob.bin").read_bytes() == b"\0{session}\xff"
+    assert os.readlink(homes["telegram:42"] / "link") == "config.yaml"
+    # A home is seeded once: what the session changed stays at its restart.
+    (homes["slack:C9"] / "config.yaml").write_text("mine\n")
+    with sup.client() as client:
+        client.kill("slack:C9")
+        client.run("slack:C9", "pid")
+    assert (homes["slack:C9"] / "config.yaml").read_text() == "mine\n"
+
+
+def test_what_a_crash_leaves_is_cleaned_and_a_worktree_is_made_again(tmp_path: Path) -> None:
+    """Worktrees with real git, no supervisor: a worktree is reused, one left
+    half made is made again, and one whose directory went (with its
+    session's data) is pruned before the next is added."""
+    import asyncio
+
+    from hermes_sup.supervisor.worktrees import GitRunner, Worktrees, worktree_ready
+
+    repo = make_repo(tmp_path / "repo")
+    trees = Worktrees(GitRunner(os.environ, lambda: None, lambda: None, lambda pid: None))
+    one, two = tmp_path / "one" / "workspace", tmp_path / "two" / "workspace"
+
+    async def scenario() -> list[bool]:
+        made = [await trees.ensure(str(repo), one, branch_for("one"))]
+        made.append(await trees.ensure(str(repo), one, branch_for("one")))  # reused
+        # A crash during `git worktree add` leaves it locked "initializing".
+        admin = Path((one / ".git").read_text().split(":", 1)[1].strip())
+        (admin / "locked").write_text("initializing")
+        assert not worktree_ready(one)
+        made.append(await trees.ensure(str(repo), one, branch_for("one")))
+        # The session's data deleted by hand (or lost): only git's entry is left.
+        subprocess.run(["rm", "-rf", str(one.parent)], check=True, timeout=60)
+        made.append(await trees.ensure(str(repo), two, branch_for("two")))
+        made.append(await trees.ensure(str(repo), one, branch_for("one")))  # back, same branch
+        return made
+
+    assert asyncio.run(scenario()) == [True, False, True, True, True]
+    assert worktree_ready(one) and worktree_ready(two)
+    assert set(worktrees(repo)) == {str(repo), str(one), str(two)}
+    assert git(repo, "worktree", "prune", "--dry-run", "--verbose") == ""
+    (one / "notes.txt").write_text("x")
+    with pytest.raises(Exception, match="no git worktree"):
+        (one / ".git").unlink()
+        asyncio.run(trees.ensure(str(repo), one, branch_for("one")))
+    assert (one / "notes.txt").read_text() == "x"  # never deleted
