@@ -135,31 +135,43 @@ def recorded_modules(path: Path = MODULES_FILE) -> list[str]:
     return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
 
 
-def _check_paths(paths: SealedPathsLike) -> tuple[str, str, str]:
-    """The zygote must import under exactly the fixed paths, else hermes
-    captures others; and P must hold nothing every session would inherit."""
-    want = {"HERMES_HOME": paths.home, "TERMINAL_CWD": paths.workspace, "HOME": paths.user}
-    for name, path in want.items():
-        if os.environ.get(name) != str(path):
-            raise SealError(f"preload needs {name}={path}, found {os.environ.get(name)!r}")
-    if Path.cwd() != Path(paths.workspace):
-        raise SealError(f"preload needs the working directory {paths.workspace}, not {Path.cwd()}")
+# Top-level packages of hermes-agent that capture paths at import.
+HERMES_PACKAGES = ("run_agent", "hermes_constants", "hermes_cli", "hermes_state", "gateway")
+
+
+def _enter_paths(paths: SealedPathsLike) -> tuple[str, str, str]:
+    """Put this process under exactly the fixed paths (HERMES_HOME=P,
+    TERMINAL_CWD=W, HOME=U, cwd W), so that what hermes captures at import
+    is what each worker finds its own session at. Refuses if hermes was
+    imported already (under other paths), or if P holds files every
+    session would inherit."""
     for name in UNSHARED_FILES:
         if (Path(paths.home) / name).exists():
             raise SealError(
                 f"{Path(paths.home) / name} exists: the zygote would load it into every "
                 "session; the sealed home must hold only what hermes makes there"
             )
+    early = [name for name in HERMES_PACKAGES if name in sys.modules]
+    if early:
+        raise SealError(
+            f"{', '.join(early)} imported before the sealed preload, under other paths "
+            "than the fixed ones: do not --preload hermes's own modules"
+        )
+    os.environ["HERMES_HOME"] = str(paths.home)
+    os.environ["TERMINAL_CWD"] = str(paths.workspace)
+    os.environ["HOME"] = str(paths.user)
+    os.chdir(paths.workspace)
     return str(paths.home), str(paths.workspace), str(paths.user)
 
 
 def preload(paths: SealedPathsLike) -> Preloaded:
-    """In the zygote, before gc.freeze: import hermes and the modules a first
-    turn loads, and run the warm-ups. Raises SealError if hermes itself
-    cannot be imported; a recorded module that is missing is only noted."""
+    """In the zygote, before gc.freeze: move under the fixed paths, import
+    hermes and the modules a first turn loads, and run the warm-ups. Raises
+    SealError if hermes itself cannot be imported; a recorded module that
+    is missing is only noted."""
     global _PRELOADED
     started = time.perf_counter()
-    done = Preloaded(paths=_check_paths(paths))
+    done = Preloaded(paths=_enter_paths(paths))
     before = dict(os.environ)
     for name in BASE_MODULES:
         try:
