@@ -355,9 +355,11 @@ def serve(
         from .http import start_http_beside
 
         start_http_beside(settings, http_listen)  # forks: before anything else starts
+    from hermes_sup.supervisor.sealing import SealingUnavailable
+
     try:
         code = Supervisor(settings).run()
-    except (StateDirError, RemoteError) as exc:
+    except (StateDirError, RemoteError, SealingUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
 

@@ -17,6 +17,7 @@ class WorkerExit(IntEnum):
     BOOT_FAILED = 70  # could not set up its environment, directories or sockets
     RUNTIME_LOAD_FAILED = 71  # the agent runtime failed to import or construct
     SUPERVISOR_GONE = 72  # the supervisor died; the worker cleaned up and left
+    SEAL_FAILED = 73  # sealed mode: a namespace, mount or privilege step failed; nothing ran
 
 
 def describe_exit(code: int | None, signal_name: str | None) -> str:
@@ -38,4 +39,6 @@ def describe_exit(code: int | None, signal_name: str | None) -> str:
         WorkerExit.BOOT_FAILED: "failed to boot (status 70, see the session log)",
         WorkerExit.RUNTIME_LOAD_FAILED: "could not load its agent runtime (status 71, see the session log)",
         WorkerExit.SUPERVISOR_GONE: "exited because the supervisor went away",
+        WorkerExit.SEAL_FAILED: "could not seal its session (status 73: a namespace, mount or "
+        "privilege step failed; nothing of the session ran; see the session log)",
     }[named]

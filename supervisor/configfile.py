@@ -54,6 +54,7 @@ OPTIONAL_FIELDS = {
     "log_rate_limit",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SEALED_CHOICES = ("off", "auto", "on")
 # Only a restart can change these: sockets, directories, the zygote's imports.
 RESTART_FIELDS = (
     "state_dir",
@@ -162,6 +163,8 @@ def _check_value(path: Path, key: str, value: Any) -> Any:
             raise ConfigError(f"{where} must be a string")
         if key == "log_level" and value not in LOG_LEVELS:
             raise ConfigError(f"{where} must be one of {', '.join(LOG_LEVELS)}")
+        if key == "sealed" and value not in SEALED_CHOICES:
+            raise ConfigError(f"{where} must be one of {', '.join(SEALED_CHOICES)}")
         if key == "tcp" and value:
             try:
                 parse_tcp(value)
@@ -220,7 +223,7 @@ def build(
     """Settings = defaults, then the file, then what the command line set."""
     values = load(path, environ) if path is not None else {}
     values.update(overrides)
-    check_preload(tuple(values.get("preload", ())))
+    check_preload(tuple(values.get("preload", ())), values.get("sealed", base.sealed))
     return dataclasses.replace(base, **values)
 
 
@@ -230,9 +233,12 @@ def build(
 HERMES_DISTRIBUTION = "hermes-agent"
 
 
-def check_preload(modules: tuple[str, ...]) -> None:
-    """Refuse preloading a module of hermes-agent itself (ConfigError)."""
-    if not modules:
+def check_preload(modules: tuple[str, ...], sealed: str = "off") -> None:
+    """Refuse preloading a module of hermes-agent itself (ConfigError),
+    unless sessions are sealed (auto or on: each worker then finds its own
+    session's directories over the paths the zygote imported under; the
+    supervisor refuses them again at start if auto turns out unsealed)."""
+    if not modules or sealed in ("auto", "on"):
         return  # the usual case: no package metadata to read at start
     import importlib.metadata
 
@@ -247,7 +253,8 @@ def check_preload(modules: tuple[str, ...]) -> None:
             f"preload: {', '.join(refused)} belong to hermes-agent, which captures "
             "HERMES_HOME and paths under it at import: preloaded in the zygote, every "
             "session's logs and state would land in the zygote's home. Preload only its "
-            "dependencies (the hermes runtime preloads the safe ones by itself)"
+            "dependencies (the hermes runtime preloads the safe ones by itself), or seal "
+            "the sessions (sealed = on), which makes preloading hermes safe"
         )
 
 

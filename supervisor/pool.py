@@ -43,6 +43,7 @@ from hermes_sup.protocol import (
     describe_exit,
     encode,
 )
+from hermes_sup.worker.seal import SealedPaths
 
 from . import statedir
 from .context import Context
@@ -51,6 +52,7 @@ from .environment import worker_env
 from .logs import PipeReader
 from .process import WorkerProcess, kill_processes
 from .records import WorkerRecords
+from .sealing import Sealing, uid_for
 from .session import Session
 from .spare_workers import Spare, SparePool
 from .spawner import Zygote, ZygoteError
@@ -89,6 +91,10 @@ class WorkerPool:
         # the new pid: the worker is already our child but not yet known.
         self.spawning = 0
         self._cull_pending = False
+        # Whether workers are sealed (set at start by the server, see
+        # sealing.py), and as root the uid each live session runs as.
+        self.sealing = Sealing()
+        self.sealed_uids: dict[str, int] = {}
 
     # ------------------------------------------------------------- zygote
 
@@ -102,7 +108,25 @@ class WorkerPool:
         env["HERMES_HOME"] = str(home)
         if "PYTHONPATH" in self.ctx.environ:
             env["PYTHONPATH"] = self.ctx.environ["PYTHONPATH"]
-        self.zygote = Zygote(settings.preload, env, cwd=str(settings.data_dir))
+        cwd = str(settings.data_dir)
+        mode = self.sealing.mode
+        if mode is not None:
+            # Sealed: it imports under the fixed paths P, W, U, which every
+            # worker finds its own session's directories mounted over.
+            paths = SealedPaths.for_data_dir(settings.data_dir.absolute())
+            env["HERMES_HOME"] = str(paths.home)
+            env["TERMINAL_CWD"] = str(paths.workspace)
+            env["HOME"] = str(paths.user)
+            cwd = str(paths.workspace)
+        hermes = settings.runtime == "hermes" or "hermes" in settings.runtimes
+        self.zygote = Zygote(
+            settings.preload,
+            env,
+            cwd=cwd,
+            sealed=mode,
+            data_dir=str(settings.data_dir.absolute()),
+            hermes=hermes,
+        )
         ready = self.zygote.start()
         if ready.get("failed"):
             for mod, why in ready["failed"].items():
@@ -113,6 +137,8 @@ class WorkerPool:
                 pid=ready.get("pid"),
                 preloaded=",".join(ready.get("loaded", [])),
                 seconds=f"{ready.get('seconds', 0):.3f}",
+                sealed=mode or "no",
+                hermes_preloaded=bool(ready.get("sealed_preload")),
             )
         )
 
@@ -168,7 +194,24 @@ class WorkerPool:
             # The clients' frame limit: the worker sends a too_large stand-in
             # for an answer or event over it, instead of one nobody can read.
             "max_frame_size": s.max_frame_size,
+            # How it seals itself (None: unsealed); see sealing.py.
+            "seal": self.sealing.plan(s, session, self._sealed_uid(session)),
         }
+
+    def _sealed_uid(self, session: Session) -> int | None:
+        """As root and sealed, the uid the session's worker runs as: the one
+        it had (its files are that uid's), else one no live session holds."""
+        if self.sealing.mode != "root":
+            return None
+        uid = self.sealed_uids.get(session.key)
+        if uid is None:
+            uid = uid_for(session.key, set(self.sealed_uids.values()))
+            self.sealed_uids[session.key] = uid
+        return uid
+
+    def release_uid(self, session: Session) -> None:
+        """The session's worker is gone: its uid may serve another session."""
+        self.sealed_uids.pop(session.key, None)
 
     def identify(self, session: Session, token: bytes, worker_id: bytes) -> None:
         """Give the session's next worker its token and routing id."""
@@ -255,6 +298,7 @@ class WorkerPool:
             self.unclaimed_exits[pid] = status
             return None
         self.records.remove(pid)
+        self.release_uid(session)
         if session.pipe is not None:
             # Every line the worker wrote before it died is logged before its
             # death is handled (and reported); never raises (see logs.py).
@@ -283,6 +327,9 @@ class WorkerPool:
                 "token": spare.token,
                 "endpoint": self.endpoints.worker,
                 "supervisor_pid": os.getpid(),
+                # Sealed: it enters its namespace at start (single-threaded),
+                # and mounts its session's directories once assigned.
+                "seal": self.sealing.spare_plan(),
             }
             # As for a worker: culls wait until it is known.
             self.ctx.spawn(self._register_spare(spare, self.fork(request)))

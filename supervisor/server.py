@@ -44,7 +44,7 @@ import psutil
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
-from . import configfile, remote, statedir
+from . import configfile, remote, sealing, statedir
 from .back import Back
 from .config import Settings
 from .context import Context
@@ -147,6 +147,10 @@ class Supervisor:
             for line in pool.records.stop_leftovers():
                 log.warning(kv("leftover_worker", detail=line))
             self._size_for_fd_limit()
+            # Forks a probe child: before any thread or zmq context exists.
+            pool.sealing = sealing.detect(s, self.ctx.environ)
+            if pool.sealing.mode is None:
+                self._check_unsealed_preload()
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
             pool.start_zygote()
@@ -160,6 +164,17 @@ class Supervisor:
                 except FileNotFoundError:
                     pass
             self._lock.release()
+
+    def _check_unsealed_preload(self) -> None:
+        """hermes-agent's own modules may be preloaded only into a sealed
+        zygote: sealed = auto that turned out unsealed refuses them."""
+        try:
+            configfile.check_preload(self.settings.preload, "off")
+        except configfile.ConfigError as exc:
+            why = self.ctx.settings.sealed
+            raise sealing.SealingUnavailable(
+                f"{exc} (sealed = {why}, but sessions run unsealed here)"
+            ) from None
 
     def _size_for_fd_limit(self) -> None:
         """Raise our open-file limit to the hard limit and derive max_sessions
@@ -188,6 +203,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
         self.endpoints.open(loop, self.front.on_frames, self.back.on_frames)
+        if self.pool.sealing.mode == "root":
+            sealing.open_worker_socket(self.settings.state_dir / statedir.WORKER_SOCKET)
         zygote = self.pool.zygote
         assert zygote is not None
         zygote.attach(loop)
@@ -200,6 +217,7 @@ class Supervisor:
                 control=self.endpoints.control,
                 runtime=self.settings.runtime,
                 version=version(),
+                sealed=self.pool.sealing.mode or "no",
             )
         )
         self._reap()  # anything that died before the handler was installed

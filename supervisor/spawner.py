@@ -40,10 +40,24 @@ class ZygoteError(Exception):
 class Zygote:
     """A running zygote process and the requests in flight to it."""
 
-    def __init__(self, preload: tuple[str, ...], env: Mapping[str, str], cwd: str) -> None:
+    def __init__(
+        self,
+        preload: tuple[str, ...],
+        env: Mapping[str, str],
+        cwd: str,
+        sealed: str | None = None,
+        data_dir: str | None = None,
+        hermes: bool = False,
+    ) -> None:
         self.preload = preload
         self.env = dict(env)
         self.cwd = cwd
+        # Sealed mode ("root"/"user", supervisor/sealing.py): the zygote
+        # makes the fixed paths under data_dir, and imports hermes under
+        # them when `hermes` may run.
+        self.sealed = sealed
+        self.data_dir = data_dir
+        self.hermes = hermes
         self.pid: int | None = None
         self.started_at = 0.0
         self._sock: socket.socket | None = None
@@ -72,6 +86,11 @@ class Zygote:
         ]
         for mod in self.preload:
             argv += ["--preload", mod]
+        if self.sealed:
+            assert self.data_dir is not None
+            argv += ["--sealed", self.sealed, "--data-dir", self.data_dir]
+            if self.hermes:
+                argv.append("--hermes")
         self.pid = os.posix_spawn(sys.executable, argv, self.env, setsid=False)
         theirs.close()
         ours.settimeout(timeout)

@@ -12,6 +12,13 @@ process group, death with the supervisor, the zmq connection, a warm-up,
 the turn thread), then waits for the supervisor to assign it a session, and
 from there goes on exactly as above.
 
+A sealed worker (worker/seal.py) enters its own mount namespace first,
+while it has one thread (a spare: at its start), then mounts its session's
+directories over the fixed paths the zygote imported under, drops to the
+session's own uid (as root) and every capability, and only then sets its
+environment and loads its runtime. A failing step exits SEAL_FAILED before
+anything of the session runs.
+
 From there the session is served by worker/loop.py's main loop.
 """
 
@@ -40,6 +47,7 @@ from hermes_sup.protocol import (
 )
 
 from . import runtime as runtime_mod
+from . import seal
 from .loop import Link, TurnThread, WorkerLoop
 
 # The signal the kernel sends us when the supervisor dies. It only wakes the
@@ -77,15 +85,27 @@ def _boot(req: dict[str, Any]) -> int:
         # be given a session. Nothing of any session is here before that.
         _set_title("(spare)")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the zygote's handler
+        entered = None
+        if req.get("seal"):
+            # Sealed: the namespace now, while we have one thread (zmq's
+            # come next); the session's mounts and uid once assigned.
+            try:
+                entered = seal.enter(req["seal"]["mode"], req["seal"].get("fault"))["mode"]
+            except seal.SealError as exc:
+                return _seal_failed("(spare)", exc)
         link = Link(req)
-        turns = TurnThread()
-        turns.start()
+        turns = None
+        if entered is None:
+            turns = TurnThread()
+            turns.start()
+        # (Sealed, the turn thread starts with the first turn, after the
+        # drop: it inherits no capability and the session's uid.)
         _warm_up(link.token)
         assigned = link.wait_for_session(supervisor_pid)
         if assigned is None:
             gone = os.getppid() != supervisor_pid
             return WorkerExit.SUPERVISOR_GONE if gone else WorkerExit.OK
-        return _serve_session(assigned, link, turns)
+        return _serve_session(assigned, link, turns, entered)
     return _serve_session(req)
 
 
@@ -122,9 +142,13 @@ def _own_process(supervisor_pid: int) -> int | None:
 
 
 def _serve_session(
-    req: dict[str, Any], link: Link | None = None, turns: TurnThread | None = None
+    req: dict[str, Any],
+    link: Link | None = None,
+    turns: TurnThread | None = None,
+    entered: str | None = None,
 ) -> int:
-    """Become the session's worker, then serve it until told to stop."""
+    """Become the session's worker, then serve it until told to stop.
+    `entered`: the sealing mode a spare entered its namespace in."""
     os.umask(0o077)
     _apply_rlimits(req.get("rlimits") or {})
     workspace = Path(req["workspace"])
@@ -133,11 +157,28 @@ def _serve_session(
         _make_dir(d)
     if req.get("tmp"):
         _fresh_tmp(Path(req["tmp"]))
-    os.chdir(workspace)
+    env: dict[str, str] = req["env"]
+    plan = req.get("seal")
+    paths: seal.SealedPaths | None = None
+    if plan:
+        try:
+            paths = _seal(req, plan, entered)
+        except seal.SealError as exc:
+            return _seal_failed(req["key"], exc)
+        if os.getppid() != int(req["supervisor_pid"]):
+            return WorkerExit.SUPERVISOR_GONE
+        # Inside the namespace P, W and U are this session's own.
+        workspace, home = paths.workspace, paths.home
+        env = {**env, "HERMES_HOME": str(home), "TERMINAL_CWD": str(workspace)}
+        env["HOME"] = str(paths.user)
+        for name in TMP_VARIABLES:
+            env[name] = "/tmp"
+        tempfile.tempdir = "/tmp"
+    else:
+        os.chdir(workspace)
     # Exactly the session's environment, changing only what differs from
     # the zygote's (most of it is the same base): every key touched is
     # pages copied from the zygote.
-    env: dict[str, str] = req["env"]
     for name in [n for n in os.environ if n not in env]:
         del os.environ[name]
     for name, value in env.items():
@@ -150,7 +191,25 @@ def _serve_session(
     # A hung worker gets SIGABRT before SIGKILL: dump every thread's stack to
     # the session log so the operator can see where it hung.
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    log.info("worker start session=%s pid=%d runtime=%s", req["key"], os.getpid(), req["runtime"])
+    log.info(
+        "worker start session=%s pid=%d runtime=%s sealed=%s",
+        req["key"],
+        os.getpid(),
+        req["runtime"],
+        f"{plan['mode']} uid={os.getuid()}" if plan else "no",
+    )
+    if paths is not None and req["runtime"] == "hermes":
+        try:
+            # Redo what hermes's import in the zygote did with P's contents,
+            # now the session's (S2's worker/hermes_seal.py).
+            from . import hermes_seal
+
+            hermes_seal.replay(paths)
+        except Exception as exc:
+            traceback.print_exc()
+            return _seal_failed(
+                req["key"], seal.SealError("replay", f"{type(exc).__name__}: {exc}")
+            )
 
     info = runtime_mod.SessionInfo(
         key=req["key"],
@@ -166,6 +225,46 @@ def _serve_session(
         traceback.print_exc()
         return WorkerExit.RUNTIME_LOAD_FAILED
     return WorkerLoop(req, agent, link, turns).run()
+
+
+def _seal(req: dict[str, Any], plan: dict[str, Any], entered: str | None) -> seal.SealedPaths:
+    """Seal this worker for its session (worker/seal.py): the namespace
+    (unless a spare entered it already), the session's mounts, its own uid
+    and no capabilities. Raises SealError."""
+    mode, fault = plan["mode"], plan.get("fault")
+    if entered is None:
+        seal.enter(mode, fault)  # fails by itself if we already have threads
+    elif entered != mode:
+        raise seal.SealError("unshare", f"this spare was sealed as {entered}, not {mode}")
+    dirs = seal.SessionDirs(
+        dir=Path(plan["session_dir"]),
+        home=Path(req["home"]),
+        workspace=Path(req["workspace"]),
+        tmp=Path(req["tmp"]),
+        user=Path(plan["user_dir"]),
+    )
+    _make_dir(dirs.user)
+    uid, gid = plan.get("uid"), plan.get("gid")
+    if mode == "root":
+        assert uid is not None and gid is not None
+        seal.chown_session(dirs, uid, gid)  # before the mounts: no walking into them
+    paths = seal.SealedPaths.for_data_dir(plan["data_dir"])
+    seal.mount_session(plan, dirs, paths)
+    seal.drop(mode, uid, gid, fault)
+    # A change of credentials clears the parent-death signal: ask again.
+    prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
+    return paths
+
+
+def _seal_failed(key: str, exc: seal.SealError) -> int:
+    """Say why, and exit before anything of the session runs."""
+    log.error(
+        "seal failed session=%s step=%s: %s; the session does not run unsealed",
+        key,
+        exc.step,
+        exc.message,
+    )
+    return WorkerExit.SEAL_FAILED
 
 
 def _make_dir(path: Path) -> None:
@@ -192,6 +291,10 @@ def _fresh_tmp(path: Path) -> None:
     _make_dir(path)
     tempfile.tempdir = str(path)
 
+
+# Every name a program may read its temporary directory from (as
+# supervisor/environment.py's TMP_VARIABLES).
+TMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
 
 RLIMITS = {"nofile": resource.RLIMIT_NOFILE, "cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS}
 

@@ -51,6 +51,7 @@ BASE_PRELOAD = (
     "threading",
     "queue",
     "hermes_sup.worker.main",
+    "hermes_sup.worker.seal",
     "hermes_sup.worker.runtime",
     "hermes_sup.worker.probe",
 )
@@ -66,6 +67,22 @@ def _preload(modules: list[str]) -> tuple[list[str], dict[str, str]]:
         except Exception as exc:  # report, do not die: the supervisor decides
             failed[name] = f"{type(exc).__name__}: {exc}"
     return loaded, failed
+
+
+def _preload_hermes(paths: Any, failed: dict[str, str]) -> dict[str, Any] | None:
+    """Sealed mode only: import hermes under the fixed paths (S2's
+    worker/hermes_seal.py). Safe here and nowhere else: every worker mounts
+    its own session's directories over those paths before it runs hermes.
+    A failure is reported, not fatal: workers then import it themselves."""
+    try:
+        from hermes_sup.worker import hermes_seal
+
+        done = hermes_seal.preload(paths)
+    except Exception as exc:
+        failed["hermes (sealed preload)"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        return None
+    return {"modules": done.modules, "seconds": done.seconds, "missing": len(done.missing)}
 
 
 def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> tuple[int, int]:
@@ -224,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--supervisor-pid", type=int, required=True)
     parser.add_argument("--cwd", required=True)
     parser.add_argument("--preload", action="append", default=[])
+    # Sealed mode (worker/seal.py): "root" or "user"; the fixed paths P, W, U
+    # under --data-dir; --hermes: preload hermes under them.
+    parser.add_argument("--sealed", choices=["root", "user"], default=None)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--hermes", action="store_true")
     args = parser.parse_args(argv)
 
     # Hear of the supervisor's death (as SIGTERM, or as EOF on the socket);
@@ -235,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C in a terminal reaches the whole foreground group; the supervisor
     # decides what it means, so the zygote ignores it (workers reset it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    paths = None
+    if args.sealed:
+        from hermes_sup.worker.seal import SealedPaths
+
+        paths = SealedPaths.for_data_dir(args.data_dir)
+        paths.make()  # empty: each worker mounts its session's over them
     os.chdir(args.cwd)
     try:
         import setproctitle
@@ -246,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
     started = time.perf_counter()
     loaded, failed = _preload(list(BASE_PRELOAD) + list(args.preload))
+    sealed_preload: dict[str, Any] | None = None
+    if paths is not None and args.hermes:
+        sealed_preload = _preload_hermes(paths, failed)
     from hermes_sup.worker.main import prepare
 
     try:
@@ -263,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                 "loaded": loaded,
                 "failed": failed,
                 "seconds": time.perf_counter() - started,
+                "sealed": args.sealed,
+                "sealed_preload": sealed_preload,
             }
         )
     )

@@ -1,0 +1,269 @@
+"""Sealed sessions, the supervisor's side: whether the kernel lets us, and
+what a worker is told to seal itself with (worker/seal.py does it).
+
+At start, with `sealed` = auto or on, `detect` forks a short-lived child
+that tries what a worker will do (a mount namespace, a tmpfs, a bind, a
+read-only remount, the drop to another uid) and reports. Where it fails,
+"on" refuses to start with the cause and what to do about it, and "auto"
+says at start that sessions run unsealed, and why.
+
+As root, each session runs as a uid of its own, from SEALED_UID_BASE on:
+derived from its key (so a session keeps its uid, and its files, from one
+worker to the next), moved on to the next free one if a live session holds
+it already. Not root, every worker has the supervisor's uid in a user
+namespace of its own; signals between workers of one uid are then kept in
+by Landlock's signal scope where the kernel has it (Linux 6.12+), and
+otherwise remain possible (the README says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hermes_sup.local.logfmt import kv
+from hermes_sup.worker import seal
+
+from . import statedir
+from .config import Settings
+from .session import Session
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+# Uids (and gids) of sealed sessions as root: a range no account uses.
+SEALED_UID_BASE = 200_000
+SEALED_UID_COUNT = 65_536
+CAP_SYS_ADMIN = 21
+
+
+class SealingUnavailable(Exception):
+    """sealed = on, and this machine cannot seal sessions; says why and what to do."""
+
+
+@dataclass
+class Sealing:
+    """Whether this supervisor's sessions are sealed, how, and if not why."""
+
+    mode: str | None = None  # "root", "user", or None: unsealed
+    asked: str = "off"  # the setting: off, auto, on
+    reason: str = ""  # why unsealed although asked for
+    signals_scoped: bool = False  # Landlock keeps each worker's signals in
+    fault: str | None = None  # seal.FAULT_ENV, for tests
+
+    def describe(self) -> dict[str, Any]:
+        """For status and logs."""
+        return {
+            "sealed": self.mode is not None,
+            "mode": self.mode,
+            "asked": self.asked,
+            "reason": self.reason or None,
+            "signals_scoped": self.signals_scoped,
+        }
+
+    def spare_plan(self) -> dict[str, Any] | None:
+        """What a spare needs to enter its namespace at its start."""
+        if self.mode is None:
+            return None
+        return {"mode": self.mode, "fault": self.fault}
+
+    def plan(self, settings: Settings, session: Session, uid: int | None) -> dict[str, Any] | None:
+        """What a session's worker seals itself with (None: unsealed)."""
+        if self.mode is None:
+            return None
+        hide = [*settings.workspace_roots, *settings.repo_roots]
+        if self.mode == "user":
+            home = _own_home()
+            if home is not None:
+                hide.append(str(home))  # the operator's ~/.ssh, ~/.aws, ...
+        return {
+            "mode": self.mode,
+            "data_dir": str(settings.data_dir.absolute()),
+            "state_dir": str(settings.state_dir.absolute()),
+            "socket": str(settings.state_dir.absolute() / statedir.WORKER_SOCKET),
+            "session_dir": str(session.dir),
+            "user_dir": str(session.dir / "user"),
+            "hide": hide,
+            "uid": uid,
+            "gid": uid,
+            "fault": self.fault,
+        }
+
+
+def _own_home() -> Path | None:
+    import pwd
+
+    try:
+        home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return None
+    if not home.is_dir() or home == Path("/"):
+        return None
+    return home
+
+
+def uid_for(key: str, taken: set[int]) -> int:
+    """The session's uid: from its key, or the next one no live session holds."""
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    start = digest % SEALED_UID_COUNT
+    for i in range(SEALED_UID_COUNT):
+        uid = SEALED_UID_BASE + (start + i) % SEALED_UID_COUNT
+        if uid not in taken:
+            return uid
+    raise RuntimeError("every sealed uid is taken")
+
+
+# ------------------------------------------------------------------ detection
+
+
+def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
+    """Whether sessions can be sealed here. Call before any thread or zmq
+    context exists (it forks). Raises SealingUnavailable for sealed = on."""
+    asked = settings.sealed
+    fault = environ.get(seal.FAULT_ENV) or None
+    if asked == "off":
+        return Sealing(asked=asked)
+    mode = seal.mode_for_this_process()
+    try:
+        if mode == "root":
+            _check_reachable(settings)
+        done = _probe_in_child(mode, settings.state_dir, fault)
+    except seal.SealError as exc:
+        why = explain(mode, exc)
+        if asked == "on":
+            raise SealingUnavailable(
+                f"sealed = on, but sessions cannot be sealed here: {why}"
+            ) from None
+        log.warning(kv("sealed_unavailable", reason=why, running="unsealed"))
+        return Sealing(asked=asked, reason=why)
+    sealing = Sealing(
+        mode=mode, asked=asked, signals_scoped=bool(done.get("signals_scoped")), fault=fault
+    )
+    log.info(kv("sealed", mode=mode, signals_scoped=sealing.signals_scoped))
+    return sealing
+
+
+def _check_reachable(settings: Settings) -> None:
+    """As root, sessions run as their own uid and must pass through the
+    directories above the data and state dirs (inside a worker's view the
+    two themselves are its own read-only tmpfs)."""
+    for top in (settings.data_dir, settings.state_dir):
+        for parent in top.absolute().parents:
+            if parent in (Path("/tmp"), Path("/var/tmp")) or Path("/tmp") in parent.parents:
+                continue  # under the session's own /tmp in its view
+            try:
+                mode = parent.stat().st_mode
+            except OSError:
+                continue
+            if not mode & stat.S_IXOTH:
+                raise seal.SealError(
+                    "hide",
+                    f"{parent} (above {top}) is not searchable by other users (mode "
+                    f"{stat.S_IMODE(mode):04o}), and sealed sessions run as uids of their own; "
+                    f"chmod o+x {parent}, or choose a data and state dir elsewhere",
+                )
+
+
+def _probe_in_child(mode: str, scratch: Path, fault: str | None) -> dict[str, Any]:
+    """Run seal.probe in a forked child (its namespace dies with it)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            uid = SEALED_UID_BASE if mode == "root" else None
+            result: dict[str, Any] = {"ok": True, **seal.probe(mode, scratch, uid, uid, fault)}
+            code = 0
+        except seal.SealError as exc:
+            result = {"ok": False, "step": exc.step, "message": exc.message}
+        except BaseException as exc:
+            result = {"ok": False, "step": "probe", "message": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        finally:
+            try:
+                os.write(w, json.dumps(result).encode())
+            finally:
+                os._exit(code)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    try:
+        result = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        result = {}
+    if not result.get("ok"):
+        raise seal.SealError(
+            str(result.get("step", "probe")), str(result.get("message", "the probe child died"))
+        )
+    return dict(result)
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _has_cap(cap: int) -> bool:
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> cap & 1)
+    return False
+
+
+def explain(mode: str, exc: seal.SealError) -> str:
+    """The cause of a failed probe, in words an operator can act on."""
+    what = f"{exc.step} failed ({exc.message})"
+    if mode == "root":
+        if not _has_cap(CAP_SYS_ADMIN):
+            return (
+                f"{what}. The supervisor runs as root without CAP_SYS_ADMIN, as in a container "
+                "by default: give it CAP_SYS_ADMIN, CAP_SETUID, CAP_SETGID, CAP_CHOWN and "
+                "CAP_SETPCAP (docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined "
+                "--security-opt apparmor=unconfined; Kubernetes securityContext.capabilities.add), "
+                "or run it as a non-root user where user namespaces are allowed"
+            )
+        return f"{what}; see the README, section Sealed sessions"
+    if _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
+        return (
+            f"{what}. Ubuntu's AppArmor restricts unprivileged user namespaces "
+            "(kernel.apparmor_restrict_unprivileged_userns=1): give the service's python an "
+            "AppArmor profile that allows userns (README, Sealed sessions), or run the "
+            "supervisor as root"
+        )
+    if _read("/proc/sys/user/max_user_namespaces") == "0":
+        return (
+            f"{what}. User namespaces are off (user.max_user_namespaces=0): "
+            "sysctl -w user.max_user_namespaces=15000, or run the supervisor as root"
+        )
+    if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+        return (
+            f"{what}. Unprivileged user namespaces are off "
+            "(kernel.unprivileged_userns_clone=0): sysctl -w kernel.unprivileged_userns_clone=1, "
+            "or run the supervisor as root"
+        )
+    return (
+        f"{what}. Unprivileged user namespaces seem unavailable (a container's seccomp "
+        "profile?); run the supervisor as root, or see the README, section Sealed sessions"
+    )
+
+
+def open_worker_socket(path: Path) -> None:
+    """As root, sealed workers connect as their own uids: the worker socket
+    becomes connectable by any uid. Only sealed workers can reach it: in
+    the host's view it is inside the state directory (0700, root's), and a
+    worker's view of that directory is a tmpfs holding nothing but it. The
+    key, the control socket and the lock stay out of every worker's view.
+    (Connecting before the drop would work once, but not a reconnect.)"""
+    os.chmod(path, 0o666)

@@ -1,0 +1,572 @@
+"""Sealed sessions: each worker in its own mount namespace, seeing only its
+own session's files, the service's code and the supervisor's worker socket.
+
+A sealed worker, right after the fork and while it is still single-threaded
+(no zmq context, no thread: a user namespace cannot be entered by a process
+with threads, and unshare(CLONE_NEWNS) moves only the calling thread):
+
+1. `enter`: a new mount namespace (root: unshare(CLONE_NEWNS); not root:
+   CLONE_NEWUSER|CLONE_NEWNS, mapping our own uid and gid to themselves,
+   never to 0, which would let the session's shell undo the mounts), `/`
+   made private so nothing we mount reaches the host; then the bounding set
+   emptied (before any setresuid: after it, PR_CAPBSET_DROP fails),
+   no_new_privs, and a Landlock domain that keeps signals (and abstract unix
+   sockets) inside the session where the kernel has it. All of these are
+   per thread and inherited by threads created later, which is why they
+   come before the zmq context starts its threads.
+2. `mount_session`: the session's tmp over /tmp, /var/tmp and /dev/shm; a
+   read-only tmpfs over the data dir (every other session, the zygote's
+   home), over the state dir (the signing key) and over the workspace and
+   repository roots; then bound back at their own paths only what this
+   worker needs: its own session directory (read-only), the worker socket,
+   the service's code if it lived under a hidden directory, a git
+   worktree's common directory; and the session's home, workspace and HOME
+   over the fixed paths P, W, U (`SealedPaths`) that the zygote imported
+   under. Every path captured at import is then the session's own.
+3. The worker connects to the supervisor (main.py), then `drop`: as root,
+   setgroups([]), setresgid/setresuid to the session's own uid (glibc
+   applies them to every thread, zmq's too), capabilities cleared; not
+   root, capabilities cleared. The parent-death signal is cleared by the
+   kernel when credentials change: the caller sets it again.
+
+Any failing step raises SealError and the worker exits with
+WorkerExit.SEAL_FAILED before any runtime code runs: it never runs against
+the zygote's paths or with other sessions' files in view (fail closed).
+
+libc's unshare, mount and capset are called through ctypes, as
+hermes_sup.local.prctl does for prctl.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hermes_sup.local.prctl import prctl
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_NOATIME = 0x400
+MS_NODIRATIME = 0x800
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MS_RELATIME = 0x200000
+# statvfs f_flag bits and the mount flags they stand for: a read-only
+# remount of a bind inside a user namespace must keep the flags the parent
+# namespace set (they are locked), or the kernel refuses it.
+_STATVFS_TO_MS = {
+    os.ST_NOSUID: MS_NOSUID,
+    os.ST_NODEV: MS_NODEV,
+    os.ST_NOEXEC: MS_NOEXEC,
+    os.ST_NOATIME: MS_NOATIME,
+    os.ST_NODIRATIME: MS_NODIRATIME,
+    os.ST_RELATIME: MS_RELATIME,
+}
+
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+# Landlock (Linux 6.12+, ABI 6): scopes that keep a sandboxed process from
+# signalling, or connecting to the abstract unix sockets of, processes
+# outside its domain. What closes signals between workers of one uid.
+_SYS_LANDLOCK_CREATE_RULESET = 444  # the same number on every architecture
+_SYS_LANDLOCK_RESTRICT_SELF = 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET = 0x1
+_LANDLOCK_SCOPE_SIGNAL = 0x2
+LANDLOCK_SCOPE_ABI = 6
+
+# For tests: make one step fail as if the kernel had refused it (EPERM).
+# The supervisor reads it from its own environment and passes it on.
+FAULT_ENV = "HERMES_SUP_SEAL_FAULT"
+STEPS = ("unshare", "map", "private", "harden", "tmp", "hide", "session", "bind", "drop")
+
+# Mount points made in tmpfs or in the session's tmp: traversable by the
+# session's uid, listable by nobody.
+MOUNTPOINT_MODE = 0o711
+MODES = ("root", "user")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
+
+
+class SealError(Exception):
+    """A step of sealing failed; the worker must not run its session."""
+
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(f"{step}: {message}")
+        self.step = step
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SealedPaths:
+    """The fixed paths the zygote imports under and every sealed worker
+    finds its own session's directories at: P (HERMES_HOME), W (the
+    workspace and cwd), U (HOME)."""
+
+    home: Path
+    workspace: Path
+    user: Path
+
+    @classmethod
+    def for_data_dir(cls, data_dir: str | os.PathLike[str]) -> SealedPaths:
+        base = Path(data_dir) / "sealed"
+        return cls(home=base / "home", workspace=base / "workspace", user=base / "user")
+
+    def make(self) -> None:
+        """Create the three (empty) directories, as the zygote does."""
+        for path in (self.home, self.workspace, self.user):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class SessionDirs:
+    """One session's own directories, at their real paths."""
+
+    dir: Path  # the session's directory under <data>/sessions
+    home: Path
+    workspace: Path
+    tmp: Path
+    user: Path  # its HOME
+
+
+# ------------------------------------------------------------------ syscalls
+
+
+def _fail(step: str, what: str, err: int | None = None) -> SealError:
+    err = ctypes.get_errno() if err is None else err
+    return SealError(step, f"{what}: {os.strerror(err)} (errno {errno.errorcode.get(err, err)})")
+
+
+def _check_fault(step: str, fault: str | None) -> None:
+    if fault == step:
+        raise _fail(step, f"injected failure ({FAULT_ENV}={fault})", errno.EPERM)
+
+
+def _mount(
+    step: str, source: str | None, target: str, fstype: str | None, flags: int, data: str = ""
+) -> None:
+    rc = _libc.mount(
+        source.encode() if source is not None else None,
+        target.encode(),
+        fstype.encode() if fstype is not None else None,
+        flags,
+        data.encode() if data else None,
+    )
+    if rc != 0:
+        raise _fail(step, f"mount {source or fstype or '(remount)'} on {target}")
+
+
+def _unshare(step: str, flags: int) -> None:
+    if _libc.unshare(flags) != 0:
+        raise _fail(step, f"unshare({_flag_names(flags)})")
+
+
+def _flag_names(flags: int) -> str:
+    names = [
+        n for n, v in (("CLONE_NEWUSER", CLONE_NEWUSER), ("CLONE_NEWNS", CLONE_NEWNS)) if flags & v
+    ]
+    return "|".join(names)
+
+
+def _write(step: str, path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise SealError(step, f"write {text.strip()!r} to {path}: {exc.strerror}") from None
+
+
+def _capset_zero(step: str) -> None:
+    """Clear this thread's effective, permitted and inheritable capabilities."""
+    header = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
+    data = bytes(24)  # two {effective, permitted, inheritable} u32 triples
+    hdr_buf = ctypes.create_string_buffer(header, len(header))
+    data_buf = ctypes.create_string_buffer(data, len(data))
+    if _libc.capset(hdr_buf, data_buf) != 0:
+        raise _fail(step, "capset(0, 0, 0)")
+
+
+def _last_cap() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    except (OSError, ValueError):
+        return 40
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 if it has none (or it is off)."""
+    syscall = _libc.syscall
+    abi = syscall(_SYS_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
+    return max(0, int(abi))
+
+
+def _scope_signals(step: str) -> bool:
+    """Keep this thread (and what it starts) from signalling processes
+    outside its own Landlock domain. False where the kernel cannot."""
+    if landlock_abi() < LANDLOCK_SCOPE_ABI:
+        return False
+    attr = struct.pack("QQQ", 0, 0, _LANDLOCK_SCOPE_SIGNAL | _LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET)
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    fd = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, buf, len(attr), 0)
+    if fd < 0:
+        raise _fail(step, "landlock_create_ruleset(scoped signals)")
+    try:
+        if _libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
+            raise _fail(step, "landlock_restrict_self")
+    finally:
+        os.close(fd)
+    return True
+
+
+# ------------------------------------------------------------------- stages
+
+
+def mode_for_this_process() -> str:
+    """ "root" where we may set up the namespace and change uid ourselves
+    (euid 0), "user" otherwise (a user namespace of our own)."""
+    return "root" if os.geteuid() == 0 else "user"
+
+
+def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
+    """Stage 1: the namespace, / private, and what must be set while this
+    process has one thread. Returns what was done (for logs)."""
+    if mode not in MODES:
+        raise SealError("unshare", f"unknown sealing mode {mode!r}")
+    if len(os.listdir("/proc/self/task")) != 1:
+        raise SealError("unshare", "the worker already has threads; sealing needs one")
+    uid, gid = os.getuid(), os.getgid()
+    _check_fault("unshare", fault)
+    if mode == "root":
+        _unshare("unshare", CLONE_NEWNS)
+    else:
+        _unshare("unshare", CLONE_NEWUSER | CLONE_NEWNS)
+        _check_fault("map", fault)
+        # Our own ids to themselves: inside, we are who we were, so a program
+        # we exec has no capabilities (a map to 0 would give it all of them).
+        _write("map", "/proc/self/setgroups", "deny")
+        _write("map", "/proc/self/uid_map", f"{uid} {uid} 1\n")
+        _write("map", "/proc/self/gid_map", f"{gid} {gid} 1\n")
+    _check_fault("private", fault)
+    _mount("private", None, "/", None, MS_REC | MS_PRIVATE)
+    _check_fault("harden", fault)
+    # The bounding set first: once our uid is not 0 we could not drop it.
+    # It and no_new_privs only limit what an exec may gain; our effective
+    # capabilities (mount, chown, setuid) stay until `drop`.
+    for cap in range(_last_cap() + 1):
+        try:
+            prctl(PR_CAPBSET_DROP, cap)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # a number this kernel does not know
+                raise SealError(
+                    "harden", f"prctl(PR_CAPBSET_DROP, {cap}): {exc.strerror}"
+                ) from None
+    try:
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+    except OSError as exc:
+        raise SealError("harden", f"prctl(PR_SET_NO_NEW_PRIVS): {exc.strerror}") from None
+    scoped = _scope_signals("harden")
+    return {"mode": mode, "signals_scoped": scoped}
+
+
+def _open_path(step: str, path: Path) -> int:
+    try:
+        return os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SealError(step, f"open {path}: {exc.strerror}") from None
+
+
+def _makedirs(step: str, path: Path) -> None:
+    """mkdir -p, each directory made MOUNTPOINT_MODE whatever the umask:
+    the session's uid must be able to pass through to what is mounted."""
+    missing: list[Path] = []
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p)
+            os.chmod(p, MOUNTPOINT_MODE)
+        except OSError as exc:
+            raise SealError(step, f"mkdir {p}: {exc.strerror}") from None
+
+
+def _make_file(step: str, path: Path) -> None:
+    _makedirs(step, path.parent)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        raise SealError(step, f"create {path}: {exc.strerror}") from None
+
+
+def _remount_readonly(step: str, target: Path) -> None:
+    """Make one mount read-only, keeping the flags it has (locked ones
+    in a user namespace must be kept)."""
+    try:
+        f_flag = os.statvfs(target).f_flag
+    except OSError as exc:
+        raise SealError(step, f"statvfs {target}: {exc.strerror}") from None
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+    for st, ms in _STATVFS_TO_MS.items():
+        if f_flag & st:
+            flags |= ms
+    _mount(step, None, str(target), None, flags)
+
+
+def _under(path: Path, parents: Iterable[Path]) -> bool:
+    return any(path == p or p in path.parents for p in parents)
+
+
+def code_paths() -> list[Path]:
+    """Where this worker's code comes from: the interpreter's prefixes,
+    the directories on sys.path, and this package. Not sys.path[0]: under
+    `python -m` that is only the directory the service was started in."""
+    found: list[Path] = []
+    for raw in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path[1:]):
+        if raw and os.path.isdir(raw):
+            found.append(Path(os.path.realpath(raw)))
+    found.append(Path(os.path.realpath(__file__)).parent.parent)
+    unique: list[Path] = []
+    for path in sorted(set(found), key=lambda p: len(p.parts)):
+        if not _under(path, unique):
+            unique.append(path)
+    return unique
+
+
+def closed_ancestors(paths: Iterable[Path]) -> set[Path]:
+    """The highest directory above each path that other users cannot pass
+    through (e.g. /root, when the interpreter is in /root/.pyenv). Hidden
+    under a tmpfs that others may pass through, with the path bound back,
+    the code becomes reachable by a session's own uid, and nothing else of
+    that directory does."""
+    closed: set[Path] = set()
+    for path in paths:
+        for parent in reversed(path.parents):
+            if parent == Path("/"):
+                continue
+            try:
+                if not os.stat(parent).st_mode & 0o001:
+                    closed.add(parent)
+                    break
+            except OSError:
+                break
+    return closed
+
+
+def git_common_dir(workspace: Path) -> Path | None:
+    """The repository's common git directory of a worktree workspace (a
+    `.git` file naming `gitdir: ...`), which must stay visible at its own
+    path for git to work in it; None for anything else."""
+    try:
+        text = (workspace / ".git").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text.startswith("gitdir:"):
+        return None
+    admin = Path(text.partition(":")[2].strip())
+    if not admin.is_absolute():
+        admin = workspace / admin
+    try:
+        common = (admin / "commondir").read_text().strip()
+    except OSError:
+        return admin.resolve()
+    path = Path(common)
+    return (path if path.is_absolute() else admin / path).resolve()
+
+
+def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -> dict[str, Any]:
+    """Stage 2: hide what is shared, bind back what this session needs,
+    put its directories over the fixed paths, chdir to W."""
+    fault = plan.get("fault")
+    data_dir = Path(plan["data_dir"])
+    state_dir = Path(plan["state_dir"])
+    socket = Path(plan["socket"])
+    # Taken before any mount: a path may be hidden by the time it is bound.
+    fds: dict[str, int] = {}
+    try:
+        for name, path in (
+            ("tmp", dirs.tmp),
+            ("home", dirs.home),
+            ("workspace", dirs.workspace),
+            ("user", dirs.user),
+            ("dir", dirs.dir),
+            ("socket", socket),
+        ):
+            fds[name] = _open_path("session", path)
+        codes = code_paths()
+        hide = {data_dir, state_dir, *(Path(p) for p in plan.get("hide", ()))}
+        if plan["mode"] == "root":
+            hide |= closed_ancestors(codes)
+        hidden = sorted(hide, key=lambda p: len(p.parts))
+        # What must stay at its own path: (name, source, target, read-only).
+        keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True), ("socket", socket, True)]
+        if not _under(dirs.workspace, [dirs.dir]):
+            keep.append(("workspace", dirs.workspace, False))
+        common = git_common_dir(dirs.workspace)
+        if common is not None and common.is_dir():
+            fds["git"] = _open_path("session", common)
+            keep.append(("git", common, False))
+        own = [data_dir, state_dir]
+        for i, code in enumerate(codes):
+            if _under(code, own) or any(_under(p, [code]) for p in own):
+                continue  # nothing of the data or state dir comes back this way
+            if _under(code, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]):
+                fds[f"code{i}"] = _open_path("session", code)
+                keep.append((f"code{i}", code, True))
+
+        # The session's tmp is every shared temporary directory.
+        _check_fault("tmp", fault)
+        tmp_src = f"/proc/self/fd/{fds['tmp']}"
+        for shared in ("/tmp", "/var/tmp", "/dev/shm"):
+            if os.path.isdir(shared):
+                _mount("tmp", tmp_src, shared, None, MS_BIND)
+
+        # Read-only empty directories over what no session may see.
+        _check_fault("hide", fault)
+        tmpfs: list[Path] = []
+        for path in hidden:
+            _makedirs("hide", path)
+            _mount(
+                "hide",
+                "tmpfs",
+                str(path),
+                "tmpfs",
+                MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                f"mode={MOUNTPOINT_MODE:o},size=64k",
+            )
+            tmpfs.append(path)
+
+        # The session's directories over the fixed paths.
+        _check_fault("session", fault)
+        for name, target in (
+            ("home", paths.home),
+            ("workspace", paths.workspace),
+            ("user", paths.user),
+        ):
+            _makedirs("session", target)
+            _mount("session", f"/proc/self/fd/{fds[name]}", str(target), None, MS_BIND | MS_REC)
+
+        # What stays visible at its own path, shallowest first.
+        _check_fault("bind", fault)
+        for name, path, readonly in sorted(keep, key=lambda k: len(k[1].parts)):
+            if not _under(path, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]):
+                continue  # never hidden
+            if name == "socket":
+                _make_file("bind", path)
+            else:
+                _makedirs("bind", path)
+            _mount("bind", f"/proc/self/fd/{fds[name]}", str(path), None, MS_BIND | MS_REC)
+            if readonly:
+                _remount_readonly("bind", path)
+        for path in tmpfs:
+            _remount_readonly("hide", path)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    try:
+        os.chdir(paths.workspace)
+    except OSError as exc:
+        raise SealError("session", f"chdir {paths.workspace}: {exc.strerror}") from None
+    return {"hidden": [str(p) for p in hidden]}
+
+
+def chown_session(dirs: SessionDirs, uid: int, gid: int) -> None:
+    """Give the session's uid its own directories (as root, before `drop`).
+    Whole trees only when their top is not the uid's yet (the first sealed
+    start of a session): later starts touch four inodes. Its session
+    directory itself stays root's: session.json and the logs are the
+    supervisor's."""
+    for top in (dirs.home, dirs.workspace, dirs.tmp, dirs.user):
+        try:
+            st = os.lstat(top)
+            if st.st_uid == uid and st.st_gid == gid:
+                continue
+            for root, subdirs, files in os.walk(top):
+                os.lchown(root, uid, gid)
+                for name in subdirs + files:
+                    os.lchown(os.path.join(root, name), uid, gid)
+        except OSError as exc:
+            raise SealError("session", f"chown {top} to {uid}:{gid}: {exc.strerror}") from None
+
+
+def drop(
+    mode: str, uid: int | None = None, gid: int | None = None, fault: str | None = None
+) -> None:
+    """Stage 3: the session's own uid (root) and no capabilities left."""
+    _check_fault("drop", fault)
+    if mode == "root":
+        if uid is None or gid is None or uid == 0 or gid == 0:
+            raise SealError(
+                "drop", f"a sealed root worker needs its own uid and gid, not {uid}:{gid}"
+            )
+        try:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)  # glibc: on every thread of ours
+        except OSError as exc:
+            raise SealError("drop", f"switch to uid {uid} gid {gid}: {exc.strerror}") from None
+    try:
+        prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    except OSError as exc:
+        raise SealError("drop", f"clear ambient capabilities: {exc.strerror}") from None
+    _capset_zero("drop")
+    if mode == "root":
+        # A uid change made us non-dumpable, which turns our /proc files
+        # root's (the session's own shell could not read /proc/self/fd).
+        # Dumpable again: still out of reach of every other uid.
+        prctl(PR_SET_DUMPABLE, 1)
+    if mode == "root" and (os.getuid(), os.geteuid()) != (uid, uid):
+        raise SealError("drop", f"still uid {os.getuid()}/{os.geteuid()}")
+
+
+def probe(
+    mode: str, scratch: Path, uid: int | None, gid: int | None, fault: str | None
+) -> dict[str, Any]:
+    """What the supervisor's start-up check runs in a child of its own: the
+    same kinds of steps as a worker (namespace, tmpfs, bind, read-only
+    remount, the drop), on a scratch directory. Raises SealError."""
+    # A session's uid must be able to read the code itself (the directories
+    # above it it will pass through: see closed_ancestors).
+    unreadable = [str(p) for p in code_paths() if os.stat(p).st_mode & 0o005 != 0o005]
+    done = enter(mode, fault)
+    _check_fault("hide", fault)
+    _mount("hide", "tmpfs", str(scratch), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711,size=64k")
+    inner = scratch / "bound"
+    _makedirs("bind", inner)
+    _check_fault("bind", fault)
+    _mount("bind", "/proc/self", str(inner), None, MS_BIND)
+    _remount_readonly("bind", inner)
+    _remount_readonly("hide", scratch)
+    drop(mode, uid, gid, fault)
+    if mode == "root" and unreadable:
+        raise SealError(
+            "drop",
+            f"the service's code is not readable by the sessions' uid {uid}: "
+            f"{', '.join(unreadable)} (install it where others may read it, e.g. /opt)",
+        )
+    return done
