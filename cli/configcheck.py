@@ -5,8 +5,9 @@ Each key is checked as `serve --config` checks it (supervisor/configfile.py),
 but one bad key does not hide the next. Then what the settings name is
 tried: the runtime (and every runtime front ends may choose) is imported as
 a worker would import it, hermes-agent is looked for when the runtime is
-hermes, preload modules are looked up, workspace roots must be directories,
-and the metrics address must parse.
+hermes, preload modules are looked up, workspace and repository roots must
+be directories, the repository a git repository, and the metrics address
+must parse.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from hermes_sup.protocol import RemoteProtocolError
 from hermes_sup.supervisor import configfile
 from hermes_sup.supervisor.environment import parse_options
+from hermes_sup.supervisor.worktrees import repository_problem
 
 # What the hermes runtime imports in its worker (worker/hermes.py): present
 # only with hermes-agent installed.
@@ -112,6 +114,13 @@ def check_file(
     for root in values.get("workspace_roots", ()):
         if not Path(root).is_dir():
             errors.append(f"{path}: workspace_roots: {root} is not a directory")
+    if values.get("repo"):
+        problem = repository_problem(os.path.abspath(values["repo"]))
+        if problem is not None:
+            errors.append(f"{path}: repo: {problem}")
+    for root in values.get("repo_roots", ()):
+        if not Path(root).is_dir():
+            errors.append(f"{path}: repo_roots: {root} is not a directory")
     if values.get("metrics"):
         from hermes_sup.supervisor.metrics import parse_address
 

@@ -398,3 +398,25 @@ def test_what_a_crash_leaves_is_cleaned_and_a_worktree_is_made_again(tmp_path: P
         (one / ".git").unlink()
         asyncio.run(trees.ensure(str(repo), one, branch_for("one")))
     assert (one / "notes.txt").read_text() == "x"  # never deleted
+
+
+def test_config_check_names_a_repository_that_cannot_be_used(tmp_path: Path) -> None:
+    (tmp_path / "plain").mkdir()
+    config = tmp_path / "c.toml"
+    config.write_text(f'repo = "{tmp_path / "plain"}"\nrepo_roots = ["{tmp_path / "none"}"]\n')
+    checked = cli_config_check(config)
+    assert checked.returncode == 1 and "Traceback" not in checked.stderr
+    assert f"repo: {tmp_path / 'plain'} is not a git repository" in checked.stderr
+    assert f"repo_roots: {tmp_path / 'none'} is not a directory" in checked.stderr
+    make_repo(tmp_path / "good")
+    config.write_text(f'repo = "{tmp_path / "good"}"\nrepo_roots = ["{tmp_path}"]\n')
+    assert cli_config_check(config).returncode == 0, cli_config_check(config).stderr
+
+
+def cli_config_check(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
