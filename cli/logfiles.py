@@ -4,8 +4,9 @@ read with the supervisor down (after a crash, say).
 A session's directory is named by a digest of its key (PROTOCOL.md), so the
 key alone finds it; the worker's stdout and stderr are in `worker.log`
 there, with the older lines in `worker.log.1`, `.2`, ... (rotated by size,
-newest first). Following polls the file as `tail -F` does: across rotation,
-and across the file appearing.
+newest first), each line after its timestamp (supervisor/logs.py).
+Following polls the file as `tail -F` does: across rotation, and across the
+file appearing.
 """
 
 from __future__ import annotations
@@ -37,15 +38,25 @@ def rotated(path: Path) -> list[Path]:
     return list(reversed(found))
 
 
-def tail(path: Path, count: int) -> list[str]:
-    """The last `count` lines of the log and its rotated files, read as the
-    supervisor reads them for `logs`."""
-    return logs.tail(path, count, backups=len(rotated(path)))
+def tail(
+    path: Path,
+    count: int,
+    since: float | None = None,
+    until: float | None = None,
+    timestamps: bool = False,
+) -> list[str]:
+    """The last `count` lines of the log and its rotated files, chosen and
+    shown as the supervisor does for `logs` (by the same code)."""
+    return logs.tail(
+        path, count, backups=len(rotated(path)), since=since, until=until, timestamps=timestamps
+    )
 
 
-def follow(path: Path) -> Iterator[str]:
-    """Every line written to the log from now on, across rotation; runs
-    until the caller stops iterating (Ctrl-C)."""
+def follow(path: Path, stop_after: float | None = None) -> Iterator[str]:
+    """Every line written to the log from now on, as stored (with its
+    stamp), across rotation; runs until the caller stops iterating (Ctrl-C)
+    or, once nothing more is there to read, until the clock passes
+    `stop_after` (seconds since the epoch)."""
     fh = None
     ino = None
     partial = b""
@@ -64,6 +75,8 @@ def follow(path: Path) -> Iterator[str]:
                 for line in lines:
                     yield line.decode("utf-8", "replace")
                 continue
+            if stop_after is not None and time.time() > stop_after:
+                return
             time.sleep(POLL)
             try:
                 now = os.stat(path).st_ino

@@ -4,7 +4,7 @@ of them), and the history a new watcher can replay.
 Every event of a session is recorded in its history (large data is noted by
 size, not kept) and sent to each watcher of it; a watcher that is gone or
 too slow is forgotten. Log followers (`logs --follow`) are kept per session
-and fed the worker's output lines as they are logged.
+and fed the worker's output lines as they are logged, with their stamps.
 
 Watches and log follows are capped together: MAX_WATCHERS in all, and
 MAX_PER_CLIENT for one client connection, so that one client can neither
@@ -166,11 +166,17 @@ class Watchers:
             self._end_follow(session, follow_id)
 
     def log_lines(self, session: Session, lines: list[str]) -> None:
-        """Send a worker's new output lines to the session's log followers."""
+        """Send a worker's new output lines to the session's log followers,
+        each with `ts`, the stamp it was stored with (logs.py); the client
+        shows it, or not (`logs -t`), and ends its follow at its `until`."""
+        ts = session.log.last_stamp() if session.log is not None else None
         for follow_id, client in list(session.log_followers.items()):
             for line in lines:
                 msg = Message(
-                    Kind.EVENT, {"type": "log", "data": line}, session=session.key, re=follow_id
+                    Kind.EVENT,
+                    {"type": "log", "data": line, "ts": ts},
+                    session=session.key,
+                    re=follow_id,
                 )
                 if not self.endpoints.to_client(client, msg):
                     self._end_follow(session, follow_id)

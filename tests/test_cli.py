@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from hermes_sup.cli.common import parse_duration
 from hermes_sup.cli.main import cli
 from hermes_sup.protocol import Kind, session_dir_name
+from hermes_sup.supervisor.logs import split_stamp
 
 from .test_faults import RUNTIMES, until
 
@@ -244,9 +245,12 @@ def test_logs_rotate_at_line_boundaries_and_follow_across_rotation(supervisor_fa
     for f in files:
         data = f.read_bytes()
         assert len(data) <= 4096 and data.endswith(b"\n")
+        # Each line is stamped (supervisor/logs.py), then as printed.
+        stamped = [split_stamp(line.decode()) for line in data.splitlines()]
+        assert all(stamp is not None for stamp, _text in stamped)
         assert all(
-            line.startswith(b"line ") or b" INFO " in line or b"worker start" in line
-            for line in data.splitlines()
+            text.startswith("line ") or " INFO " in text or "worker start" in text
+            for _stamp, text in stamped
         )
 
 

@@ -46,6 +46,13 @@ def log_bytes(sup, key: str) -> int:
     return sum(p.stat().st_size for p in folder.glob("worker.log*"))
 
 
+def unstamped(data: bytes) -> bytes:
+    """A stored log without the stamp each line begins with."""
+    from hermes_sup.supervisor.logs import PREFIX_WIDTH
+
+    return b"".join(line[PREFIX_WIDTH:] for line in data.splitlines(keepends=True))
+
+
 def until(predicate, timeout: float = 15.0):
     deadline = time.monotonic() + timeout
     while not (value := predicate()) and time.monotonic() < deadline:
@@ -103,9 +110,10 @@ def test_a_session_flooding_its_log_does_not_stall_other_clients(
 
 
 def test_one_wake_up_reads_at_most_its_budget(tmp_path: Path) -> None:
-    """The loop gets control back after READ_BUDGET bytes, however much the
-    pipe still holds; the rest is read on the next wake-ups, line by line."""
-    from hermes_sup.supervisor.logs import READ_BUDGET, PipeReader, SessionLog
+    """The loop gets control back after READ_BUDGET bytes (read and stored
+    as stamps), however much the pipe still holds; the rest is read on the
+    next wake-ups, line by line."""
+    from hermes_sup.supervisor.logs import PREFIX_WIDTH, READ_BUDGET, PipeReader, SessionLog
 
     r, w = os.pipe()
     try:
@@ -119,13 +127,16 @@ def test_one_wake_up_reads_at_most_its_budget(tmp_path: Path) -> None:
         reader = PipeReader(r, log, "k", seen.extend)
         reader.on_readable()  # no loop: nothing is held without a rate
         first = (tmp_path / "worker.log").stat().st_size
-        assert 0 < first <= READ_BUDGET
+        # At most the budget, give or take the stamp of one line.
+        assert 0 < first <= READ_BUDGET + PREFIX_WIDTH
+        assert len(seen) * len(line) < READ_BUDGET
         wakeups = 1
         while not reader.closed:
             reader.on_readable()
             wakeups += 1
         assert wakeups >= 3
-        assert (tmp_path / "worker.log").read_bytes() == line * (3 * READ_BUDGET // len(line))
+        stored = (tmp_path / "worker.log").read_bytes()
+        assert unstamped(stored) == line * (3 * READ_BUDGET // len(line))
         assert len(seen) == 3 * READ_BUDGET // len(line)
     finally:
         if w >= 0:
@@ -170,7 +181,7 @@ def test_over_its_rate_a_pipe_is_held_and_nothing_is_lost(tmp_path: Path) -> Non
     than the rate allows."""
     import asyncio
 
-    from hermes_sup.supervisor.logs import READ_SIZE, PipeReader, SessionLog
+    from hermes_sup.supervisor.logs import PREFIX_WIDTH, READ_SIZE, PipeReader, SessionLog
 
     r, w = os.pipe()
     fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1024 * 1024)
@@ -191,7 +202,9 @@ def test_over_its_rate_a_pipe_is_held_and_nothing_is_lost(tmp_path: Path) -> Non
         return time.monotonic() - started
 
     took = asyncio.run(run())
-    assert (tmp_path / "worker.log").read_bytes() == line * count
-    # 960 KiB at 1 MiB/s after a 64 KiB burst: at least 0.8 s, however fast
-    # the machine (a slow one only takes longer).
-    assert took >= (count * len(line) - READ_SIZE) / rate * 0.9, took
+    assert unstamped((tmp_path / "worker.log").read_bytes()) == line * count
+    # 960 KiB (1.4 MiB with the stamps, which count) at 1 MiB/s after a 64
+    # KiB burst: at least 1.2 s, however fast the machine (a slow one only
+    # takes longer).
+    stored = count * (len(line) + PREFIX_WIDTH)
+    assert took >= (stored - READ_SIZE) / rate * 0.9, took
