@@ -273,6 +273,8 @@ class Lifecycle:
         worktree (git worktree remove, prune; its branch only if asked),
         then the rest. A note on what stayed, for the reply."""
         note = ""
+        if session.key in self.table.purging:
+            return " (by another kill, still removing its worktree)"
         if session.repo is not None and session.branch is not None:
             self.table.purging.add(session.key)
             try:
@@ -287,7 +289,8 @@ class Lifecycle:
                 note = f", branch {session.branch} kept"
             else:
                 note = f", branch {session.branch} deleted"
-        self.table.purge(session)
+        if self.table.get(session.key) is session:
+            self.table.purge(session)
         return note
 
     async def _register(

@@ -420,3 +420,46 @@ def cli_config_check(path: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+
+
+def test_worktree_sessions_survive_a_supervisor_restart_and_take_spare_workers(
+    supervisor_factory, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    sup = supervisor_factory("--repo", str(repo), "--spare-workers", "2")
+    with sup.client() as client:
+        for key in ("a", "b"):
+            client.run(key, f"write {key}.txt mine")
+        workspace = client.inspect("a")["workspace"]
+    sup.stop()
+    # Another repository for new sessions: those made before keep theirs.
+    other = make_repo(tmp_path / "other")
+    again = supervisor_factory("--repo", str(other), "--spare-workers", "2")
+    with again.client() as client:
+        rows = {r["key"]: r for r in client.sessions()}
+        assert {k: (r["state"], r["repo"], r["branch"]) for k, r in rows.items()} == {
+            "a": ("exited", str(repo), branch_for("a")),
+            "b": ("exited", str(repo), branch_for("b")),
+        }
+        spares = spare_pids(again, client, 2)
+        assert output(client.run("a", "sh git status --porcelain")) == ["?? a.txt"]
+        assert client.run("a", "cwd").text == workspace
+        # A new session's worker, forked ahead, is given it once its worktree is made.
+        assert int(client.run("c", "pid").text) in spares
+        assert int(client.run("a", "pid").text) in spares
+        assert client.inspect("c")["repo"] == str(other)
+    assert len(worktrees(repo)) == 3 and len(worktrees(other)) == 2
+
+
+def spare_pids(sup, client, count: int) -> set[int]:  # noqa: ANN001
+    """The pids of `count` ready spare workers, once there are that many."""
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while client.status()["spare_workers"] < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = {
+        p.pid for p in psutil.Process(sup.pid).children() if "(spare)" in " ".join(p.cmdline())
+    }
+    assert len(found) == count
+    return found
