@@ -265,3 +265,45 @@ def test_unprivileged_sealed_sessions(supervisor_factory, workdir) -> None:
             text, lines = sh(client, "uiso0x", f"{command} 2>&1; echo status=$?")
             assert (lines[-1] != "status=0") == refused, (command, lines)
     assert "sealed mode=user" in sup.log()
+
+
+def test_a_git_worktree_workspace_keeps_its_repository_visible(supervisor_factory, workdir) -> None:
+    import subprocess
+
+    roots = workdir / "roots"
+    repo = workdir / "repo"
+    roots.mkdir()
+    run = {"check": True, "capture_output": True}
+    subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], **run)
+    subprocess.run(
+        [
+            "git",
+            "-C",
+            str(repo),
+            "-c",
+            "user.email=t@t",
+            "-c",
+            "user.name=t",
+            "commit",
+            "-q",
+            "--allow-empty",
+            "-m",
+            "sealed-first-commit",
+        ],
+        **run,
+    )
+    tree = roots / "wt"
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", str(tree)], **run)
+    (roots / "another").mkdir()
+    (roots / "another" / "secret.txt").write_text("n0t-yours")
+    sup = supervisor_factory("--sealed", "on", "--workspace-root", str(roots))
+    with sup.client(timeout=60) as client:
+        client.open("g", workspace=str(tree))
+        text, lines = sh(
+            client,
+            "g",
+            f"git -c safe.directory='*' log --format=%s; ls {roots}; cat {roots}/another/secret.txt",
+        )
+        out = "\n".join(lines)
+        assert "sealed-first-commit" in out  # the common git dir is there
+        assert "n0t-yours" not in out and "another" not in out.replace("another/", "")

@@ -160,6 +160,7 @@ def _serve_session(
     env: dict[str, str] = req["env"]
     plan = req.get("seal")
     paths: seal.SealedPaths | None = None
+    sealed_in = time.perf_counter()
     if plan:
         try:
             paths = _seal(req, plan, entered)
@@ -196,7 +197,9 @@ def _serve_session(
         req["key"],
         os.getpid(),
         req["runtime"],
-        f"{plan['mode']} uid={os.getuid()}" if plan else "no",
+        f"{plan['mode']} uid={os.getuid()} in={(time.perf_counter() - sealed_in) * 1000:.1f}ms"
+        if plan
+        else "no",
     )
     if paths is not None and req["runtime"] == "hermes":
         try:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import struct
 import sys
@@ -211,6 +212,7 @@ def _capset_zero(step: str) -> None:
         raise _fail(step, "capset(0, 0, 0)")
 
 
+@functools.cache
 def _last_cap() -> int:
     try:
         return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
@@ -218,6 +220,7 @@ def _last_cap() -> int:
         return 40
 
 
+@functools.cache
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 if it has none (or it is off)."""
     syscall = _libc.syscall
@@ -342,7 +345,8 @@ def _under(path: Path, parents: Iterable[Path]) -> bool:
     return any(path == p or p in path.parents for p in parents)
 
 
-def code_paths() -> list[Path]:
+@functools.cache
+def code_paths() -> tuple[Path, ...]:
     """Where this worker's code comes from: the interpreter's prefixes,
     the directories on sys.path, and this package. Not sys.path[0]: under
     `python -m` that is only the directory the service was started in."""
@@ -355,7 +359,22 @@ def code_paths() -> list[Path]:
     for path in sorted(set(found), key=lambda p: len(p.parts)):
         if not _under(path, unique):
             unique.append(path)
-    return unique
+    return tuple(unique)
+
+
+@functools.cache
+def _closed_code_ancestors() -> frozenset[Path]:
+    return frozenset(closed_ancestors(code_paths()))
+
+
+def prepare() -> None:
+    """In the zygote, before it forks: what every sealed worker would
+    work out the same way (where the code is, the kernel's last capability
+    and Landlock version), so no worker spends its start on it."""
+    code_paths()
+    _closed_code_ancestors()
+    _last_cap()
+    landlock_abi()
 
 
 def closed_ancestors(paths: Iterable[Path]) -> set[Path]:
@@ -421,7 +440,7 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
         codes = code_paths()
         hide = {data_dir, state_dir, *(Path(p) for p in plan.get("hide", ()))}
         if plan["mode"] == "root":
-            hide |= closed_ancestors(codes)
+            hide |= _closed_code_ancestors()
         hidden = sorted(hide, key=lambda p: len(p.parts))
         # What must stay at its own path: (name, source, target, read-only).
         keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True), ("socket", socket, True)]

@@ -259,10 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = None
     if args.sealed:
-        from hermes_sup.worker.seal import SealedPaths
+        from hermes_sup.worker import seal
 
-        paths = SealedPaths.for_data_dir(args.data_dir)
+        paths = seal.SealedPaths.for_data_dir(args.data_dir)
         paths.make()  # empty: each worker mounts its session's over them
+        seal.prepare()
     os.chdir(args.cwd)
     try:
         import setproctitle
