@@ -31,9 +31,10 @@ def _need_http_extra() -> None:
         )
 
 
-def start_http_beside(settings: Any, listen: str) -> None:
+def start_http_beside(settings: Any, listen: str, web_dir: Path | None = None) -> None:
     """`serve --http`: start the endpoint for the supervisor this process is
-    about to become (before it starts: this forks)."""
+    about to become (before it starts: this forks); with `web_dir`, it also
+    serves that directory's static files at /."""
     _need_http_extra()
     from hermes_sup.httpapi.serve import HttpSetupError, parse_listen, start_beside_supervisor
     from hermes_sup.local import statedir
@@ -50,7 +51,9 @@ def start_http_beside(settings: Any, listen: str) -> None:
     except HttpSetupError as exc:
         raise click.BadParameter(str(exc), param_hint="--http") from None
     try:
-        start_beside_supervisor(settings.state_dir, settings.data_dir, listen, settings.log_level)
+        start_beside_supervisor(
+            settings.state_dir, settings.data_dir, listen, settings.log_level, web_dir
+        )
     except HttpSetupError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -92,6 +95,15 @@ def start_http_beside(settings: Any, listen: str) -> None:
     help="Seconds a stream may go unread before its turn is cancelled.",
 )
 @click.option(
+    "--web",
+    "web_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="Also serve this directory's static files at / (a page such as examples/web; "
+    "they need no key, the API still does).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -106,6 +118,7 @@ def http(
     model: str,
     max_body: int,
     stall_timeout: float,
+    web_dir: Path | None,
     log_level: str,
 ) -> None:
     """Serve Hermes's HTTP API (chat completions, runs) in front of a
@@ -120,6 +133,7 @@ def http(
     Examples:
       hermes-sup http --listen 8642
       hermes-sup http --connection web-eu.json --listen 0.0.0.0:8642 --data-dir /etc/hs-http
+      hermes-sup http --listen 8642 --web examples/web   # the chat page at http://127.0.0.1:8642/
     """
     _need_http_extra()
     argv = ["--data-dir", str(data_dir or default_data_dir()), "--listen", listen]
@@ -128,12 +142,14 @@ def http(
     else:
         argv += ["--state-dir", str(ctx.obj["state_dir"])]
     argv += ["--model", model, "--max-body", str(max_body), "--stall-timeout", str(stall_timeout)]
-    from hermes_sup.httpapi.serve import HttpSetupError, parse_listen, require_keys
+    from hermes_sup.httpapi.serve import HttpSetupError, check_web_dir, parse_listen, require_keys
     from hermes_sup.httpapi.serve import main as serve_main
 
     try:  # the same checks the endpoint makes, as this command's usage errors
         parse_listen(listen)
         require_keys(data_dir or default_data_dir())
+        if web_dir is not None:
+            argv += ["--web", str(check_web_dir(web_dir))]
     except HttpSetupError as exc:
         raise click.ClickException(str(exc)) from None
     serve_main([*argv, "--log-level", log_level])

@@ -17,13 +17,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hermes_sup.client import AsyncClient, ClientError, SessionConflict
 from hermes_sup.local.logfmt import kv
@@ -54,6 +57,7 @@ class ApiSettings:
     run_ttl: float = 3600.0  # seconds an ended run stays readable
     max_runs: int = 1000  # ended runs kept at most
     max_responses: int = 1000  # stored responses kept at most (in memory)
+    web_dir: Path | None = None  # static files served at / (no key needed for them)
 
 
 @functools.cache
@@ -250,6 +254,36 @@ def _capabilities(api: Api) -> dict[str, Any]:
     }
 
 
+# A page served from web_dir talks only to this endpoint, runs only its own
+# scripts, and is never framed by another site.
+WEB_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        b"img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; "
+        b"base-uri 'none'; form-action 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
+
+def web_app(directory: Path) -> ASGIApp:
+    """The static files of `directory` (index.html at /), with WEB_HEADERS.
+    They need no key: a page holds none; the person using it gives one."""
+    files = StaticFiles(directory=directory, html=True)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *WEB_HEADERS]}
+            await send(message)
+
+        await files(scope, receive, send_with_headers)
+
+    return app
+
+
 def create_app(
     settings: ApiSettings, keys: KeyStore, connect: Callable[[], AsyncClient]
 ) -> Starlette:
@@ -324,7 +358,7 @@ def create_app(
         yield
         await api.close()
 
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/health", health),
         Route("/v1/health", health),
         Route("/v1/models", authed(models)),
@@ -339,6 +373,8 @@ def create_app(
         Route("/v1/runs/{run_id}/approval", authed(api.runs.approval), methods=["POST"]),
         Route("/v1/runs/{run_id}/stop", authed(api.runs.stop), methods=["POST"]),
     ]
+    if settings.web_dir is not None:
+        routes.append(Mount("/", app=web_app(settings.web_dir), name="web"))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -77,6 +77,15 @@ def require_keys(data_dir: Path) -> KeyStore:
     return keys
 
 
+def check_web_dir(path: Path) -> Path:
+    """A directory of static files to serve at /, with its index.html."""
+    if not (path / "index.html").is_file():
+        raise HttpSetupError(
+            f"--web {path}: not a directory with an index.html (the page to serve at /)"
+        )
+    return path.resolve()
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound now so a taken port fails with its reason."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -140,7 +149,11 @@ def run(
 
 
 def start_beside_supervisor(
-    state_dir: Path, data_dir: Path, listen: str, log_level: str = "info"
+    state_dir: Path,
+    data_dir: Path,
+    listen: str,
+    log_level: str = "info",
+    web_dir: Path | None = None,
 ) -> str:
     """Start the endpoint for the supervisor about to run in this process
     (see the module docstring). Call before the supervisor starts: it forks,
@@ -148,6 +161,7 @@ def start_beside_supervisor(
     the URL it listens on."""
     host, port = parse_listen(listen)
     require_keys(data_dir)
+    web = [] if web_dir is None else ["--web", str(check_web_dir(web_dir))]
     sock = bind(host, port)
     url = url_of(sock)
     watch_r, watch_w = os.pipe()  # both close-on-exec: no worker inherits them
@@ -166,6 +180,7 @@ def start_beside_supervisor(
         str(watch_r),
         "--log-level",
         log_level,
+        *web,
     ]
     middle = os.fork()
     if middle == 0:  # the intermediate: spawn the endpoint, then leave it to init
@@ -201,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-body", type=int, default=ApiSettings.max_body)
     parser.add_argument("--stall-timeout", type=float, default=ApiSettings.stall_timeout)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--web", type=Path, help="a directory of static files to serve at /")
     parser.add_argument(
         "--keep", action="store_true", help="run the endpoint as a child, restarted if it dies"
     )
@@ -225,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         keys = require_keys(args.data_dir)
+        web_dir = None if args.web is None else check_web_dir(args.web)
         if args.fd is not None:
             sock = socket.socket(fileno=args.fd)
         else:
@@ -244,6 +261,6 @@ def main(argv: list[str] | None = None) -> None:
             return AsyncClient(state_dir)
 
     settings = ApiSettings(
-        model=args.model, max_body=args.max_body, stall_timeout=args.stall_timeout
+        model=args.model, max_body=args.max_body, stall_timeout=args.stall_timeout, web_dir=web_dir
     )
     run(sock, keys, connect, settings, args.watch_fd, args.log_level)

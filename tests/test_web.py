@@ -1,6 +1,8 @@
-"""The example web front end in a real headless Chromium (driven by
-Playwright): two tabs chat with two sessions, replies stream, an approval
-prompt is answered with a click."""
+"""The example web page (examples/web: static files only) in a real
+headless Chromium driven by Playwright, served by the HTTP endpoint itself
+(`hermes-sup http --web`) and talking to it with fetch and SSE: two tabs
+chat with two sessions, replies stream, approvals are answered with a
+click, Stop cancels, a wrong key shows the endpoint's error."""
 
 from __future__ import annotations
 
@@ -8,16 +10,16 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.test_clients import free_port
+from hermes_sup.httpapi.keys import KeyStore
+from tests.test_http import wait_ready
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-APP = Path(__file__).resolve().parent.parent / "examples" / "web" / "app.py"
+WEB = Path(__file__).resolve().parent.parent / "examples" / "web"
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None and not os.environ.get("HSUP_REQUIRE_ALL"),
@@ -27,27 +29,22 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def web(supervisor, workdir):
-    port = free_port()
-    log = open(workdir / "web.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, str(APP), "--state-dir", str(supervisor.state_dir), "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError((workdir / "web.log").read_text()) from None
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    """The endpoint in front of `supervisor`, serving examples/web at /:
+    (its URL, a key)."""
+    front = workdir / "front"
+    key = KeyStore(front).generate("web")
+    log_path = workdir / "web.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(supervisor.state_dir),
+             "http", "--listen", "127.0.0.1:0", "--data-dir", str(front), "--web", str(WEB)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield wait_ready(log_path, proc) + "/", key
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 @pytest.fixture
@@ -85,21 +82,43 @@ def say(page, text: str):
     page.fill("#text", text)
     page.click("#send")
     bubble = page.locator(".agent").last
-    bubble.locator("xpath=self::*[@data-done]").wait_for(timeout=20_000)
+    bubble.locator("xpath=self::*[@data-done]").wait_for(timeout=30_000)
     return bubble
+
+
+def answer(page, text: str, choice: str):
+    """Send a turn that asks for approval, click `choice`, and return its
+    reply bubble once it is done."""
+    prompts = page.locator("[data-testid=approval]")
+    before = prompts.count()
+    page.fill("#text", text)
+    page.click("#send")
+    prompt = prompts.nth(before)  # this turn's, not an earlier one
+    prompt.wait_for(timeout=30_000)
+    assert text.removeprefix("ask ") in prompt.inner_text()
+    prompt.locator(f"button[data-choice={choice}]").click()
+    done = page.locator(".agent").last
+    done.locator("xpath=self::*[@data-done]").wait_for(timeout=30_000)
+    return done
 
 
 def test_two_tabs_chat_with_two_sessions_streaming_and_approving(
     web, browser, supervisor, workdir
 ) -> None:
+    url, key = web
+    # The page is static files, served without a key, locked to its own origin.
+    with urllib.request.urlopen(url, timeout=10) as page:
+        assert page.status == 200
+        assert "default-src 'self'" in page.headers["Content-Security-Policy"]
     context = browser.new_context()
     tab_a, tab_b = context.new_page(), context.new_page()
-    tab_a.goto(web)
-    tab_b.goto(web)
+    for tab in (tab_a, tab_b):
+        tab.goto(url)
+        tab.fill("#key", key)  # pasted by the person using the page
     key_a, key_b = session_of(tab_a), session_of(tab_b)
     assert key_a.startswith("web:") and key_b.startswith("web:") and key_a != key_b
 
-    # Streaming: the reply arrives as several tokens, in order.
+    # Streaming: the reply arrives as several deltas, in order.
     bubble = say(tab_a, "stream one two three four five")
     assert bubble.get_attribute("data-done") == "reply"
     assert int(bubble.get_attribute("data-tokens") or 0) == 5
@@ -107,30 +126,35 @@ def test_two_tabs_chat_with_two_sessions_streaming_and_approving(
 
     # Each tab is its own session, in its own process, with its own values.
     assert say(tab_b, "env HERMES_SESSION_KEY").locator(".text").inner_text() == key_b
-    assert say(tab_a, "env HERMES_SESSION_CHAT_ID").locator(".text").inner_text() == key_a
+    assert say(tab_a, "env HERMES_SESSION_KEY").locator(".text").inner_text() == key_a
     pid_a = say(tab_a, "pid").locator(".text").inner_text()
     pid_b = say(tab_b, "pid").locator(".text").inner_text()
     assert pid_a.isdigit() and pid_b.isdigit() and pid_a != pid_b
 
-    # An approval shows as buttons; a click answers it and the command runs.
-    tab_b.fill("#text", "ask echo approved-in-the-browser")
-    tab_b.click("#send")
-    prompt = tab_b.locator("[data-testid=approval]").last
-    prompt.wait_for(timeout=20_000)
-    assert "echo approved-in-the-browser" in prompt.inner_text()
-    prompt.locator("button[data-choice=once]").click()
-    done = tab_b.locator(".agent").last
-    done.locator("xpath=self::*[@data-done]").wait_for(timeout=20_000)
-    assert done.locator("pre.output").inner_text() == "approved-in-the-browser"
-    assert done.locator(".text").inner_text() == "exit 0"
+    # An approval shows as buttons; a click answers it: allowed, the command
+    # runs; denied, it does not.
+    allowed = answer(tab_b, "ask touch approved-in-the-browser", "once")
+    assert allowed.locator(".text").inner_text() == "exit 0"
+    denied = answer(tab_b, "ask touch denied-in-the-browser", "deny")
+    assert denied.locator(".text").inner_text() == "denied: touch denied-in-the-browser"
+    with supervisor.client() as client:
+        workspace = Path(client.inspect(key_b)["workspace"])
+    assert (workspace / "approved-in-the-browser").exists()
+    assert not (workspace / "denied-in-the-browser").exists()
 
-    # A refusal from the supervisor shows as an error naming its code.
-    tab_a.evaluate("sessionStorage.setItem('hermes-sup-session', '../bad')")
-    tab_a.reload()
+    # Stop cancels a running turn.
+    tab_a.fill("#text", "sleep 60")
+    tab_a.click("#send")
+    tab_a.locator(".agent").last.locator("button.stop").click()
+    stopped = tab_a.locator(".agent").last
+    stopped.locator("xpath=self::*[@data-done]").wait_for(timeout=30_000)
+    assert stopped.get_attribute("data-done") == "cancelled"
+
+    # A wrong key shows the endpoint's error, naming its code.
+    tab_a.fill("#key", "hsk-wrong")
     bubble = say(tab_a, "pid")
-    assert (
-        bubble.get_attribute("data-done") == "error" and "[bad_session_key]" in bubble.inner_text()
-    )
+    assert bubble.get_attribute("data-done") == "error"
+    assert "[invalid_api_key]" in bubble.inner_text()
     shots = Path(os.environ.get("HSUP_SCREENSHOT_DIR") or workdir)
     tab_b.screenshot(path=str(shots / "web.png"))
 
