@@ -136,11 +136,14 @@ class Stamper:
 
     def prefix(self) -> bytes:
         """`<stamp> ` for now, as bytes."""
-        seconds, nanos = divmod(time.time_ns(), 1_000_000_000)
+        # A float's clock: at today's seconds it still holds a quarter of a
+        # microsecond, and it costs less than integer nanoseconds (measured).
+        now = time.time()
+        seconds = int(now)
         if seconds != self._second:
             self._second = seconds
-            self._head = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)).encode()
-        return b"%s.%06dZ " % (self._head, nanos // 1000)
+            self._head = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)).encode()
+        return self._head + b"%06dZ " % int((now - seconds) * 1_000_000)
 
 
 class SessionLog:
@@ -284,12 +287,13 @@ class SessionLog:
         and one writev adds the first: a single new buffer. Concatenating
         would allocate two or three more the size of a read, and that
         (measured) made a 64 KiB batch cost 7 times more than this does."""
-        stamped = chunk.replace(b"\n", b"\n" + prefix)
-        extra = len(stamped) - len(chunk)  # the stamps: one a line
-        self.stamp_bytes += extra
-        self.spend(extra)
-        body = memoryview(stamped)[: len(stamped) - len(prefix)]
+        body: bytes | memoryview = chunk
+        if chunk.find(b"\n") < len(chunk) - 1:  # more than one line
+            stamped = chunk.replace(b"\n", b"\n" + prefix)
+            body = memoryview(stamped)[: len(stamped) - len(prefix)]
         size = len(prefix) + len(body)
+        self.stamp_bytes += size - len(chunk)  # the stamps: one a line
+        self.spend(size - len(chunk))
         fd = self._open()
         if size > self.max_bytes - self._size:
             self._put(prefix + body)  # rotates first: once a file

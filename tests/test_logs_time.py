@@ -142,6 +142,33 @@ def test_every_stored_line_is_stamped_and_tail_strips_the_stamp(tmp_path: Path) 
     assert tail(path, 2) == ["three", "no newline at the end"]
 
 
+def test_a_short_write_of_stamped_lines_goes_on_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stamp and the lines go out in one writev; when it writes only part
+    (a disk filling up), the rest follows, nothing twice, nothing lost."""
+    from hermes_sup.supervisor import logs
+
+    real = os.writev
+
+    def short(fd: int, buffers) -> int:  # noqa: ANN001
+        return real(fd, [bytes(b"".join(bytes(b) for b in buffers)[:40])])
+
+    monkeypatch.setattr(logs.os, "writev", short)
+    log = SessionLog(tmp_path / "worker.log")
+    log.feed(b"first line\nsecond line\nthird\n")
+    log.feed(b"alone\n")
+    log.close()
+    stored = lines_of(tmp_path / "worker.log")
+    assert [split_stamp(line)[1] for line in stored] == [
+        "first line",
+        "second line",
+        "third",
+        "alone",
+    ]
+    assert all(STAMPED.match(line) for line in stored)
+
+
 def write_stamped(path: Path, lines: list[tuple[float | None, str]]) -> None:
     """A log as the supervisor stores it; None: a line from before stamps."""
     with open(path, "a") as fh:
