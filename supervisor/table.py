@@ -62,6 +62,8 @@ class SessionTable:
         # Keys whose worktree is being removed before their data is deleted:
         # no new worker for them meanwhile.
         self.purging: set[str] = set()
+        # Sessions by the repository they work on, for their peers at each turn.
+        self.by_repo: dict[str, dict[str, Session]] = {}
         self.load_stored()
 
     def load_stored(self) -> None:
@@ -137,6 +139,8 @@ class SessionTable:
             else:
                 self._save_meta(session)
             self.sessions[key] = session
+            if session.repo is not None:
+                self.by_repo.setdefault(session.repo, {})[key] = session
             log.info(kv("session_new", session=key, dir=path.name))
         elif options is not None and options != session.options:
             _check_same_repo(session, options)
@@ -181,10 +185,11 @@ class SessionTable:
         repository, by key."""
         if session.repo is None:
             return []
+        on_repo = self.by_repo.get(session.repo, {})
         return [
             Peer(s.key, s.branch or "", s.state.value, s.options.label)
-            for s in sorted(self.sessions.values(), key=lambda s: s.key)
-            if s is not session and s.repo == session.repo and s.state in RUNNING_STATES
+            for s in sorted(on_repo.values(), key=lambda s: s.key)
+            if s is not session and s.state in RUNNING_STATES
         ]
 
     def refresh_peers(self, session: Session) -> None:
@@ -253,6 +258,11 @@ class SessionTable:
         self.watchers.forget_follows(session)
         shutil.rmtree(session.dir, ignore_errors=True)
         del self.sessions[session.key]
+        if session.repo is not None:
+            on_repo = self.by_repo.get(session.repo, {})
+            on_repo.pop(session.key, None)
+            if not on_repo:
+                self.by_repo.pop(session.repo, None)
         self.stored.pop(session.key, None)
         log.info(kv("purged", session=session.key))
 
