@@ -129,6 +129,11 @@ class Settings:
     log_rate_burst: int = 4 * 1024 * 1024
     # Recent turns and events kept per session, replayed to `attach`.
     history: int = 200
+    # Messages the supervisor queues for one client connection. A client
+    # that does not read that many lags: its events are dropped and counted
+    # (a `dropped` event tells it how many once it reads again), its answers
+    # kept for it (supervisor/endpoints.py, "Slow consumers").
+    client_queue: int = 10_000
     # A worker merges the stream deltas (`token`, `output`) of a turn made
     # within this many milliseconds into one event, losing nothing; a turn's
     # first delta and every other event go out at once (worker/coalesce.py).

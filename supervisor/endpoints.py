@@ -8,8 +8,26 @@ binds; everyone else connects.
 
 A client id is the routing id behind one byte naming the socket it came in
 on (0: the local control socket, 1: TCP), and replies are signed with that
-socket's key. Sends never block: a client that is gone or too slow is
-dropped, never waited on (see channel.py for how the loop drives them).
+socket's key. Sends never block: a client that is gone is forgotten, and one
+too slow is never waited on (see channel.py for how the loop drives them).
+
+Slow consumers
+--------------
+zmq queues at most `client_queue` messages for one client connection (the
+ROUTER's send high-water mark, per peer), so a client that stops reading
+holds that much of the supervisor's memory and no more, and every other
+client is served as before. Once its queue is full the client *lags*
+(`Lag`): its events are dropped and counted per stream (the session and
+the request they answer), and its final answers (a turn's reply or error,
+the answer to any request) are kept for it, never dropped, up to
+MAX_OWED of them (beyond that, the oldest is dropped and counted too, and
+one over OWED_ANSWER_BYTES is kept as a short `overloaded` error instead).
+While any client lags, the supervisor tries again every CATCH_UP_INTERVAL
+and before anything new is sent to it: each stream's count goes first, as
+an event `{type: "dropped", data: {count, reason: "slow_consumer"}}` with
+the stream's session and `re`, then what was kept, in order. A client that
+reads again so learns how much it missed, where, and gets every answer; a
+lagging client that goes away is forgotten.
 
 Client connections are counted and capped per socket by the gate
 (gate.py), so that no number of them runs the supervisor out of file
@@ -23,7 +41,11 @@ import asyncio
 import logging
 import os
 import resource
+import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 
 import zmq
@@ -36,6 +58,7 @@ from hermes_sup.protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAGIC,
     ErrorCode,
+    Kind,
     Limits,
     LocalProtocolError,
     Message,
@@ -59,6 +82,7 @@ from .gate import (
     unix_address,
 )
 from .session import Session
+from .throttle import Throttle
 
 log = logging.getLogger("hermes_sup.supervisor")
 
@@ -68,6 +92,53 @@ ENVELOPE_ROOM = 64 * 1024
 # How long a client may take to complete its handshake: one that connects
 # and says nothing holds a place among the client connections until then.
 HANDSHAKE_MS = 10_000
+# Slow consumers (see the module docstring): how often a lagging client is
+# tried again, how many final answers are kept for one, and how large one
+# may be to be kept as it is. Streams whose drops are counted for one
+# client, at most (beyond, they are counted under no stream).
+CATCH_UP_INTERVAL = 0.025
+MAX_OWED = 256
+OWED_ANSWER_BYTES = 64 * 1024
+MAX_STREAMS = 4096
+# What zmq queues on the workers' socket, in messages per worker: to a
+# worker, and from one. A worker that streams faster than the supervisor
+# forwards waits (its sends block) once WORKER_INBOX of its messages wait
+# here, instead of the supervisor reading its stream into memory.
+WORKER_QUEUE = 100_000
+WORKER_INBOX = 1000
+
+SLOW = Throttle(log, "slow_consumer")
+
+
+class Sent(Enum):
+    """What became of a message for a client."""
+
+    DELIVERED = "delivered"  # handed to zmq
+    LAGGING = "lagging"  # the client's queue is full: counted or kept
+    GONE = "gone"  # the client is not connected
+
+
+Stream = tuple[str | None, str | None]  # (session, re)
+
+
+@dataclass
+class Owed:
+    """What one stream of a lagging client is owed: a count of dropped
+    events, then its kept answers (frames ready to send), in order."""
+
+    dropped: int = 0
+    answers: list[list[bytes]] = field(default_factory=list)
+
+
+@dataclass
+class Lag:
+    """A client whose queue was full: what it is owed, stream by stream,
+    in the order the streams first fell behind."""
+
+    since: float
+    streams: OrderedDict[Stream, Owed] = field(default_factory=OrderedDict)
+    answers: int = 0  # kept, all streams together
+    dropped: int = 0  # events dropped since it began to lag, for the log
 
 
 def worker_limits(max_frame_size: int) -> Limits:
@@ -92,6 +163,9 @@ class Endpoints:
         self.fronts: list[tuple[Channel, bytes]] = []
         self.auth: ThreadAuthenticator | None = None
         self.caps = (0, 0)  # client connections at most: local, TCP
+        # Slow consumers: lagging clients by id, and the retry timer's handle.
+        self.lagging: dict[bytes, Lag] = {}
+        self._catch_up_timer: asyncio.TimerHandle | None = None
 
     def open(
         self,
@@ -133,7 +207,7 @@ class Endpoints:
                 )
             )
         log.info(kv("client_limit", local=self.caps[0], tcp=self.caps[1], fd_limit=fd_limit))
-        back = self._router(self.worker_limits.max_frame_size)
+        back = self._router(self.worker_limits.max_frame_size, WORKER_QUEUE, WORKER_INBOX)
         self.back = Channel(self._bind(back, self.worker), on_worker, loop)
 
     def _front(
@@ -150,6 +224,8 @@ class Endpoints:
         return channel
 
     def close(self) -> None:
+        if self._catch_up_timer is not None:
+            self._catch_up_timer.cancel()
         self.gate.stop()
         for channel, _ in self.fronts:
             channel.close()
@@ -234,7 +310,9 @@ class Endpoints:
         )
         return auth
 
-    def _router(self, limit: int | None = None) -> zmq.Socket[bytes]:
+    def _router(
+        self, limit: int | None = None, queue: int | None = None, inbox: int = 100_000
+    ) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Sends to a peer that is gone raise instead of vanishing silently.
@@ -244,8 +322,10 @@ class Endpoints:
         if limit is None:
             limit = self.settings.max_frame_size
         sock.setsockopt(zmq.MAXMSGSIZE, limit + limit // 4 + 4096)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Messages queued for one peer: a client that does not read lags
+        # once its queue is full (see "Slow consumers" above).
+        sock.setsockopt(zmq.SNDHWM, queue if queue is not None else self.settings.client_queue)
+        sock.setsockopt(zmq.RCVHWM, inbox)
         return sock
 
     def _bind(self, sock: zmq.Socket[bytes], endpoint: str) -> zmq.Socket[bytes]:
@@ -265,33 +345,167 @@ class Endpoints:
         return self.fronts[index][1]
 
     def to_client(self, client: bytes, msg: Message, payload: bytes | None = None) -> bool:
-        """Send to a client without blocking; False if it is gone or too slow.
+        """Send to a client without blocking; False if it is gone. A client
+        too slow to take it lags: an event is counted as dropped, an answer
+        kept for it (see "Slow consumers" above); that is True too.
         `payload` is a worker's own envelope that already says what `msg`
         says (same session, same `re`): it is re-signed, not re-encoded."""
-        channel, key = self.fronts[client[0]]
+        lag = self.lagging.get(client)
+        if lag is not None:
+            caught_up = self._catch_up(client, lag)
+            if caught_up is Sent.GONE:
+                return False
+            if caught_up is Sent.LAGGING:
+                self._owe(client, lag, msg, lambda: self._frames(client, msg, payload))
+                return True
+        frames = self._frames(client, msg, payload)
+        sent = self._send(client, frames)
+        if sent is Sent.LAGGING:
+            lag = self.lagging[client] = Lag(time.monotonic())
+            self._owe(client, lag, msg, lambda: frames)
+            self._schedule_catch_up()
+            if SLOW.due():
+                log.warning(
+                    kv(
+                        "slow_consumer",
+                        client=client[1:].hex()[:16],
+                        queued=self.settings.client_queue,
+                        outcome="events dropped and counted, answers kept until it reads",
+                    )
+                )
+        elif sent is Sent.GONE:
+            log.debug(kv("client_gone", kind=msg.kind.value, re=msg.re))
+        return sent is not Sent.GONE
+
+    def _frames(self, client: bytes, msg: Message, payload: bytes | None) -> list[bytes]:
+        """The signed frames of `msg` for `client` (see to_client)."""
+        key = self.fronts[client[0]][1]
         try:
             if payload is not None:
-                frames = [MAGIC, sign(key, payload), payload]
-            else:
-                frames = encode(msg, key, self.limits)
+                return [MAGIC, sign(key, payload), payload]
+            return encode(msg, key, self.limits)
         except LocalProtocolError as exc:
             log.error(kv("unsendable", kind=msg.kind.value, error=exc.message))
-            frames = encode(
+            return encode(
                 error_message(
                     ErrorCode.INTERNAL.value, exc.message, re=msg.re, session=msg.session
                 ),
                 key,
             )
+
+    def _send(self, client: bytes, frames: list[bytes]) -> Sent:
         try:
-            channel.send([client[1:], *frames])
-            return True
+            self.fronts[client[0]][0].send([client[1:], *frames])
+            return Sent.DELIVERED
         except zmq.Again:
-            log.warning(kv("client_slow_dropped", kind=msg.kind.value, re=msg.re))
+            return Sent.LAGGING
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            log.debug(kv("client_gone", kind=msg.kind.value, re=msg.re))
-        return False
+            return Sent.GONE
+
+    # ------------------------------------------------------ slow consumers
+
+    def _owe(
+        self, client: bytes, lag: Lag, msg: Message, frames: Callable[[], list[bytes]]
+    ) -> None:
+        """Count `msg` as dropped for a lagging client (an event), or keep
+        it for the client (a final answer; see the module docstring)."""
+        stream: Stream = (msg.session, msg.re)
+        owed = lag.streams.get(stream)
+        if owed is None:
+            if len(lag.streams) >= MAX_STREAMS and msg.kind is Kind.EVENT:
+                stream = (None, None)  # counted, under no stream
+                owed = lag.streams.get(stream)
+            if owed is None:
+                owed = lag.streams[stream] = Owed()
+        if msg.kind is Kind.EVENT:
+            owed.dropped += 1
+            lag.dropped += 1
+            return
+        kept = frames()
+        if len(kept[-1]) > OWED_ANSWER_BYTES:
+            stand_in = error_message(
+                ErrorCode.OVERLOADED.value,
+                f"this {msg.kind.value} ({len(kept[-1])} bytes) was not kept for this client, "
+                "which had stopped reading (slow_consumer); read faster, or ask again",
+                re=msg.re,
+                session=msg.session,
+            )
+            kept = encode(stand_in, self.fronts[client[0]][1])
+        owed.answers.append(kept)
+        lag.answers += 1
+        if lag.answers > MAX_OWED:
+            self._drop_oldest_answer(lag)
+
+    def _drop_oldest_answer(self, lag: Lag) -> None:
+        for owed in lag.streams.values():
+            if owed.answers:
+                owed.answers.pop(0)
+                owed.dropped += 1
+                lag.answers -= 1
+                lag.dropped += 1
+                return
+
+    def _catch_up(self, client: bytes, lag: Lag) -> Sent:
+        """Send a lagging client what it is owed, in order, for as long as
+        its queue takes it. DELIVERED: all of it, it lags no more."""
+        key = self.fronts[client[0]][1]
+        streams = lag.streams
+        while streams:
+            stream, owed = next(iter(streams.items()))
+            if owed.dropped:
+                session, re = stream
+                notice = Message(
+                    Kind.EVENT,
+                    {
+                        "type": "dropped",
+                        "data": {"count": owed.dropped, "reason": "slow_consumer"},
+                    },
+                    session=session,
+                    re=re,
+                )
+                sent = self._send(client, encode(notice, key, self.limits))
+                if sent is not Sent.DELIVERED:
+                    return self._behind(client, sent)
+                owed.dropped = 0
+            while owed.answers:
+                sent = self._send(client, owed.answers[0])
+                if sent is not Sent.DELIVERED:
+                    return self._behind(client, sent)
+                owed.answers.pop(0)
+                lag.answers -= 1
+            del streams[stream]
+        del self.lagging[client]
+        log.info(
+            kv(
+                "slow_consumer_caught_up",
+                client=client[1:].hex()[:16],
+                dropped=lag.dropped,
+                seconds=round(time.monotonic() - lag.since, 3),
+            )
+        )
+        return Sent.DELIVERED
+
+    def _behind(self, client: bytes, sent: Sent) -> Sent:
+        if sent is Sent.GONE:
+            del self.lagging[client]  # gone: nobody to owe anything to
+        return sent
+
+    def _schedule_catch_up(self) -> None:
+        if self._catch_up_timer is None and self.lagging:
+            self._catch_up_timer = self.loop.call_later(CATCH_UP_INTERVAL, self._catch_up_all)
+
+    def _catch_up_all(self) -> None:
+        """The retry timer: every lagging client is tried again."""
+        self._catch_up_timer = None
+        for client, lag in list(self.lagging.items()):
+            try:
+                self._catch_up(client, lag)
+            except Exception:
+                log.exception(kv("bug", where="slow consumer catch-up"))
+                self.lagging.pop(client, None)
+        self._schedule_catch_up()
 
     def error(
         self, client: bytes, code: ErrorCode, message: str, re: str | None, session: str | None

@@ -1,0 +1,101 @@
+"""A client that stops reading (supervisor/endpoints.py, "Slow consumers"):
+the supervisor holds at most its queue for it, serves everyone else as
+before, and once it reads again tells it how many events it missed and
+gives it every answer. Real supervisor, real clients, real sockets."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+
+from hermes_sup.client import Client
+from hermes_sup.protocol import Kind, Message
+
+LINES = 40_000
+WIDTH = 1000  # bytes a line: LINES of them are 40 MB through the supervisor
+FLOOD = (
+    "sh awk 'BEGIN { s = sprintf(\"%" + str(WIDTH - 8) + 's", ""); '
+    f'for (i = 1; i <= {LINES}; i++) printf "%08d%s\\n", i, s }}\''
+)
+# Far below what the flood would hold if the supervisor queued it all.
+RSS_BOUND = 20 * 1024 * 1024
+
+
+def config(root: Path, queue: int) -> Path:
+    path = root / "hs.toml"
+    # One event a line: the counts below are exact.
+    path.write_text(f"client_queue = {queue}\nstream_coalesce_ms = 0\n")
+    return path
+
+
+def rss(pid: int) -> int:
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def wait_for(what: str, check, timeout: float = 120.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def turn_over(client: Client, key: str) -> bool:
+    rows = [r for r in client.sessions() if r["key"] == key]
+    return bool(rows) and rows[0]["turns"] >= 1 and rows[0]["state"] == "idle"
+
+
+def accounted(events: list) -> int:  # noqa: ANN001
+    """Lines a client got, plus those it was told it missed."""
+    got = [e for e in events if e.type == "output"]
+    missed = sum(e.data["count"] for e in events if e.type == "dropped")
+    return len(got) + missed
+
+
+def answers_to(client: Client, req: str) -> list[Message]:
+    got = []
+    while True:
+        msg = client.next(timeout=60)
+        if msg.re != req:
+            continue
+        got.append(msg)
+        if msg.kind is not Kind.EVENT:
+            return got
+
+
+def test_a_client_that_stops_reading_costs_its_queue_and_learns_what_it_missed(
+    supervisor_factory, workdir: Path
+) -> None:
+    sup = supervisor_factory("--config", str(config(workdir, 1000)))
+    with sup.client(timeout=60) as fast, sup.client(timeout=60) as slow:
+        # The same flood read as it comes first: what the supervisor allocates
+        # for it (buffers, arenas) is then in the baseline.
+        # A client that reads as fast as it can may fall behind a flood too:
+        # then it is told, and nothing goes unaccounted.
+        warm = fast.run("warm", FLOOD)
+        assert warm.text == "exit 0" and accounted(warm.events) == LINES
+        before = rss(sup.pid)
+
+        req = slow.submit(Kind.SEND, {"text": FLOOD}, session="slow")  # and never read
+        wait_for("the slow client to lag", lambda: "slow_consumer" in sup.log())
+        # Meanwhile another client's session is served whole.
+        other = fast.run("other", "sh seq 1 3000")
+        assert other.text == "exit 0" and accounted(other.events) == 3000
+        wait_for("the unread turn to end", lambda: turn_over(fast, "slow"))
+        held = rss(sup.pid) - before
+        assert held < RSS_BOUND, f"the supervisor grew {held} bytes for a client that reads nothing"
+
+        # It reads again: what it got, then how many it missed, then its reply.
+        answers = answers_to(slow, req)
+        assert answers[-1].kind is Kind.REPLY and answers[-1].body["text"] == "exit 0"
+        events = [m.body for m in answers[:-1]]
+        lines = [int(b["data"][:8]) for b in events if b["type"] == "output"]
+        assert lines == sorted(lines) and len(set(lines)) == len(lines)
+        dropped = [b["data"] for b in events if b["type"] == "dropped"]
+        assert dropped and all(d["reason"] == "slow_consumer" for d in dropped)
+        assert len(lines) + sum(d["count"] for d in dropped) == LINES  # every one accounted for
+        assert all(m.session == "slow" for m in answers)
+        # And it is served as before.
+        assert slow.run("slow", "pid").ok
+    assert "slow_consumer_caught_up" in sup.log()
