@@ -344,6 +344,9 @@ def test_logs_choose_lines_by_time_and_show_stamps_live_and_from_disk(two_batche
     for name, result in offline.items():
         assert result.returncode == 0, (name, result.stderr)
         assert result.stdout == live[name].stdout, name
+    # Following the file ends by itself too once --until has passed.
+    ends = hs(sup, "logs", "ts", *data, "-f", "-n", "0", "--until", repr(time.time() + 1))
+    assert ends.returncode == 0 and ends.stdout == "", ends.stderr
 
 
 @pytest.mark.e2e
