@@ -90,6 +90,9 @@ class Sealing:
             "session_dir": str(session.dir),
             "user_dir": str(session.dir / "user"),
             "hide": hide,
+            # Where a git worktree workspace's repository may be (seal.py
+            # keeps it visible; anything else a `.git` file names is not).
+            "repos": [r for r in (settings.repo, *settings.repo_roots) if r],
             "uid": uid,
             "gid": uid,
             "fault": self.fault,

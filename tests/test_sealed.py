@@ -271,8 +271,10 @@ def test_a_git_worktree_workspace_keeps_its_repository_visible(supervisor_factor
     import subprocess
 
     roots = workdir / "roots"
-    repo = workdir / "repo"
+    repos = workdir / "repos"
+    repo = repos / "repo"
     roots.mkdir()
+    repos.mkdir()
     run = {"check": True, "capture_output": True}
     subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], **run)
     subprocess.run(
@@ -296,8 +298,18 @@ def test_a_git_worktree_workspace_keeps_its_repository_visible(supervisor_factor
     subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", str(tree)], **run)
     (roots / "another").mkdir()
     (roots / "another" / "secret.txt").write_text("n0t-yours")
-    sup = supervisor_factory("--sealed", "on", "--workspace-root", str(roots))
+    sup = supervisor_factory(
+        "--sealed", "on", "--workspace-root", str(roots), "--repo-root", str(repos)
+    )
     with sup.client(timeout=60) as client:
+        # A `.git` file naming another session's directory shows it nothing.
+        client.open("victim")
+        victim = session_dir(sup, "victim")
+        (roots / "liar").mkdir()
+        (roots / "liar" / ".git").write_text(f"gitdir: {victim}\n")
+        client.open("liar", workspace=str(roots / "liar"))
+        text, lines = sh(client, "liar", f"ls {victim} 2>&1; ls {repos} 2>&1")
+        assert "workspace" not in "\n".join(lines) and "repo" not in lines
         client.open("g", workspace=str(tree))
         text, lines = sh(
             client,

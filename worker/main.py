@@ -247,6 +247,12 @@ def _seal(req: dict[str, Any], plan: dict[str, Any], entered: str | None) -> sea
         user=Path(plan["user_dir"]),
     )
     _make_dir(dirs.user)
+    # Mount points may be made in it (for a data or state dir under /tmp),
+    # as root: nothing an earlier worker of the session left may be in the
+    # way (a symlink would lead those mkdirs elsewhere).
+    with os.scandir(dirs.tmp) as entries:
+        if next(entries, None) is not None:
+            raise seal.SealError("tmp", f"{dirs.tmp} could not be emptied")
     uid, gid = plan.get("uid"), plan.get("gid")
     if mode == "root":
         assert uid is not None and gid is not None

@@ -43,6 +43,7 @@ import ctypes
 import errno
 import functools
 import os
+import stat
 import struct
 import sys
 from collections.abc import Iterable
@@ -397,25 +398,43 @@ def closed_ancestors(paths: Iterable[Path]) -> set[Path]:
     return closed
 
 
-def git_common_dir(workspace: Path) -> Path | None:
-    """The repository's common git directory of a worktree workspace (a
-    `.git` file naming `gitdir: ...`), which must stay visible at its own
-    path for git to work in it; None for anything else."""
+def _read_small(path: Path, limit: int = 4096) -> str | None:
+    """A small regular file's text, or None: never through a symlink, never
+    blocking on a FIFO (the workspace is the session's to fill)."""
     try:
-        text = (workspace / ".git").read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit).decode()
     except (OSError, UnicodeDecodeError):
         return None
-    if not text.startswith("gitdir:"):
+    finally:
+        os.close(fd)
+
+
+def git_common_dir(workspace: Path, repos: Iterable[Path]) -> Path | None:
+    """The repository's common git directory of a worktree workspace (a
+    `.git` file naming `gitdir: ...`), which must stay visible at its own
+    path for git to work in it; None for anything else. The session wrote
+    that file, so only a directory under one of `repos` (the configured
+    repository and repository roots) counts: anything else it names (another
+    session's directory, say) is never bound into its view."""
+    text = _read_small(workspace / ".git")
+    if text is None or not text.startswith("gitdir:"):
         return None
     admin = Path(text.partition(":")[2].strip())
     if not admin.is_absolute():
         admin = workspace / admin
-    try:
-        common = (admin / "commondir").read_text().strip()
-    except OSError:
-        return admin.resolve()
-    path = Path(common)
-    return (path if path.is_absolute() else admin / path).resolve()
+    common = _read_small(admin / "commondir")
+    if common is None:
+        path = admin.resolve()
+    else:
+        named = Path(common.strip())
+        path = (named if named.is_absolute() else admin / named).resolve()
+    return path if _under(path, [Path(r).resolve() for r in repos]) else None
 
 
 def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -> dict[str, Any]:
@@ -446,8 +465,9 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
         keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True), ("socket", socket, True)]
         if not _under(dirs.workspace, [dirs.dir]):
             keep.append(("workspace", dirs.workspace, False))
-        common = git_common_dir(dirs.workspace)
-        if common is not None and common.is_dir():
+        repos = [Path(r) for r in plan.get("repos", ()) if r]
+        common = git_common_dir(dirs.workspace, repos) if repos else None
+        if common is not None and not _under(common, [data_dir, state_dir]) and common.is_dir():
             fds["git"] = _open_path("session", common)
             keep.append(("git", common, False))
         own = [data_dir, state_dir]
