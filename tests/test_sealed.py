@@ -264,6 +264,13 @@ def test_unprivileged_sealed_sessions(supervisor_factory, workdir) -> None:
         ):
             text, lines = sh(client, "uiso0x", f"{command} 2>&1; echo status=$?")
             assert (lines[-1] != "status=0") == refused, (command, lines)
+        # The service's code is read-only in a session's view: its uid may
+        # be the code's owner, and the next supervisor runs that code.
+        package = Path(seal.__file__).resolve().parent.parent
+        text, lines = sh(
+            client, "uiso0x", f"awk '$5 == \"{package}\" {{print $6}}' /proc/self/mountinfo"
+        )
+        assert lines and lines[-1].split(",")[0] == "ro", lines
     assert "sealed mode=user" in sup.log()
 
 

@@ -474,7 +474,11 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
         for i, code in enumerate(codes):
             if _under(code, own) or any(_under(p, [code]) for p in own):
                 continue  # nothing of the data or state dir comes back this way
-            if _under(code, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]):
+            # Hidden code comes back; not root, all of it comes back
+            # read-only: the session's uid may own it, and a worker must not
+            # change what the next supervisor or zygote will run.
+            shown = not _under(code, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")])
+            if not shown or plan["mode"] == "user":
                 fds[f"code{i}"] = _open_path("session", code)
                 keep.append((f"code{i}", code, True))
 
@@ -513,7 +517,8 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
         # What stays visible at its own path, shallowest first.
         _check_fault("bind", fault)
         for name, path, readonly in sorted(keep, key=lambda k: len(k[1].parts)):
-            if not _under(path, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]):
+            hidden_here = _under(path, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")])
+            if not hidden_here and not name.startswith("code"):
                 continue  # never hidden
             if name == "socket":
                 _make_file("bind", path)
