@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -57,6 +58,9 @@ if do_replay:
     hermes_seal.replay(paths)
 from tools import approval, file_operations
 from agent import redact
+import certifi, ssl
+made = [ssl.create_default_context(cafile=certifi.where())
+        for _ in range(hermes_seal.SSL_POOL_SIZE + 2)]
 print(json.dumps({
     "env": {k: os.environ.get(k) for k in ("SEALED_MARK", "TERMINAL_TIMEOUT", "HERMES_QUIET",
                                            "HERMES_EXEC_ASK", "_HERMES_GATEWAY",
@@ -67,6 +71,12 @@ print(json.dumps({
     "denied": sorted(file_operations.WRITE_DENIED_PATHS),
     "missing": sorted(done.missing),
     "threads": __import__("threading").active_count(),
+    "ssl": {
+        "distinct": len({id(c) for c in made}) == len(made),
+        "verify": all(c.verify_mode == ssl.CERT_REQUIRED and c.check_hostname for c in made),
+        "certs": min(len(c.get_ca_certs()) for c in made),
+        "pooled": type(ssl.create_default_context).__name__,
+    },
     "yolo": approval._YOLO_MODE_FROZEN,
     "redact": redact._REDACT_ENABLED,
 }))
@@ -111,6 +121,13 @@ def test_replay_recomputes_what_the_import_froze_from_the_zygotes_env(
     assert replayed["redact"] is True
 
 
+def test_ssl_contexts_made_ahead_are_each_fresh_and_verifying(replayed: dict[str, Any]) -> None:
+    """Past the pool's size too: then they are made as before."""
+    made = replayed["ssl"]
+    assert made["pooled"] == "_SSLPool"
+    assert made["distinct"] and made["verify"] and made["certs"] > 0
+
+
 def test_replay_makes_the_sessions_home_skeleton(replayed: dict[str, Any]) -> None:
     for name in ("SOUL.md", "memories", "skills", "cron", "logs", "sessions"):
         assert name in replayed["home"], name
@@ -152,3 +169,250 @@ def test_the_recorded_module_list_is_there_and_names_hermes() -> None:
     assert len(names) > 500
     assert {"run_agent", "model_tools", "tools.terminal_tool"} <= set(names)
     assert not [n for n in names if n.split(".")[0] in ("hermes_sup", "tests", "__main__")]
+
+
+# ------------------------------------------------------------------ the audit
+# Real supervisors with `--agent hermes --sealed on`, against the fake model.
+
+# What each session's agent runs through its terminal tool: what it sees of
+# itself, a file in its workspace and one in its /tmp, and what it can list
+# of the sessions' parent directory. `{data}` is the data directory.
+SEES = (
+    "run: echo key=$HERMES_SESSION_KEY; echo home=$HERMES_HOME; echo pwd=$(pwd); "
+    "echo own-$HERMES_SESSION_KEY > mine.txt; echo tmp-$HERMES_SESSION_KEY > /tmp/{mark}; "
+    "echo seen=$(cat /tmp/{mark}); echo tmpls=$(ls -A /tmp | tr '\\n' ,); "
+    "echo sessions=$(ls -A {data}/sessions 2>&1 | tr '\\n' ,); "
+    "echo user=$HOME=$(ls -A $HOME | tr '\\n' ,)"
+)
+# Escape tries from the agent's shell: each prints its exit status.
+ESCAPES = (
+    "run: umount /tmp 2>/dev/null; echo umount=$?; "
+    "umount -l {data} 2>/dev/null; echo umountdata=$?; "
+    "cat /proc/{other}/environ >/dev/null 2>&1; echo environ=$?; "
+    "ls /proc/{other}/root/ >/dev/null 2>&1; echo procroot=$?; "
+    "cat {state}/hmac.key 2>/dev/null; echo keyfile=$?; "
+    "kill -0 {other} 2>/dev/null; echo killworker=$?; "
+    "kill -0 {sup} 2>/dev/null; echo killsup=$?; "
+    "cat {data}/sessions/{other_dir}/workspace/mine.txt 2>/dev/null; echo otherfile=$?"
+)
+ESCAPE_NAMES = (
+    "umount",
+    "umountdata",
+    "environ",
+    "procroot",
+    "keyfile",
+    "killworker",
+    "killsup",
+    "otherfile",
+)
+
+
+def _sealed_supervisor(supervisor_factory: Any, model: Any, workdir: Path, extra: list[str]) -> Any:
+    """A supervisor running sealed Hermes sessions against the fake model;
+    the test is skipped where this machine cannot seal (no namespaces)."""
+    from hermes_sup.worker import seal
+
+    template = workdir / "template"
+    template.mkdir()
+    (template / "config.yaml").write_text(
+        "approvals:\n  timeout: 5\nmodel:\n  context_length: 131072\n"
+    )
+    config = workdir / "agent.toml"
+    config.write_text(
+        f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
+        f'toolsets = ["terminal"]\ntemplate_home = "{template}"\n'
+    )
+    home = workdir / "user-home"
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home))
+    sup = supervisor_factory(
+        "--agent",
+        "hermes",
+        "--agent-config",
+        str(config),
+        "--sealed",
+        "on",
+        *extra,
+        env=env,
+        start=False,
+    )
+    try:
+        sup.start()
+    except AssertionError as exc:
+        if "sessions cannot be sealed here" in str(exc):
+            pytest.skip(f"sealed mode is not available here: {exc}")
+        raise
+    sup.paths = seal.SealedPaths.for_data_dir(sup.data_dir)
+    sup.user_home = home
+    return sup
+
+
+def _tree(path: Path) -> dict[str, tuple[int, int]]:
+    """Every file under path: (size, mtime_ns) by relative name."""
+    out = {}
+    for p in sorted(path.rglob("*")):
+        st = p.lstat()
+        out[str(p.relative_to(path))] = (st.st_size if p.is_file() else 0, st.st_mtime_ns)
+    return out
+
+
+def _turns(
+    sup: Any, texts: dict[str, str], timeout: float = 180
+) -> dict[str, tuple[Any, list[Any]]]:
+    """Run one turn in each session at once; approve (once) whatever the agent
+    asks, so that escape tries are refused by the kernel, not by hermes."""
+    from hermes_sup.protocol import Kind
+
+    with sup.client(timeout=timeout) as client, sup.client(timeout=30) as approver:
+        reqs = {client.submit(Kind.SEND, {"text": t}, session=k): k for k, t in texts.items()}
+        events: dict[str, list[Any]] = {r: [] for r in reqs}
+        finals: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(finals) < len(reqs):
+            msg = client.next(timeout=max(1.0, deadline - time.monotonic()))
+            if msg.re not in reqs:
+                continue
+            if msg.kind is Kind.EVENT:
+                events[msg.re].append(msg)
+                if msg.body["type"] == "approval":
+                    approver.request(Kind.APPROVE, {"choice": "once"}, session=reqs[msg.re])
+            else:
+                finals[msg.re] = msg
+    return {reqs[r]: (finals[r], events[r]) for r in reqs}
+
+
+def _tool_output(events: list[Any]) -> str:
+    return "\n".join(
+        str(e.body["data"]["result"]) for e in events if e.body["type"] == "tool_complete"
+    )
+
+
+def _inodes(top: Path) -> set[tuple[int, int]]:
+    found = {(top.stat().st_dev, top.stat().st_ino)}
+    for p in top.rglob("*"):
+        st = p.lstat()
+        found.add((st.st_dev, st.st_ino))
+    return found
+
+
+def _foreign_fds(pid: int, own: set[tuple[int, int]], allowed: list[str]) -> list[str]:
+    """The worker's open files and directories that are not its session's
+    (by device and inode, as its paths read from here are its own view)."""
+    import stat
+
+    foreign = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile, or not a file (socket, pipe)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            continue
+        if (st.st_dev, st.st_ino) in own:
+            continue
+        if any(target == a or target.startswith(a.rstrip("/") + "/") for a in allowed):
+            continue
+        foreign.append(f"fd {fd} -> {target}")
+    return foreign
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("extra", [[], ["--spare-workers", "2"]], ids=["forked", "spares"])
+def test_sealed_hermes_sessions_see_only_their_own(
+    supervisor_factory: Any, workdir: Path, extra: list[str]
+) -> None:
+    import sqlite3
+
+    import psutil
+
+    from hermes_sup.protocol import session_dir_name
+
+    from .fake_model import FakeModel
+
+    model = FakeModel()
+    try:
+        sup = _sealed_supervisor(supervisor_factory, model, workdir, extra)
+        keys = ["tg-alice", "dc-bob", "web-carol"]
+        data = sup.data_dir
+        with sup.client(timeout=120) as client:
+            for key in keys:
+                client.open(key)
+            deadline = time.monotonic() + 120
+            while {r["state"] for r in client.sessions()} != {"idle"} and (
+                time.monotonic() < deadline
+            ):
+                time.sleep(0.05)
+            pids = {r["key"]: r["pid"] for r in client.sessions()}
+        assert set(pids) == set(keys) and all(pids.values()), pids
+        # The zygote's fixed paths, as its import left them.
+        before = {name: _tree(getattr(sup.paths, name)) for name in ("home", "workspace", "user")}
+
+        mark = f"sealed-{workdir.name}.txt"  # a name no other run uses
+        results = _turns(sup, {k: SEES.format(data=data, mark=mark) for k in keys})
+        others = {k: [o for o in keys if o != k] for k in keys}
+        escapes = _turns(
+            sup,
+            {
+                k: ESCAPES.format(
+                    data=data,
+                    state=sup.state_dir,
+                    other=pids[others[k][0]],
+                    other_dir=session_dir_name(others[k][0]),
+                    sup=sup.pid,
+                )
+                for k in keys
+            },
+        )
+        key_hex = (sup.state_dir / "hmac.key").read_text().strip()
+
+        for key in keys:
+            d = data / "sessions" / session_dir_name(key)
+            reply, events = results[key]
+            assert reply.kind.name == "REPLY", reply.body
+            out = _tool_output(events)
+            assert f"key={key}" in out
+            assert f"home={sup.paths.home}" in out and f"pwd={sup.paths.workspace}" in out
+            assert f"seen=tmp-{key}" in out
+            # Of the sessions' parent directory, it sees its own directory only
+            # (or may not list it at all).
+            listed = out.split("sessions=", 1)[1].split("\n", 1)[0]
+            assert listed.strip(",") == session_dir_name(key) or "Permission denied" in listed
+            for other in others[key]:
+                assert other not in out and session_dir_name(other) not in out
+            # What it wrote is in its own directories, at their real paths.
+            assert (d / "workspace" / "mine.txt").read_text().strip() == f"own-{key}"
+            assert (d / "tmp" / mark).read_text().strip() == f"tmp-{key}"
+            # Its state.db holds its own turn, and only its own.
+            db = sqlite3.connect(d / "home" / "state.db")
+            text = " ".join(str(row) for row in db.execute("SELECT * FROM messages"))
+            db.close()
+            assert f"key={key}" in text
+            assert not any(f"key={o}" in text for o in others[key])
+            # Every escape try was refused.
+            reply, events = escapes[key]
+            out = _tool_output(events)
+            for name in ESCAPE_NAMES:
+                status = out.split(f"{name}=", 1)[1].split("\n", 1)[0].strip()
+                assert status != "0", (key, name, out)
+            assert key_hex not in out
+            # Its worker holds open no file or directory outside its session
+            # but the service's own code and devices.
+            own = _inodes(d)
+            allowed = [
+                sys.prefix,
+                sys.base_prefix,
+                str(Path(hermes_seal.__file__).parents[1]),
+                "/dev",
+            ]
+            assert _foreign_fds(pids[key], own, allowed) == [], key
+            assert psutil.pid_exists(pids[key])
+
+        # Nothing of any session reached the zygote's P, W or U, nor the shared /tmp.
+        after = {name: _tree(getattr(sup.paths, name)) for name in ("home", "workspace", "user")}
+        assert after == before
+        assert before["workspace"] == {} and before["user"] == {}
+        assert not (Path("/tmp") / mark).exists()
+        assert list(sup.user_home.iterdir()) == []
+    finally:
+        model.close()

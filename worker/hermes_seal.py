@@ -34,7 +34,9 @@ the session's contents. That is `replay`:
 `preload` also runs, once, what every session's first agent would run
 and that depends on nothing of the session: the CA bundle check
 (after which workers skip it, `HERMES_SKIP_SSL_GUARD=1`, unless the
-session names a CA bundle of its own) and the environment probe.
+session names a CA bundle of its own), the environment probe, and the
+SSL contexts an agent's clients make (each parses the whole CA bundle:
+see `_SSLPool`).
 
 A new hermes-agent version needs this re-checked (the replay refuses to
 run when the statements it re-runs are not where it expects them).
@@ -187,6 +189,8 @@ def preload(paths: SealedPathsLike) -> Preloaded:
             done.missing[name] = f"{type(exc).__name__}: {exc}"
     done.ca_checked = _check_ca_bundle(done.warm_ups)
     _probe_environment(done.warm_ups)
+    if os.environ.get(SSL_POOL_ENV, "1") != "0":
+        _pool_ssl_contexts(done.ca_checked, done.warm_ups)
     _gateway_statements()  # compiled once, shared by every worker
     _check_left_behind(done.paths)
     after = dict(os.environ)
@@ -252,6 +256,74 @@ def _check_ca_bundle(notes: dict[str, str]) -> list[dict[str, str | None]]:
             else:
                 os.environ[name] = value
     return good
+
+
+SSL_POOL_ENV = "HERMES_SUP_SSL_POOL"
+# Contexts made ahead per CA file: building an AIAgent makes two (each
+# parses the whole bundle, about 65 ms here), a turn's clients a few more.
+SSL_POOL_SIZE = 4
+
+
+class _SSLPool:
+    """`ssl.create_default_context` with contexts made ahead in the zygote.
+
+    Each worker's first calls for a CA file the zygote knows get a context
+    made there, never used before in this process (each worker has its own
+    copy-on-write copies); any other call, and any call once the pool is
+    used up, makes one as before. The contexts hold the CA bundle as it was
+    when the zygote started: restart the service after updating the CA
+    certificates (as any long-running process needs). Off with
+    HERMES_SUP_SSL_POOL=0."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+        self.ready: dict[str, list[Any]] = {}
+
+    def fill(self, cafile: str, count: int) -> None:
+        self.ready[cafile] = [self.original(cafile=cafile) for _ in range(count)]
+
+    def __call__(
+        self, purpose: Any = None, *, cafile: Any = None, capath: Any = None, cadata: Any = None
+    ) -> Any:
+        import ssl
+
+        if purpose is None:
+            purpose = ssl.Purpose.SERVER_AUTH
+        if purpose == ssl.Purpose.SERVER_AUTH and capath is None and cadata is None:
+            ready = self.ready.get(os.fspath(cafile)) if cafile is not None else None
+            if ready:
+                try:
+                    return ready.pop()
+                except IndexError:  # another thread took the last one
+                    pass
+        return self.original(purpose, cafile=cafile, capath=capath, cadata=cadata)
+
+
+def _pool_ssl_contexts(checked: list[dict[str, str | None]], notes: dict[str, str]) -> None:
+    """Make SSL contexts ahead for the CA files sessions will load: those of
+    the CA variable sets the guard found good, and certifi's (httpx's
+    default)."""
+    import ssl
+
+    files: set[str] = set()
+    for state in checked:
+        files.update(v for v in state.values() if v and os.path.isfile(v))
+    try:
+        import certifi
+
+        files.add(certifi.where())
+    except ImportError:
+        pass
+    original = ssl.create_default_context
+    pool = original if isinstance(original, _SSLPool) else _SSLPool(original)
+    try:
+        for cafile in sorted(files):
+            pool.fill(cafile, SSL_POOL_SIZE)
+    except (OSError, ssl.SSLError) as exc:
+        notes["ssl_pool"] = f"not made: {type(exc).__name__}: {exc}"
+        return
+    ssl.create_default_context = pool
+    notes["ssl_pool"] = f"{SSL_POOL_SIZE} contexts for each of {', '.join(sorted(files))}"
 
 
 def _probe_environment(notes: dict[str, str]) -> None:
