@@ -462,7 +462,9 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
             hide |= _closed_code_ancestors()
         hidden = sorted(hide, key=lambda p: len(p.parts))
         # What must stay at its own path: (name, source, target, read-only).
-        keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True), ("socket", socket, True)]
+        # (A socket's mount need not be read-only: it is written by connect,
+        # never by open.)
+        keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True), ("socket", socket, False)]
         if not _under(dirs.workspace, [dirs.dir]):
             keep.append(("workspace", dirs.workspace, False))
         repos = [Path(r) for r in plan.get("repos", ()) if r]
