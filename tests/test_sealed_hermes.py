@@ -365,6 +365,11 @@ def test_sealed_hermes_sessions_see_only_their_own(
             },
         )
         key_hex = (sup.state_dir / "hmac.key").read_text().strip()
+        # As root each session has a uid of its own; not root, only Landlock's
+        # signal scope (Linux 6.12+) keeps a session from signalling others.
+        from hermes_sup.worker import seal
+
+        signals_scoped = os.geteuid() == 0 or seal.landlock_abi() >= seal.LANDLOCK_SCOPE_ABI
 
         for key in keys:
             d = data / "sessions" / session_dir_name(key)
@@ -394,6 +399,8 @@ def test_sealed_hermes_sessions_see_only_their_own(
             out = _tool_output(events)
             for name in ESCAPE_NAMES:
                 status = out.split(f"{name}=", 1)[1].split("\n", 1)[0].strip()
+                if name.startswith("kill") and not signals_scoped:
+                    continue  # one uid, no Landlock signal scope: allowed (README)
                 assert status != "0", (key, name, out)
             assert key_hex not in out
             # Its worker holds open no file or directory outside its session
