@@ -42,6 +42,10 @@ def wait_for(predicate, timeout: float = 20.0):  # noqa: ANN001, ANN201
     raise AssertionError("timed out")
 
 
+def spare_pids(sup) -> set[int]:  # noqa: ANN001
+    return {c.pid for c in psutil.Process(sup.pid).children() if "(spare)" in " ".join(c.cmdline())}
+
+
 def session_dir(sup, key: str) -> Path:  # noqa: ANN001
     return sup.data_dir / "sessions" / session_dir_name(key)
 
@@ -195,9 +199,7 @@ def test_sealed_sessions_on_spare_workers_are_sealed_as_well(supervisor_factory)
     keys = [f"spare{i}x" for i in range(3)]
     with sup.client(timeout=60) as client:
         wait_for(lambda: client.status()["spare_workers"] == 2)
-        spares = {
-            c.pid for c in psutil.Process(sup.pid).children() if "(spare)" in " ".join(c.cmdline())
-        }
+        spares = spare_pids(sup)
         pids = check_isolation(sup, client, keys)
         assert len(set(pids.values()) & spares) == 2  # two of them were spares
         # An assigned spare is as locked down as a forked worker.
@@ -246,11 +248,15 @@ def as_nobody_with_the_interpreter_reachable() -> None:
 def test_unprivileged_sealed_sessions(supervisor_factory, workdir) -> None:
     os.chown(workdir, 65534, 65534)
     env = {**os.environ, "HOME": "/nonexistent"}
-    sup = supervisor_factory("--sealed", "on", env=env, start=False)
+    # One spare: the first session gets it, the others are forked.
+    sup = supervisor_factory("--sealed", "on", "--spare-workers", "1", env=env, start=False)
     sup.start(preexec_fn=as_nobody_with_the_interpreter_reachable)
     keys = ["uiso0x", "uiso1x", "uiso2x"]
     with sup.client(timeout=60) as client:
+        wait_for(lambda: client.status()["spare_workers"] == 1)
+        spares = spare_pids(sup)
         pids = check_isolation(sup, client, keys, own_uids=False)
+        assert len(set(pids.values()) & spares) == 1
         assert {psutil.Process(p).uids().real for p in pids.values()} == {65534}
         other = pids["uiso1x"]
         scoped = seal.landlock_abi() >= seal.LANDLOCK_SCOPE_ABI
