@@ -149,7 +149,27 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
         mode=mode, asked=asked, signals_scoped=bool(done.get("signals_scoped")), fault=fault
     )
     log.info(kv("sealed", mode=mode, signals_scoped=sealing.signals_scoped))
+    if mode == "root":
+        _warn_of_accounts_in_range()
     return sealing
+
+
+def _warn_of_accounts_in_range() -> None:
+    """A session's uid must be nobody else's: say so if an account has one."""
+    import pwd
+
+    end = SEALED_UID_BASE + SEALED_UID_COUNT
+    for entry in pwd.getpwall():
+        if SEALED_UID_BASE <= entry.pw_uid < end:
+            log.warning(
+                kv(
+                    "sealed_uid_in_use",
+                    account=entry.pw_name,
+                    uid=entry.pw_uid,
+                    range=f"{SEALED_UID_BASE}-{end - 1}",
+                    hint="a session may run as this account's uid; move the account",
+                )
+            )
 
 
 def _check_reachable(settings: Settings) -> None:

@@ -1,0 +1,93 @@
+"""Sealed mode's settings and the supervisor's side of it, without processes:
+the `sealed` key, preloading hermes only when sealed, the per-session uids,
+and what a worker is told to seal itself with."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from hermes_sup.supervisor import configfile, sealing
+from hermes_sup.supervisor.config import Settings
+from hermes_sup.supervisor.environment import parse_options
+from hermes_sup.supervisor.session import Session
+from hermes_sup.worker import seal
+
+
+def test_the_sealed_key_takes_off_auto_or_on(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    for value in ("off", "auto", "on"):
+        config.write_text(f'sealed = "{value}"\n')
+        assert configfile.load(config)["sealed"] == value
+    config.write_text('sealed = "sometimes"\n')
+    with pytest.raises(configfile.ConfigError, match="sealed must be one of off, auto, on"):
+        configfile.load(config)
+    assert "sealed" in configfile.RESTART_FIELDS
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("run_agent") is None, reason="hermes-agent is not installed"
+)
+def test_hermes_may_be_preloaded_only_into_sealed_sessions() -> None:
+    with pytest.raises(configfile.ConfigError, match="seal"):
+        configfile.check_preload(("run_agent",), "off")
+    for sealed in ("auto", "on"):
+        configfile.check_preload(("run_agent",), sealed)  # allowed
+
+
+def test_a_session_keeps_its_uid_unless_a_live_session_holds_it() -> None:
+    uid = sealing.uid_for("alice", set())
+    assert sealing.SEALED_UID_BASE <= uid < sealing.SEALED_UID_BASE + sealing.SEALED_UID_COUNT
+    assert sealing.uid_for("alice", set()) == uid
+    assert sealing.uid_for("alice", {uid}) not in (uid, 0)
+    assert sealing.uid_for("bob", set()) != uid
+
+
+def test_what_a_worker_is_told_to_seal_itself_with(tmp_path: Path) -> None:
+    settings = Settings(
+        state_dir=tmp_path / "s",
+        data_dir=tmp_path / "d",
+        workspace_roots=("/srv/ws",),
+        repo="/srv/repo",
+        repo_roots=("/srv/repos",),
+    )
+    session = Session("k", tmp_path / "d" / "sessions" / "x", parse_options({}))
+    assert sealing.Sealing().plan(settings, session, None) is None  # unsealed
+    root = sealing.Sealing(mode="root", asked="on").plan(settings, session, 200_123)
+    assert root is not None
+    assert root["uid"] == root["gid"] == 200_123
+    assert root["socket"] == str(tmp_path / "s" / "workers.sock")
+    assert root["user_dir"] == str(session.dir / "user")
+    assert root["hide"] == ["/srv/ws", "/srv/repos"]
+    assert root["repos"] == ["/srv/repo", "/srv/repos"]
+    assert sealing.Sealing(mode="user").spare_plan() == {"mode": "user", "fault": None}
+    assert sealing.Sealing().spare_plan() is None
+
+
+def test_the_fixed_paths_are_under_the_data_dir(tmp_path: Path) -> None:
+    paths = seal.SealedPaths.for_data_dir(tmp_path)
+    assert (paths.home, paths.workspace, paths.user) == (
+        tmp_path / "sealed" / "home",
+        tmp_path / "sealed" / "workspace",
+        tmp_path / "sealed" / "user",
+    )
+    paths.make()
+    assert all(p.is_dir() for p in (paths.home, paths.workspace, paths.user))
+
+
+def test_a_git_worktree_counts_only_under_the_configured_repositories(tmp_path: Path) -> None:
+    repos = tmp_path / "repos"
+    common = repos / "r" / ".git"
+    admin = common / "worktrees" / "w"
+    admin.mkdir(parents=True)
+    (admin / "commondir").write_text("../..\n")
+    workspace = tmp_path / "w"
+    workspace.mkdir()
+    (workspace / ".git").write_text(f"gitdir: {admin}\n")
+    assert seal.git_common_dir(workspace, [repos]) == common.resolve()
+    assert seal.git_common_dir(workspace, [tmp_path / "elsewhere"]) is None
+    (workspace / ".git").unlink()
+    (workspace / ".git").symlink_to(admin / "commondir")  # never followed
+    assert seal.git_common_dir(workspace, [repos]) is None
