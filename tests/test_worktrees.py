@@ -463,3 +463,40 @@ def spare_pids(sup, client, count: int) -> set[int]:  # noqa: ANN001
     }
     assert len(found) == count
     return found
+
+
+def test_a_worktree_being_made_blocks_no_one_else_and_can_be_killed(
+    supervisor_factory, tmp_path: Path
+) -> None:
+    """git held at a gate (a wrapper on PATH waits for a file before
+    `worktree add`): other sessions are served meanwhile, and a kill of the
+    session waiting for its worktree ends it without a worker."""
+    repo = make_repo(tmp_path / "repo")
+    gate = tmp_path / "gate"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real_git = subprocess.run(["which", "git"], capture_output=True, text=True).stdout.strip()
+    wrapper = bin_dir / "git"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" worktree add "*)\n'
+        f'  while [ ! -e "{gate}" ]; do sleep 0.02; done;;\n'
+        "esac\n"
+        f'exec {real_git} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    sup = supervisor_factory("--repo-root", str(repo), env=env)
+    with sup.client(timeout=60) as client:
+        client.open("held", options={"repo": str(repo)})
+        assert client.run("other", "pid").ok  # served while git waits at the gate
+        assert {r["key"]: r["state"] for r in client.sessions()}["held"] == "starting"
+        kill = client.submit(Kind.KILL, {}, session="held")
+        gate.touch()
+        answer = client.next(timeout=60)
+        assert answer.re == kill and answer.kind is Kind.KILLED, answer.body
+        assert answer.body["pid"] is None
+        held = next(r for r in client.sessions() if r["key"] == "held")
+        assert held["state"] == "exited" and held["pid"] is None
+        # Its worktree was finished all the same, and serves its next start.
+        assert output(client.run("held", "sh git branch --show-current")) == [branch_for("held")]
