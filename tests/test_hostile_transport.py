@@ -19,6 +19,8 @@ import psutil
 import pytest
 import zmq
 import zmq.auth
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hermes_sup.client import Overloaded, SupervisorError, Timeout
 from hermes_sup.protocol import Kind, Message
@@ -536,3 +538,94 @@ def test_keys_generate_refuses_an_existing_output_before_making_any_directory(wo
     )  # fmt: skip
     assert done.returncode != 0 and "exists" in done.stderr
     assert not data.exists() and out.read_text() == "{}"
+
+
+# ------------------------------------- the supervisor's short path for events
+
+EVENT_KEY = os.urandom(32)
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(),
+    st.text(max_size=70),
+    st.binary(max_size=8),
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_GOOD_EVENT = {
+    "id": "m1",
+    "kind": "event",
+    "ts": 1.5,
+    "session": "s",
+    "re": "t1",
+    "body": {"type": "token", "data": "hi"},
+}
+
+
+def _signed(envelope: dict) -> list[bytes]:  # type: ignore[type-arg]
+    import msgpack
+
+    from hermes_sup.protocol import MAGIC, sign
+
+    payload = msgpack.packb(envelope, use_bin_type=True)
+    return [b"worker-id", MAGIC, sign(EVENT_KEY, payload), payload]
+
+
+def _check_short_path(frames: list[bytes]) -> None:
+    """What the short path accepts, decode accepts, as the same message."""
+    from hermes_sup.protocol import RemoteProtocolError, decode
+    from hermes_sup.supervisor.back import event_of
+
+    fast = event_of(frames, EVENT_KEY, "s", 1 << 20)
+    if fast is None:
+        return
+    try:
+        slow = decode(frames[1:], EVENT_KEY)
+    except RemoteProtocolError as exc:
+        raise AssertionError(f"the short path took what decode refuses: {exc}") from None
+    assert (fast.kind, fast.body, fast.session, fast.re, fast.id, fast.ts, fast.ttl) == (
+        slow.kind,
+        slow.body,
+        slow.session,
+        slow.re,
+        slow.id,
+        slow.ts,
+        slow.ttl,
+    )
+
+
+@given(
+    field=st.sampled_from(["id", "kind", "ts", "session", "re", "body", "ttl", "extra"]),
+    value=_VALUES,
+    body_field=st.sampled_from(["type", "data", "turn", "replayed", "other"]),
+    body_value=_VALUES,
+)
+@settings(max_examples=400, deadline=None)
+def test_the_short_path_for_events_accepts_only_what_decode_accepts(
+    field: str, value: object, body_field: str, body_value: object
+) -> None:
+    envelope = {**_GOOD_EVENT, field: value}
+    _check_short_path(_signed(envelope))
+    body = {**_GOOD_EVENT["body"], body_field: body_value}
+    _check_short_path(_signed({**_GOOD_EVENT, "body": body}))
+
+
+def test_the_short_path_takes_good_events_and_leaves_the_rest_to_decode() -> None:
+    from hermes_sup.supervisor.back import event_of
+
+    good = _signed(_GOOD_EVENT)
+    assert event_of(good, EVENT_KEY, "s", 1 << 20) is not None
+    _check_short_path(good)
+    forged = [*good[:2], bytes(32), good[3]]
+    other_session = _signed({**_GOOD_EVENT, "session": "t"})
+    reply = _signed({**_GOOD_EVENT, "kind": "reply", "body": {"text": "x", "ok": True}})
+    no_type = _signed({**_GOOD_EVENT, "body": {"data": "x"}})
+    for frames in (forged, other_session, reply, no_type):
+        assert event_of(frames, EVENT_KEY, "s", 1 << 20) is None
+    assert event_of(good, EVENT_KEY, "s", len(good[3]) - 1) is None  # over the limit
