@@ -7,6 +7,7 @@ worker. Real supervisors, real workers, real shells; these run as root."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -332,3 +333,18 @@ def test_a_git_worktree_workspace_keeps_its_repository_visible(supervisor_factor
         out = "\n".join(lines)
         assert "sealed-first-commit" in out  # the common git dir is there
         assert "n0t-yours" not in out and "another" not in out.replace("another/", "")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("run_agent") is None, reason="hermes-agent is not installed"
+)
+def test_hermes_preloaded_with_sealed_auto_is_refused_where_it_runs_unsealed(
+    supervisor_factory,
+) -> None:
+    sup = supervisor_factory("--sealed", "auto", "--preload", "run_agent", start=False)
+    sup.start(wait=False, preexec_fn=without_cap_sys_admin)
+    assert sup.proc is not None
+    assert sup.proc.wait(timeout=30) != 0
+    log = sup.log()
+    assert "run_agent belong to hermes-agent" in log and "sessions run unsealed here" in log
+    assert "zygote_ready" not in log
