@@ -34,6 +34,7 @@ from hermes_sup.supervisor.front import Front
 from hermes_sup.supervisor.lifecycle import Lifecycle
 from hermes_sup.supervisor.pool import WorkerPool
 from hermes_sup.supervisor.process import exit_status
+from hermes_sup.supervisor.sealing import Sealing
 from hermes_sup.supervisor.session import Session
 from hermes_sup.supervisor.spare_dirs import SpareDirs
 from hermes_sup.supervisor.table import RUNNING_STATES, SessionTable
@@ -127,6 +128,7 @@ class FakePool:
     spawn_request = WorkerPool.spawn_request
     identify = WorkerPool.identify
     forget_worker = WorkerPool.forget_worker
+    _sealed_uid = WorkerPool._sealed_uid
 
     def __init__(self, ctx: Context, endpoints: FakeEndpoints) -> None:
         self.ctx = ctx
@@ -136,6 +138,7 @@ class FakePool:
         self.forks: list[tuple[dict[str, Any], asyncio.Future[tuple[int, int | None]]]] = []
         self.spawning = 0
         self.orphan_culls = 0
+        self.sealing = Sealing()  # unsealed, as sealed = off
 
     def take_spare(self) -> None:
         return None  # spare_workers = 0: every worker is forked
