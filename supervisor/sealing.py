@@ -93,6 +93,9 @@ class Sealing:
             # Where a git worktree workspace's repository may be (seal.py
             # keeps it visible; anything else a `.git` file names is not).
             "repos": [r for r in (settings.repo, *settings.repo_roots) if r],
+            # Read by every session, shown read-only even where hidden: the
+            # operator's template home (a front end's own is not trusted).
+            "read": [t for t in (settings.runtime_config.get("template_home"),) if t],
             "uid": uid,
             "gid": uid,
             "fault": self.fault,

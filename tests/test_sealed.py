@@ -348,3 +348,21 @@ def test_hermes_preloaded_with_sealed_auto_is_refused_where_it_runs_unsealed(
     log = sup.log()
     assert "run_agent belong to hermes-agent" in log and "sessions run unsealed here" in log
     assert "zygote_ready" not in log
+
+
+def test_the_operators_template_home_stays_readable_and_read_only(
+    supervisor_factory, workdir
+) -> None:
+    template = workdir / "template"
+    template.mkdir(mode=0o755)
+    (template / "SOUL.md").write_text("t3mplate\n")
+    (template / "SOUL.md").chmod(0o644)
+    agent = workdir / "agent.toml"
+    agent.write_text(f'template_home = "{template}"\n')
+    sup = supervisor_factory("--sealed", "on", "--agent-config", str(agent))
+    with sup.client(timeout=60) as client:
+        text, lines = sh(
+            client, "t", f"cat {template}/SOUL.md; echo x >> {template}/SOUL.md; echo status=$?"
+        )
+        assert lines[0] == "t3mplate" and lines[-1] != "status=0"
+    assert (template / "SOUL.md").read_text() == "t3mplate\n"

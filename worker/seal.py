@@ -456,10 +456,13 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
             ("socket", socket),
         ):
             fds[name] = _open_path("session", path)
-        codes = code_paths()
+        # The service's code, and what the operator's settings name for
+        # every session to read (an agent's template home).
+        shared = [Path(p) for p in plan.get("read", ()) if os.path.isdir(p)]
+        codes = (*code_paths(), *shared)
         hide = {data_dir, state_dir, *(Path(p) for p in plan.get("hide", ()))}
         if plan["mode"] == "root":
-            hide |= _closed_code_ancestors()
+            hide |= _closed_code_ancestors() | closed_ancestors(shared)
         hidden = sorted(hide, key=lambda p: len(p.parts))
         # What must stay at its own path: (name, source, target, read-only).
         # (A socket's mount need not be read-only: it is written by connect,
@@ -487,9 +490,9 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
         # The session's tmp is every shared temporary directory.
         _check_fault("tmp", fault)
         tmp_src = f"/proc/self/fd/{fds['tmp']}"
-        for shared in ("/tmp", "/var/tmp", "/dev/shm"):
-            if os.path.isdir(shared):
-                _mount("tmp", tmp_src, shared, None, MS_BIND)
+        for common_tmp in ("/tmp", "/var/tmp", "/dev/shm"):
+            if os.path.isdir(common_tmp):
+                _mount("tmp", tmp_src, common_tmp, None, MS_BIND)
 
         # Read-only empty directories over what no session may see.
         _check_fault("hide", fault)
