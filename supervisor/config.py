@@ -164,6 +164,9 @@ class Settings:
     # Directories under which a front end may name a session's repository
     # (the `repo` option); none: only `repo` above.
     repo_roots: tuple[str, ...] = ()
+    # This supervisor's name among the nodes of a cluster (`hermes-sup route`,
+    # Ray); "" is a single node, named by its host when asked.
+    node: str = ""
     # Options a new session gets when its front end passes none (wire form).
     session_defaults: dict[str, Any] = field(default_factory=dict)
     # Where these settings came from, for reload: the file and what the
