@@ -7,8 +7,10 @@ Measured from outside, as a front end sees it (the Hermes runtime logs no
 timestamps of its own): *ready* is `open` of a new key until the session
 is idle (its worker forked, sealed, hermes loaded and its runtime built);
 *first reply* is a new key's first `send` until its reply, from a fake
-model on 127.0.0.1 that answers at once; *USS* is the idle worker's own
-memory one second after that turn (psutil). Both modes run side by side,
+model on 127.0.0.1 that answers at once; *CPU* is the worker's own CPU time
+at each of those two points (from its fork: it moves little with the
+machine's load, unlike wall times); *USS* is the idle worker's own memory
+one second after that turn (psutil). Both modes run side by side,
 the unsealed one being the floor this machine gives today.
 
 `--record-modules` runs one real Hermes turn (a terminal tool call) in a
@@ -25,17 +27,20 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+# bench/ holds modules named as the stdlib's (http.py): keep it off the path
+# (`python bench/sealed.py` puts it first), and load bench/run.py by file.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 MODULES_FILE = REPO / "worker" / "hermes_modules.txt"
 RECORD_ENV = "HSB_RECORD_MODULES"
 START_TIMEOUT = 300.0
 # Modules never to preload: ours (the zygote has what it needs), this file,
 # and the interpreter's entry point.
-NOT_PRELOADED = ("hermes_sup", "sealed", "__main__", "__mp_main__", "tests", "run")
+NOT_PRELOADED = ("hermes_sup", "hsb_sealed", "__main__", "__mp_main__", "tests")
 
 
 def recording_hermes(session: Any) -> Any:
-    """A Hermes runtime (`--agent sealed:recording_hermes`, with bench/ on
-    PYTHONPATH) that writes the worker's loaded modules to $HSB_RECORD_MODULES
+    """A Hermes runtime (`--agent hsb_sealed:recording_hermes`, this file on
+    PYTHONPATH as hsb_sealed.py) that writes the worker's loaded modules to $HSB_RECORD_MODULES
     after each turn."""
     from hermes_sup.worker.hermes import HermesRuntime
 
@@ -73,18 +78,19 @@ def record_modules() -> int:
     module list (less ours) becomes worker/hermes_modules.txt."""
     import tempfile
 
-    sys.path[:0] = [str(REPO), str(HERE)]
-    from run import Sup  # bench/run.py
-
+    sys.path[:0] = [str(REPO)]
     from tests.fake_model import FakeModel
 
+    Sup = _sup_class()
     model = FakeModel()
     scratch = Path(tempfile.mkdtemp(prefix="hsb-rec-", dir="/var/tmp"))
     out = scratch / "modules.txt"
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    # This file alone on the workers' path (not bench/, see above).
+    (scratch / "hsb_sealed.py").symlink_to(Path(__file__).resolve())
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(scratch), os.environ.get("PYTHONPATH", "")])
     sup = Sup(
         "--agent",
-        "sealed:recording_hermes",
+        "hsb_sealed:recording_hermes",
         "--agent-config",
         str(_agent_config(scratch, model.url)),
         "--env",
@@ -109,6 +115,19 @@ def record_modules() -> int:
     return 0
 
 
+def _bench_run() -> Any:
+    """bench/run.py, loaded from its file."""
+    import importlib.util
+
+    if "hsb_run" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("hsb_run", HERE / "run.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["hsb_run"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["hsb_run"]
+
+
 def _sup_class() -> Any:
     """bench/run.py's supervisor, waiting longer for it to answer: a sealed
     zygote imports all of hermes first (seconds; more on a loaded machine
@@ -117,12 +136,11 @@ def _sup_class() -> Any:
     import subprocess
     import time
 
-    sys.path[:0] = [str(REPO), str(HERE)]
-    from run import Sup  # bench/run.py
-
     from hermes_sup.client import Client
 
-    class SlowStartSup(Sup):
+    base: type = _bench_run().Sup
+
+    class SlowStartSup(base):  # type: ignore[misc]
         def __init__(self, *args: str, python: str = sys.executable) -> None:
             import tempfile
 
@@ -164,6 +182,10 @@ def hermes_sessions(
     ready: list[float] = []
     first: list[float] = []
     uss: list[float] = []
+    # The worker's own CPU time (user + system) since its fork: barely
+    # moved by the machine's load, unlike the wall times.
+    cpu_ready: list[float] = []
+    cpu_first: list[float] = []
     sup = Sup("--agent", "hermes", "--agent-config", str(config), *args, python=python)
     try:
         with sup.client() as c:
@@ -177,11 +199,14 @@ def hermes_sessions(
                         raise RuntimeError(f"{key} never became idle: {sup.root / 'log'}")
                     time.sleep(0.002)
                 ready.append(time.perf_counter() - started)
+                worker = psutil.Process(c.sessions(prefix=key)[0]["pid"])
+                cpu_ready.append(sum(worker.cpu_times()[:2]))
                 reply = c.run(key, "hello")
                 first.append(time.perf_counter() - started)
                 if not reply.ok:
                     raise RuntimeError(f"{key}: {reply}")
-                pid = c.sessions(prefix=key)[0]["pid"]
+                cpu_first.append(sum(worker.cpu_times()[:2]))
+                pid = worker.pid
                 time.sleep(1.0)
                 uss.append(psutil.Process(pid).memory_full_info().uss / 2**20)
         zygote = [
@@ -193,6 +218,8 @@ def hermes_sessions(
     return {
         "ready": summary(ready),
         "first_reply": summary(first),
+        "cpu_ready": summary(cpu_ready),
+        "cpu_first_reply": summary(cpu_first),
         "uss_mib": {"p50": pct(uss, 50), "max": max(uss), "all": [round(u, 1) for u in uss]},
         "zygote_rss_mib": zygote_rss,
     }
@@ -201,11 +228,9 @@ def hermes_sessions(
 def probe_spawn(args: list[str], count: int, python: str) -> dict[str, Any]:
     """The probe runtime's spawn (first message to a new key -> reply)."""
     Sup = _sup_class()
-    from run import spawn_hermes_sup
-
     sup = Sup(*args, python=python)
     try:
-        return summary(spawn_hermes_sup(sup, count, "p"))
+        return summary(_bench_run().spawn_hermes_sup(sup, count, "p"))
     finally:
         sup.close()
 
