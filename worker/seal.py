@@ -23,11 +23,14 @@ with threads, and unshare(CLONE_NEWNS) moves only the calling thread):
    worktree's common directory; and the session's home, workspace and HOME
    over the fixed paths P, W, U (`SealedPaths`) that the zygote imported
    under. Every path captured at import is then the session's own.
-3. The worker connects to the supervisor (main.py), then `drop`: as root,
-   setgroups([]), setresgid/setresuid to the session's own uid (glibc
-   applies them to every thread, zmq's too), capabilities cleared; not
-   root, capabilities cleared. The parent-death signal is cleared by the
-   kernel when credentials change: the caller sets it again.
+3. `drop`: as root, setgroups([]), setresgid/setresuid to the session's
+   own uid (glibc applies them to every thread: a spare's zmq threads
+   too), capabilities cleared; not root, capabilities cleared. The
+   parent-death signal is cleared by the kernel when credentials change:
+   the caller sets it again. Only then does a forked worker create its zmq
+   context and connect: as root, the supervisor made the worker socket
+   connectable by any uid (supervisor/sealing.py says why that opens it to
+   sealed workers only), so a reconnect works as well as the first connect.
 
 Any failing step raises SealError and the worker exits with
 WorkerExit.SEAL_FAILED before any runtime code runs: it never runs against
