@@ -106,6 +106,10 @@ STEPS = ("unshare", "map", "private", "harden", "tmp", "hide", "session", "bind"
 # Mount points made in tmpfs or in the session's tmp: traversable by the
 # session's uid, listable by nobody.
 MOUNTPOINT_MODE = 0o711
+# The tmpfs over what a session may not see: empty, tiny, read-only once
+# its mount points are made.
+TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+TMPFS_DATA = f"mode={MOUNTPOINT_MODE:o},size=64k"
 MODES = ("root", "user")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -308,19 +312,25 @@ def _open_path(step: str, path: Path) -> int:
 
 
 def _makedirs(step: str, path: Path) -> None:
-    """mkdir -p, each directory made MOUNTPOINT_MODE whatever the umask:
-    the session's uid must be able to pass through to what is mounted."""
-    missing: list[Path] = []
-    for p in (path, *path.parents):
-        if os.path.lexists(p):
-            break
-        missing.append(p)
-    for p in reversed(missing):
-        try:
-            os.mkdir(p)
-            os.chmod(p, MOUNTPOINT_MODE)
-        except OSError as exc:
-            raise SealError(step, f"mkdir {p}: {exc.strerror}") from None
+    """mkdir -p, each directory made MOUNTPOINT_MODE whatever the umask
+    (mount_session runs under umask 0): the session's uid must be able to
+    pass through to what is mounted. Most of these are new: try first."""
+    try:
+        os.mkdir(path, MOUNTPOINT_MODE)
+        return
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise SealError(step, f"mkdir {path}: {exc.strerror}") from None
+    _makedirs(step, path.parent)
+    try:
+        os.mkdir(path, MOUNTPOINT_MODE)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise SealError(step, f"mkdir {path}: {exc.strerror}") from None
 
 
 def _make_file(step: str, path: Path) -> None:
@@ -449,6 +459,7 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
     socket = Path(plan["socket"])
     # Taken before any mount: a path may be hidden by the time it is bound.
     fds: dict[str, int] = {}
+    umask = os.umask(0)  # mount points get exactly MOUNTPOINT_MODE
     try:
         for name, path in (
             ("tmp", dirs.tmp),
@@ -502,14 +513,7 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
         tmpfs: list[Path] = []
         for path in hidden:
             _makedirs("hide", path)
-            _mount(
-                "hide",
-                "tmpfs",
-                str(path),
-                "tmpfs",
-                MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                f"mode={MOUNTPOINT_MODE:o},size=64k",
-            )
+            _mount("hide", "tmpfs", str(path), "tmpfs", TMPFS_FLAGS, TMPFS_DATA)
             tmpfs.append(path)
 
         # The session's directories over the fixed paths.
@@ -535,9 +539,10 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
             _mount("bind", f"/proc/self/fd/{fds[name]}", str(path), None, MS_BIND | MS_REC)
             if readonly:
                 _remount_readonly("bind", path)
-        for path in tmpfs:
-            _remount_readonly("hide", path)
+        for path in tmpfs:  # ours: no flags to keep but those we gave
+            _mount("hide", None, str(path), None, MS_REMOUNT | MS_BIND | MS_RDONLY | TMPFS_FLAGS)
     finally:
+        os.umask(umask)
         for fd in fds.values():
             os.close(fd)
     try:
