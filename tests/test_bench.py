@@ -56,3 +56,24 @@ def test_hermes_sup_measures_and_leaves_nothing(bench) -> None:
         sup.close()
     assert not root.exists() and not psutil.pid_exists(pid)
     assert wait_gone(str(root), timeout=5) == []  # workers and zygote went with it
+
+
+@pytest.fixture(scope="module")
+def fanin(bench):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import fanin
+
+        yield fanin
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_fanin_measures_the_floor_and_the_supervisor(fanin) -> None:
+    floor = fanin.floor(2, 20, paced=False)
+    assert floor["events"] == 40 and floor["lag_p99_ms"] >= 0
+    raw = fanin.hermes(2, 20, paced=False, coalesce_ms=0)
+    assert raw["events"] == raw["units"] == 40 and raw["dropped"] == 0
+    assert raw["router_cpu_us_per_event"] >= 0 and raw["supervisor_peak_rss_mib"] > 0
+    paced = fanin.hermes(2, 5, paced=True, coalesce_ms=10, slow=2000)
+    assert paced["units"] == 10 and paced["lag_p50_ms"] is not None
