@@ -236,16 +236,31 @@ def landlock_abi() -> int:
     return max(0, int(abi))
 
 
-def _scope_signals(step: str) -> bool:
-    """Keep this thread (and what it starts) from signalling processes
-    outside its own Landlock domain. False where the kernel cannot."""
-    if landlock_abi() < LANDLOCK_SCOPE_ABI:
-        return False
+def _signal_ruleset(step: str) -> int:
+    """A Landlock ruleset that scopes signals and abstract unix sockets."""
     attr = struct.pack("QQQ", 0, 0, _LANDLOCK_SCOPE_SIGNAL | _LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET)
     buf = ctypes.create_string_buffer(attr, len(attr))
     fd = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, buf, len(attr), 0)
     if fd < 0:
         raise _fail(step, "landlock_create_ruleset(scoped signals)")
+    return int(fd)
+
+
+# Made once by the zygote (`prepare`), inherited by every worker it forks
+# (close-on-exec: nothing a session runs holds it).
+_RULESET_FD: int | None = None
+
+
+def _scope_signals(step: str) -> bool:
+    """Keep this thread (and what it starts) from signalling processes
+    outside its own Landlock domain. False where the kernel cannot."""
+    global _RULESET_FD
+    if landlock_abi() < LANDLOCK_SCOPE_ABI:
+        return False
+    fd = _RULESET_FD
+    _RULESET_FD = None  # this process's copy: used once, then closed
+    if fd is None:
+        fd = _signal_ruleset(step)
     try:
         if _libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
             raise _fail(step, "landlock_restrict_self")
@@ -385,10 +400,15 @@ def prepare() -> None:
     """In the zygote, before it forks: what every sealed worker would
     work out the same way (where the code is, the kernel's last capability
     and Landlock version), so no worker spends its start on it."""
+    global _RULESET_FD
     code_paths()
     _closed_code_ancestors()
     _last_cap()
-    landlock_abi()
+    if landlock_abi() >= LANDLOCK_SCOPE_ABI and _RULESET_FD is None:
+        try:
+            _RULESET_FD = _signal_ruleset("harden")
+        except SealError:
+            pass  # each worker tries for itself, and says why if it fails
 
 
 def closed_ancestors(paths: Iterable[Path]) -> set[Path]:
