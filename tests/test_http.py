@@ -388,21 +388,42 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_turn(endpoint) -> None
     chat = endpoint.url + "/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "sleep 60"}], "stream": True}
     headers = endpoint.headers(**{"X-Hermes-Session-Id": "leaver"})
-    with httpx.Client(timeout=30) as http:
+    with httpx.Client(timeout=30) as http, endpoint.sup.client() as hs:
+        first = {"messages": [{"role": "user", "content": "pid"}]}
+        assert http.post(chat, json=first, headers=headers).status_code == 200
+        watched = hs.watch("leaver", replay=1)
+        next(watched)  # watching from now on: the cancelled reply is seen live
         with http.stream("POST", chat, json=body, headers=headers) as response:
             next(response.iter_lines())
         # Hung up. The turn ends cancelled, not after its 60 s.
-        with endpoint.sup.client() as hs:
-            for event in hs.watch("leaver", replay=20):
-                if isinstance(event, Reply):
-                    assert event.data == {"cancelled": True}
-                    break
+        for event in watched:
+            if isinstance(event, Reply):
+                assert event.data == {"cancelled": True}
+                break
         # The session takes the next turn at once.
         again = http.post(
             chat, json={"messages": [{"role": "user", "content": "pid"}]}, headers=headers
         )
     assert again.status_code == 200
     assert "http_turn_cancelled" in endpoint.log()
+
+    # The same on the Responses API; the response is kept as incomplete.
+    responses = endpoint.url + "/v1/responses"
+    body = {"input": "sleep 60", "conversation": "leaver-2", "stream": True}
+    with httpx.Client(timeout=30) as http, endpoint.sup.client() as hs:
+        first = {"input": "pid", "conversation": "leaver-2"}
+        assert http.post(responses, json=first, headers=endpoint.headers()).status_code == 200
+        watched = hs.watch("leaver-2", replay=1)
+        next(watched)  # watching from now on: the cancelled reply is seen live
+        with http.stream("POST", responses, json=body, headers=endpoint.headers()) as response:
+            lines = response.iter_lines()
+            created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        for event in watched:
+            if isinstance(event, Reply):
+                assert event.data == {"cancelled": True}
+                break
+        kept = http.get(f"{responses}/{created['response']['id']}", headers=endpoint.headers())
+    assert kept.json()["status"] == "incomplete"
 
 
 def test_a_stalled_reader_cancels_its_turn_and_stalls_nobody_else(supervisor) -> None:
