@@ -15,7 +15,7 @@ $(BIN)/python:
 # Install (or refresh) the package and its test tools into the venv.
 install: $(BIN)/python
 	@echo "installing hermes-sup and its test tools into $(VENV) (about a minute the first time)..."
-	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http]'
+	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http,ray]'
 
 # Running needs only the package; the test extras (hermes-agent among them) are for tests.
 run: $(BIN)/python

@@ -1,0 +1,111 @@
+"""`hermes-sup route`: a router in front of many supervisors (cluster/router.py).
+
+Front ends connect to it as to one supervisor: its state directory (ipc
+socket and key) for local ones, `--tcp` with CURVE for remote ones (keys in
+its `--data-dir`, made with `hermes-sup keys generate --data-dir`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from hermes_sup.local.statedir import STATE_DIR_ENV, default_state_dir
+
+
+@click.command()
+@click.option(
+    "--nodes",
+    "nodes_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A TOML file of [[node]] tables (name, connection or endpoint and keys, "
+    "capacity); re-read when it changes.",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="ADDRESS",
+    help="Follow the nodes that `hermes-sup ray up` registered in this Ray cluster "
+    "(an address as for ray.init, e.g. 10.0.0.1:6379 or auto).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help=f"The router's own state directory (socket, key, lock) [env {STATE_DIR_ENV}].",
+)
+@click.option(
+    "--tcp",
+    default=None,
+    metavar="[HOST:]PORT",
+    help="Also listen for remote front ends on TCP with CURVE (needs --data-dir).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the router keeps its CURVE keys and allowlist (for --tcp).",
+)
+@click.option(
+    "--poll",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Seconds between reads of the node list.",
+)
+@click.option("--log-level", default="INFO", show_default=True)
+@click.pass_context
+def route(
+    ctx: click.Context,
+    nodes_file: Path | None,
+    ray_address: str | None,
+    state_dir: Path | None,
+    tcp: str | None,
+    data_dir: Path | None,
+    poll: float,
+    log_level: str,
+) -> None:
+    """Route every session's requests to the node that owns its key.
+
+    \b
+    Placement: rendezvous hashing over the live, non-draining nodes,
+    weighted by capacity; only the keys of a node that leaves move.
+    list, status and watch of all sessions fan out and merge.
+    """
+    from hermes_sup.cluster.nodes import NodeConfigError
+    from hermes_sup.cluster.router import serve_router, static_source
+    from hermes_sup.supervisor.remote import RemoteError
+    from hermes_sup.supervisor.statedir import StateDirError
+
+    if (nodes_file is None) == (ray_address is None):
+        raise click.UsageError("give exactly one of --nodes FILE and --ray ADDRESS")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    if state_dir is None:
+        obj = ctx.obj if isinstance(ctx.obj, dict) else {}
+        state_dir = obj.get("state_dir") or default_state_dir()
+    assert state_dir is not None
+    if nodes_file is not None:
+        try:
+            static_source(nodes_file)()  # refuse a bad file now, not in the loop
+        except (NodeConfigError, OSError) as exc:
+            raise click.ClickException(str(exc)) from None
+        source = static_source(nodes_file)
+    else:
+        from hermes_sup.cluster.ray_agents import registry_source
+
+        assert ray_address is not None
+        source = registry_source(ray_address)
+    try:
+        serve_router(state_dir, source, tcp=tcp, data_dir=data_dir, poll_interval=poll)
+    except (StateDirError, RemoteError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+if __name__ == "__main__":
+    route()

@@ -1,0 +1,93 @@
+"""Merging the answers of many nodes into one answer, as one supervisor
+would have given it. No I/O.
+
+`list`: every node's rows, each with `node` (the node that reported it,
+unless the supervisor named its node itself). On a shared data directory
+every node lists the sessions it finds on disk as `exited`, so one key can
+come from several nodes: the row of a node where it is not `exited` wins,
+then the row of the node the key is placed on, then the first by node name.
+
+`status`: the router's own fields, session counts summed over the nodes,
+and one row per node (`nodes`), with what that node said of itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+EXITED = "exited"
+
+
+def merge_sessions(
+    answers: Mapping[str, list[dict[str, Any]]],
+    owner: Callable[[str], str | None] = lambda key: None,
+) -> list[dict[str, Any]]:
+    """One `sessions` list from each node's rows, one row per key, sorted by key."""
+    best: dict[str, tuple[tuple[int, int, str], dict[str, Any]]] = {}
+    for node in sorted(answers):
+        for raw in answers[node]:
+            if not isinstance(raw, dict) or not isinstance(raw.get("key"), str):
+                continue  # a node's bad row is left out, never fatal to the list
+            row = dict(raw)
+            row.setdefault("node", node)
+            key = row["key"]
+            rank = (
+                0 if row.get("state") != EXITED else 1,
+                0 if owner(key) == node else 1,
+                node,
+            )
+            held = best.get(key)
+            if held is None or rank < held[0]:
+                best[key] = (rank, row)
+    return [best[key][1] for key in sorted(best)]
+
+
+def sum_counts(counts: list[Mapping[str, Any]]) -> dict[str, int]:
+    """Sessions by state, summed over nodes (non-integer values ignored)."""
+    total: dict[str, int] = {}
+    for one in counts:
+        for state, n in one.items():
+            if isinstance(n, int) and not isinstance(n, bool):
+                total[state] = total.get(state, 0) + n
+    return total
+
+
+def merge_status(
+    router: dict[str, Any],
+    answers: Mapping[str, dict[str, Any] | None],
+    nodes: Mapping[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The router's `info` map: its own fields, totals, and `nodes`.
+
+    `answers` maps a node to its `supervisor` map (None: it did not answer);
+    `nodes` maps a node to what the router knows of it (endpoint, live,
+    draining, capacity)."""
+    answered = {n: a for n, a in answers.items() if a is not None}
+    info = dict(router)
+    info["sessions"] = sum_counts(
+        [a["sessions"] for a in answered.values() if isinstance(a.get("sessions"), dict)]
+    )
+    for field in ("total_sessions", "max_sessions", "queued", "spare_workers"):
+        info[field] = sum(
+            v
+            for a in answered.values()
+            if isinstance(v := a.get(field), int) and not isinstance(v, bool)
+        )
+    info["accepting"] = any(a.get("accepting") is True for a in answered.values())
+    rows = []
+    for name in sorted(set(nodes) | set(answers)):
+        row: dict[str, Any] = {"name": name, **nodes.get(name, {})}
+        reply = answers.get(name)
+        row["answered"] = reply is not None
+        if reply is not None:
+            row["status"] = reply
+            # A supervisor that knows its node says so (draining, capacity).
+            own = reply.get("node")
+            if isinstance(own, dict):
+                for field in ("draining", "capacity"):
+                    if field in own:
+                        row[field] = own[field]
+        rows.append(row)
+    info["nodes"] = rows
+    return info

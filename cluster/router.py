@@ -1,0 +1,748 @@
+"""`hermes-sup route`: one endpoint in front of many supervisors.
+
+Theory of operation. Front ends connect to the router exactly as to a
+supervisor (PROTOCOL.md unchanged): an ipc control socket and key in the
+router's own state directory, and optionally a TCP endpoint with CURVE
+(keys in the router's data directory, `hermes-sup keys generate --data-dir`).
+The router holds one DEALER per node, as a remote front end of that node
+(TCP + CURVE, the node's remote HMAC key). Every request is verified with
+the front end's key; its payload is then forwarded unchanged, signed with
+the node's key, and every answer comes back the same way. The payload is
+never rewritten, so ids, `ttl`, resends and streams mean what they mean
+on one supervisor.
+
+- A request about a session goes to the node placement picks for its key
+  (placement.py). A `moved` error naming another node records an override
+  and sends the same request there, once or twice, unseen by the client.
+- `list`, `status`, `reload` and `watch` of every session fan out to every
+  live node and are merged (merge.py); `unwatch` goes where its watch went.
+- `ping` and `shutdown` (local socket only) are the router's own.
+- A node's connection is watched (ZMTP heartbeats and a socket monitor):
+  when it drops, every request in flight there ends with `node_lost` at
+  once, and its keys are placed on the live nodes from then on.
+- Membership comes from a static TOML file (re-read when it changes) or
+  from a callable such as the Ray registry, polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from hermes_sup.local import statedir as local_statedir
+from hermes_sup.local.frames import HANDSHAKE_FAILURES
+from hermes_sup.protocol import (
+    MAGIC,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Kind,
+    Limits,
+    Message,
+    RemoteProtocolError,
+    ReplayGuard,
+    decode,
+    encode,
+    error_message,
+    new_id,
+    sign,
+)
+from hermes_sup.supervisor import statedir
+
+from .merge import merge_sessions, merge_status
+from .nodes import NodeSpec
+from .placement import Candidate, Placement
+
+log = logging.getLogger("hermes_sup.router")
+
+NODE_LOST = "node_lost"
+MOVED = "moved"
+# How long a fanned-out request waits for slow nodes before it answers
+# with those that did (they are shown as not answered).
+FANOUT_TIMEOUT = 10.0
+# ZMTP heartbeats on node links: a node silent this long is lost, even
+# when its host vanished without closing the TCP connection.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 4000
+MAX_MOVES = 3
+SNDHWM = 100_000
+# Kinds the router answers itself or fans out; the rest name a session.
+FANOUT_KINDS = frozenset({Kind.LIST, Kind.STATUS, Kind.RELOAD})
+DRAIN = "drain"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("hermes-sup")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Mode(Enum):
+    """How a request in flight is answered."""
+
+    FORWARD = "forward"  # one node's answers go to the client as they are
+    FANOUT = "fanout"  # one answer per node, merged into one
+    WATCH_ALL = "watch_all"  # every node's events go to the client
+    UNWATCH = "unwatch"  # one `unwatched` once every node said it
+
+
+@dataclass
+class Front:
+    """One socket front ends connect to, and the key they sign with."""
+
+    sock: zmq.asyncio.Socket
+    key: bytes
+    local: bool
+    endpoint: str
+
+
+@dataclass
+class Pending:
+    """A request the router forwarded and the client still waits on."""
+
+    id: str
+    kind: Kind
+    mode: Mode
+    front: int
+    client: bytes
+    session: str | None
+    payload: bytes
+    nodes: set[str] = field(default_factory=set)
+    answers: dict[str, Message | None] = field(default_factory=dict)
+    stream: bool = False
+    moves: int = 0
+    said_watching: bool = False
+    watch: str | None = None  # UNWATCH: the watch it ends
+    timer: asyncio.TimerHandle | None = None
+
+
+class NodeLink:
+    """The router's DEALER to one node, and whether its handshake succeeded."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, spec: NodeSpec) -> None:
+        self.spec = spec
+        self.live = False
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Queue only to a connection that is up: a request never waits in a
+        # pipe for a node that may not come back (it gets node_lost instead).
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, SNDHWM)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.curve_serverkey = spec.server_key.encode()
+        sock.curve_publickey = spec.public.encode()
+        sock.curve_secretkey = spec.secret.encode()
+        self.monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
+        )
+        sock.connect(spec.endpoint)
+        self.sock = sock
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+
+
+NodeSource = Callable[[], list[NodeSpec]]
+
+
+class Router:
+    """The router's state and its loops (one asyncio loop, no threads of ours)."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        source: NodeSource,
+        *,
+        tcp: str | None = None,
+        data_dir: Path | None = None,
+        poll_interval: float = 1.0,
+        limits: Limits | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.source = source
+        self.tcp = tcp
+        self.data_dir = data_dir
+        self.poll_interval = poll_interval
+        self.limits = limits or Limits()
+        self.placement = Placement()
+        self.links: dict[str, NodeLink] = {}
+        self.fronts: list[Front] = []
+        self.pending: dict[str, Pending] = {}
+        self.guard = ReplayGuard()
+        self.gone: set[tuple[int, bytes]] = set()  # clients whose connection closed
+        self.started = time.time()
+        self.stopping = asyncio.Event()
+        self.ctx: zmq.asyncio.Context | None = None
+        self._lock: statedir.InstanceLock | None = None
+        self._auth: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- start and stop ----------------------------------------------------
+
+    async def run(self) -> None:
+        """Bind, follow the membership, serve until SIGTERM/SIGINT or `shutdown`."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self.sync_ctx: zmq.Context[Any] = zmq.Context()
+        self.ctx = zmq.asyncio.Context.shadow(self.sync_ctx)
+        try:
+            self._bind_local()
+            if self.tcp:
+                self._bind_tcp()
+            for index, front in enumerate(self.fronts):
+                self._tasks.append(asyncio.create_task(self._read_front(index, front)))
+            self._tasks.append(asyncio.create_task(self._follow_membership()))
+            log.info(
+                "router_started pid=%s endpoints=%s",
+                os.getpid(),
+                ",".join(f.endpoint for f in self.fronts),
+            )
+            await self.stopping.wait()
+        finally:
+            self._close()
+
+    def _bind_local(self) -> None:
+        assert self.ctx is not None
+        statedir.ensure_private_dir(self.state_dir)
+        self._lock = statedir.InstanceLock(self.state_dir)
+        self._lock.acquire()
+        key = statedir.load_or_create_key(self.state_dir)
+        endpoint = local_statedir.endpoint(self.state_dir, local_statedir.CONTROL_SOCKET)
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / local_statedir.CONTROL_SOCKET).unlink()  # a dead run's socket
+        sock = self._front_socket()
+        old = os.umask(0o077)
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.umask(old)
+        self.fronts.append(Front(sock, key, True, endpoint))
+
+    def _bind_tcp(self) -> None:
+        """The CURVE endpoint, as a supervisor's (supervisor/endpoints.py)."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        from hermes_sup.supervisor import remote
+
+        assert self.ctx is not None and self.tcp is not None
+        if self.data_dir is None:
+            raise remote.RemoteError("--tcp needs --data-dir (the router's CURVE keys live there)")
+        host, port = remote.parse_tcp(self.tcp)
+        public, secret = remote.server_keys(self.data_dir)
+        key = remote.remote_hmac_key(self.data_dir)
+        # The ZAP handler runs before the bind: without one every key gets in.
+        auth = ThreadAuthenticator(self.sync_ctx, log=logging.getLogger("hermes_sup.zap"))
+        self._auth = auth
+        auth.start()
+        sock = self._front_socket()
+        auth.configure_curve_callback(remote.ZAP_DOMAIN, remote.Allowlist(self.data_dir))
+        sock.curve_server = True
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.zap_domain = remote.ZAP_DOMAIN.encode()
+        endpoint = remote.tcp_endpoint(host, port)
+        sock.bind(endpoint)
+        self.fronts.append(Front(sock, key, False, endpoint))
+
+    def _front_socket(self) -> zmq.asyncio.Socket:
+        assert self.ctx is not None
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, SNDHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, int(self.limits.max_frame_size * 1.25) + 4096)
+        # (ROUTER_NOTIFY, which would name a client whose connection closed,
+        # is a draft option that released libzmq builds refuse.)
+        return sock
+
+    def _close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        for front in self.fronts:
+            front.sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self.ctx is not None:
+            self.sync_ctx.term()
+        if self._lock is not None:
+            self._lock.release()
+
+    # -- membership ----------------------------------------------------------
+
+    async def _follow_membership(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                specs = await loop.run_in_executor(None, self.source)
+            except Exception as exc:  # a registry that is briefly away: keep the last list
+                log.warning("router_membership_unavailable error=%s", exc)
+            else:
+                self.set_nodes(specs)
+            await asyncio.sleep(self.poll_interval)
+
+    def set_nodes(self, specs: list[NodeSpec]) -> None:
+        """Bring the links toward the node list: connect new nodes, drop gone ones."""
+        assert self.ctx is not None
+        wanted = {s.name: s for s in specs}
+        for name in list(self.links):
+            spec = wanted.get(name)
+            link = self.links[name]
+            if spec is None or _reach(spec) != _reach(link.spec):
+                log.info("router_node_removed node=%s", name)
+                self._drop_link(name, "it left the cluster")
+        for name, spec in wanted.items():
+            if name not in self.links:
+                log.info("router_node_added node=%s endpoint=%s", name, spec.endpoint)
+                link = NodeLink(self.ctx, spec)
+                self.links[name] = link
+                link.tasks.append(asyncio.create_task(self._read_node(link)))
+                link.tasks.append(asyncio.create_task(self._watch_node(link)))
+            self.links[name].spec = spec
+            self._place(self.links[name])
+
+    def _place(self, link: NodeLink) -> None:
+        s = link.spec
+        self.placement.update(Candidate(s.name, s.capacity, link.live, s.draining))
+
+    def _drop_link(self, name: str, why: str) -> None:
+        link = self.links.pop(name)
+        link.close()
+        self.placement.remove(name)
+        self._lose_node(name, why)
+
+    async def _watch_node(self, link: NodeLink) -> None:
+        """Live from a successful handshake to a disconnect (or heartbeat timeout)."""
+        name = link.spec.name
+        while True:
+            event = parse_monitor_message(await link.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.live = True
+                log.info("router_node_up node=%s", name)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if link.live:
+                    log.warning("router_node_lost node=%s", name)
+                link.live = False
+                self._lose_node(name, "its connection closed")
+            else:
+                log.warning(
+                    "router_node_handshake_failed node=%s: the node refused the router's "
+                    "CURVE key, or its server key is not %s",
+                    name,
+                    link.spec.server_key,
+                )
+            self._place(link)
+
+    def _lose_node(self, name: str, why: str) -> None:
+        """Every request waiting on `name` is answered now, not left hanging."""
+        for p in list(self.pending.values()):
+            if name not in p.nodes:
+                continue
+            p.nodes.discard(name)
+            if p.mode is Mode.FORWARD:
+                self._error(
+                    p, NODE_LOST, f"node {name} was lost ({why}) while this request ran there"
+                )
+                self._finish(p)
+            elif p.mode is Mode.FANOUT:
+                p.answers[name] = None
+                self._maybe_complete(p)
+            elif p.mode is Mode.UNWATCH:
+                self._maybe_complete(p)
+            # WATCH_ALL: the other nodes' events keep coming.
+
+    # -- front ends ---------------------------------------------------------
+
+    async def _read_front(self, index: int, front: Front) -> None:
+        while True:
+            frames = await front.sock.recv_multipart(copy=True)
+            try:
+                self.on_front(index, front, frames)
+            except Exception:
+                log.exception("router_bug while handling a front end's message")
+
+    def on_front(self, index: int, front: Front, frames: list[bytes]) -> None:
+        """One message from a front end: route it, answer it, or refuse it."""
+        client = frames[0]
+        if len(frames) == 2 and frames[1] == b"":
+            self._client_gone(index, client)
+            return
+        self.gone.discard((index, client))
+        try:
+            msg = decode(frames[1:], front.key, self.limits)
+        except RemoteProtocolError as exc:
+            if exc.msg_id is not None:
+                self._to_client(index, client, error_message(exc.code, exc.message, re=exc.msg_id))
+            return
+        try:
+            self._dispatch(index, client, msg, frames[3])
+        except RemoteProtocolError as exc:
+            self._to_client(
+                index, client, error_message(exc.code, exc.message, re=msg.id, session=msg.session)
+            )
+
+    def _dispatch(self, index: int, client: bytes, msg: Message, payload: bytes) -> None:
+        kind = msg.kind
+        if kind is Kind.PING:
+            self.guard.check(msg.id, msg.ts, time.time())
+            self._to_client(index, client, msg.reply(Kind.PONG, self._pong()))
+        elif kind is Kind.SHUTDOWN:
+            self.guard.check(msg.id, msg.ts, time.time())
+            if not self.fronts[index].local:
+                raise RemoteProtocolError(ErrorCode.UNKNOWN_KIND, "shutdown is for local clients")
+            self._to_client(
+                index, client, msg.reply(Kind.SHUTDOWN_STARTED, {"pid": os.getpid(), "grace": 0})
+            )
+            asyncio.get_running_loop().call_later(0.05, self.stopping.set)
+        elif kind in FANOUT_KINDS or (kind is Kind.WATCH and msg.session is None):
+            self.guard.check(msg.id, msg.ts, time.time())
+            self._fan_out(index, client, msg, payload)
+        elif kind is Kind.UNWATCH:
+            self.guard.check(msg.id, msg.ts, time.time())
+            self._unwatch(index, client, msg, payload)
+        elif kind.value == DRAIN:
+            node = msg.body.get("node")
+            if not isinstance(node, str) or node not in self.links:
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_FIELD,
+                    f"through a router, drain names its node in `node` (one of: "
+                    f"{', '.join(sorted(self.links)) or 'none'})",
+                )
+            self._forward(index, client, msg, payload, node)
+        elif msg.session is not None:
+            self._forward(index, client, msg, payload, None)
+        else:
+            raise RemoteProtocolError(
+                ErrorCode.UNKNOWN_KIND, f"a router does not take {kind.value!r} without a session"
+            )
+
+    def _pong(self) -> dict[str, Any]:
+        return {
+            "version": _version(),
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "uptime": time.time() - self.started,
+        }
+
+    def _client_gone(self, index: int, client: bytes) -> None:
+        """A front end's connection closed: end its streams on the nodes; its
+        turns go on (a reconnected client may resend and take them over)."""
+        self.gone.add((index, client))
+        for p in list(self.pending.values()):
+            if p.front == index and p.client == client and p.stream:
+                for node in p.nodes:
+                    self._to_node(node, Message(Kind.UNWATCH, {"watch": p.id}))
+                self._finish(p)
+
+    # -- forwarding ------------------------------------------------------------
+
+    def _forward(
+        self, index: int, client: bytes, msg: Message, payload: bytes, node: str | None
+    ) -> None:
+        held = self.pending.get(msg.id)
+        if held is not None:
+            if (held.front, held.client) != (index, client):
+                if (held.front, held.client) not in self.gone:
+                    raise RemoteProtocolError(
+                        ErrorCode.REPLAYED, f"message id {msg.id!r} is another client's request"
+                    )
+                held.front, held.client = index, client  # a reconnected client resends
+            target = next(iter(held.nodes), None)
+            if target is not None and self._to_node_raw(target, payload):
+                return
+            self._error(held, NODE_LOST, "the node that ran this request is gone")
+            self._finish(held)
+            return
+        if node is None:
+            assert msg.session is not None
+            node = self.placement.owner(msg.session)
+        stream = msg.kind is Kind.WATCH or (msg.kind is Kind.LOGS and bool(msg.body.get("follow")))
+        p = Pending(
+            msg.id, msg.kind, Mode.FORWARD, index, client, msg.session, payload, stream=stream
+        )
+        if node is None or not self._to_node_raw(node, payload):
+            self._error(
+                p,
+                NODE_LOST,
+                "no live node can take this session now"
+                if node is None
+                else f"node {node} is not reachable",
+            )
+            return
+        p.nodes.add(node)
+        self.pending[msg.id] = p
+
+    def _fan_out(self, index: int, client: bytes, msg: Message, payload: bytes) -> None:
+        mode = Mode.WATCH_ALL if msg.kind is Kind.WATCH else Mode.FANOUT
+        p = Pending(
+            msg.id, msg.kind, mode, index, client, None, payload, stream=mode is Mode.WATCH_ALL
+        )
+        for name, link in self.links.items():
+            if link.live and self._to_node_raw(name, payload):
+                p.nodes.add(name)
+        if msg.id in self.pending:
+            raise RemoteProtocolError(ErrorCode.REPLAYED, f"message id {msg.id!r} is in use")
+        self.pending[msg.id] = p
+        if mode is Mode.WATCH_ALL:
+            # The client hears `watching` once, whatever the number of nodes.
+            p.said_watching = True
+            self._to_client(
+                index, client, msg.reply(Kind.EVENT, {"type": "watching", "data": None})
+            )
+            return
+        p.timer = asyncio.get_running_loop().call_later(FANOUT_TIMEOUT, self._time_out, p)
+        self._maybe_complete(p)
+
+    def _unwatch(self, index: int, client: bytes, msg: Message, payload: bytes) -> None:
+        watched = self.pending.get(msg.body["watch"])
+        p = Pending(msg.id, msg.kind, Mode.UNWATCH, index, client, msg.session, payload)
+        p.watch = msg.body["watch"]
+        if watched is not None and (watched.front, watched.client) == (index, client):
+            for node in watched.nodes:
+                if self._to_node_raw(node, payload):
+                    p.nodes.add(node)
+        self.pending[msg.id] = p
+        self._maybe_complete(p)
+
+    def _time_out(self, p: Pending) -> None:
+        if self.pending.get(p.id) is p:
+            for name in p.nodes:
+                p.answers[name] = None
+            p.nodes.clear()
+            self._maybe_complete(p)
+
+    def _maybe_complete(self, p: Pending) -> None:
+        if p.nodes or self.pending.get(p.id) is not p:
+            return
+        if p.mode is Mode.UNWATCH:
+            watched = self.pending.get(p.watch or "")
+            if watched is not None and (watched.front, watched.client) == (p.front, p.client):
+                self._finish(watched)
+            self._to_client(
+                p.front,
+                p.client,
+                Message(
+                    Kind.EVENT, {"type": "unwatched", "data": None}, session=p.session, re=p.id
+                ),
+            )
+        elif p.mode is Mode.FANOUT:
+            self._to_client(p.front, p.client, self._merged(p))
+        self._finish(p)
+
+    def _merged(self, p: Pending) -> Message:
+        ok = {n: m for n, m in p.answers.items() if m is not None and m.kind is not Kind.ERROR}
+        if p.kind is Kind.LIST:
+            rows = {n: list(m.body.get("sessions", [])) for n, m in ok.items()}
+            body: dict[str, Any] = {"sessions": merge_sessions(rows, self.placement.owner)}
+            return Message(Kind.SESSIONS, body, re=p.id)
+        if p.kind is Kind.STATUS:
+            answers = {
+                n: (m.body["supervisor"] if m is not None and n in ok else None)
+                for n, m in p.answers.items()
+            }
+            nodes = {n: {**k.spec.describe(), "live": k.live} for n, k in self.links.items()}
+            return Message(
+                Kind.INFO, {"supervisor": merge_status(self._info(), answers, nodes)}, re=p.id
+            )
+        # reload: what changed anywhere, and what needs a restart anywhere
+        changed: set[str] = set()
+        restart: set[str] = set()
+        for m in ok.values():
+            changed.update(str(x) for x in m.body.get("changed", []))
+            restart.update(str(x) for x in m.body.get("restart_needed", []))
+        errors = [m for m in p.answers.values() if m is not None and m.kind is Kind.ERROR]
+        if not ok and errors:
+            return Message(Kind.ERROR, errors[0].body, re=p.id)  # e.g. every node refused it
+        return Message(
+            Kind.RELOADED, {"changed": sorted(changed), "restart_needed": sorted(restart)}, re=p.id
+        )
+
+    def _info(self) -> dict[str, Any]:
+        return {
+            **self._pong(),
+            "role": "router",
+            "started": self.started,
+            "endpoints": {
+                "control": self.fronts[0].endpoint if self.fronts else None,
+                "tcp": next((f.endpoint for f in self.fronts if not f.local), None),
+            },
+            "state_dir": str(self.state_dir),
+            "overrides": len(self.placement.overrides),
+        }
+
+    # -- nodes -----------------------------------------------------------------
+
+    async def _read_node(self, link: NodeLink) -> None:
+        while True:
+            frames = await link.sock.recv_multipart(copy=True)
+            try:
+                self.on_node(link, frames)
+            except Exception:
+                log.exception("router_bug while handling node %s's message", link.spec.name)
+
+    def on_node(self, link: NodeLink, frames: list[bytes]) -> None:
+        """One message from a node: to the client waiting on it, or merged."""
+        name = link.spec.name
+        try:
+            msg = decode(frames, link.spec.hmac_key, self.limits)
+        except RemoteProtocolError as exc:
+            log.warning("router_bad_node_message node=%s error=%s", name, exc.message)
+            return
+        p = self.pending.get(msg.re or "")
+        if p is None or name not in p.nodes:
+            return  # an answer to a request given up on
+        if p.mode is Mode.FORWARD:
+            if (
+                msg.kind is Kind.ERROR
+                and msg.body.get("code") == MOVED
+                and self._move(p, msg, name)
+            ):
+                return
+            self._to_client_raw(p.front, p.client, frames[2])
+            if self._is_final(p, msg):
+                self._finish(p)
+        elif p.mode is Mode.FANOUT:
+            p.answers[name] = msg
+            p.nodes.discard(name)
+            self._maybe_complete(p)
+        elif p.mode is Mode.WATCH_ALL:
+            if msg.kind is Kind.ERROR:
+                p.nodes.discard(name)  # this node refused the watch; others go on
+                if not p.nodes:
+                    self._to_client_raw(p.front, p.client, frames[2])
+                    self._finish(p)
+            elif not (msg.kind is Kind.EVENT and msg.body.get("type") == "watching"):
+                self._to_client_raw(p.front, p.client, frames[2])
+        elif p.mode is Mode.UNWATCH:
+            p.nodes.discard(name)
+            self._maybe_complete(p)
+
+    def _is_final(self, p: Pending, msg: Message) -> bool:
+        if msg.kind is Kind.ERROR:
+            return True
+        if p.kind is Kind.SEND:
+            return msg.kind is not Kind.EVENT
+        return not p.stream  # a stream ends with its unwatch
+
+    def _move(self, p: Pending, msg: Message, name: str) -> bool:
+        """A node says the session is held elsewhere: follow it there."""
+        target = msg.body.get("node")
+        if (
+            not isinstance(target, str)
+            or target == name
+            or p.session is None
+            or p.moves >= MAX_MOVES
+            or target not in self.links
+        ):
+            return False
+        self.placement.overrides.set(p.session, target)
+        p.nodes.discard(name)
+        p.moves += 1
+        if not self._to_node_raw(target, p.payload):
+            return False
+        p.nodes.add(target)
+        log.info("router_moved session=%s from=%s to=%s", p.session, name, target)
+        return True
+
+    def _to_node_raw(self, name: str, payload: bytes) -> bool:
+        link = self.links.get(name)
+        if link is None or not link.live:
+            return False
+        try:
+            link.sock.send_multipart(
+                [MAGIC, sign(link.spec.hmac_key, payload), payload], flags=zmq.NOBLOCK
+            )
+        except zmq.Again:
+            return False  # no connection up (IMMEDIATE), or its queue is full
+        return True
+
+    def _to_node(self, name: str, msg: Message) -> None:
+        link = self.links.get(name)
+        if link is not None:
+            self._to_node_raw(name, encode(msg, link.spec.hmac_key)[2])
+
+    # -- answering ---------------------------------------------------------------
+
+    def _to_client_raw(self, index: int, client: bytes, payload: bytes) -> None:
+        front = self.fronts[index]
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            # A client over its queue loses this message, as zmq would drop it.
+            front.sock.send_multipart(
+                [client, MAGIC, sign(front.key, payload), payload], flags=zmq.NOBLOCK
+            )
+
+    def _to_client(self, index: int, client: bytes, msg: Message) -> None:
+        self._to_client_raw(index, client, encode(msg, self.fronts[index].key, self.limits)[2])
+
+    def _error(self, p: Pending, code: str, message: str) -> None:
+        self._to_client(p.front, p.client, error_message(code, message, re=p.id, session=p.session))
+
+    def _finish(self, p: Pending) -> None:
+        if self.pending.get(p.id) is p:
+            del self.pending[p.id]
+        if p.timer is not None:
+            p.timer.cancel()
+
+
+def _reach(spec: NodeSpec) -> tuple[str, str, bytes, str, str]:
+    """What a link is made with: a change of any of it makes a new link."""
+    return (spec.endpoint, spec.server_key, spec.hmac_key, spec.public, spec.secret)
+
+
+def static_source(path: Path) -> NodeSource:
+    """Nodes from a TOML file, re-read when it changes (load_nodes)."""
+    from .nodes import load_nodes
+
+    cache: dict[str, Any] = {"mtime": None, "specs": []}
+
+    def read() -> list[NodeSpec]:
+        mtime = path.stat().st_mtime_ns
+        if mtime != cache["mtime"]:
+            cache["specs"] = load_nodes(path)
+            cache["mtime"] = mtime
+        return list(cache["specs"])
+
+    return read
+
+
+def serve_router(
+    state_dir: Path,
+    source: NodeSource,
+    *,
+    tcp: str | None = None,
+    data_dir: Path | None = None,
+    poll_interval: float = 1.0,
+) -> None:
+    """Run a router in this process until it is stopped."""
+    router = Router(state_dir, source, tcp=tcp, data_dir=data_dir, poll_interval=poll_interval)
+    asyncio.run(router.run())
+
+
+__all__ = ["NODE_LOST", "MOVED", "Router", "serve_router", "static_source", "new_id"]

@@ -1,0 +1,152 @@
+"""`hermes-sup route` with real processes: two supervisors on TCP + CURVE
+behind a real router process, driven by the unchanged Python client through
+the router's state directory (issue 20)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
+from hermes_sup.cluster.placement import Candidate, rendezvous
+
+from .test_clients import free_port
+
+NODES = ("a", "b")
+SESSIONS = 60
+
+
+def hs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+class RouterProcess:
+    """A real `route` process on its own state directory."""
+
+    def __init__(self, root: Path, nodes_file: Path) -> None:
+        self.state_dir = root / "r"
+        self.log_path = root / "router.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hermes_sup.cli.route", "--nodes", str(nodes_file),
+             "--state-dir", str(self.state_dir), "--poll", "0.2"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_nodes(self, live: set[str], timeout: float = 30.0) -> dict:
+        """Until `status` through the router shows exactly `live` answering."""
+        deadline = time.monotonic() + timeout
+        status: dict = {}
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                with Client(self.state_dir, timeout=5.0) as c:
+                    status = c.status()
+                if {n["name"] for n in status["nodes"] if n["answered"]} == live:
+                    return status
+            except (NotRunning, Timeout):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"nodes {live} not live through the router: {status}\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"router did not stop on SIGTERM:\n{self.log()}") from None
+        self._log.close()
+
+
+@pytest.fixture
+def cluster(supervisor_factory, workdir):
+    """Two supervisors (a, b) on TCP, each with a key enrolled for the router."""
+    sups = {}
+    lines = []
+    for name in NODES:
+        port = free_port()
+        root = workdir / name
+        root.mkdir()
+        config = root / "node.toml"
+        config.write_text(f'node = "{name}"\n')  # the name the router knows it by
+        sup = supervisor_factory("--tcp", str(port), "--config", str(config), root=root)
+        conn = workdir / f"router-{name}.json"
+        made = hs("keys", "generate", "router", "--endpoint", f"127.0.0.1:{port}",
+                  "-o", str(conn), "--data-dir", str(sup.data_dir))  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        lines.append(f'[[node]]\nname = "{name}"\nconnection = "{conn}"\n')
+        sups[name] = sup
+    nodes_file = workdir / "nodes.toml"
+    nodes_file.write_text("\n".join(lines))
+    router = RouterProcess(workdir, nodes_file)
+    try:
+        router.wait_nodes(set(NODES))
+        yield sups, router
+    finally:
+        router.stop()
+
+
+def owner(key: str, live: tuple[str, ...] = NODES) -> str | None:
+    return rendezvous(key, [Candidate(n) for n in live])
+
+
+def test_turns_list_and_node_loss_through_the_router(cluster) -> None:
+    sups, router = cluster
+    keys = [f"chat:{i}" for i in range(SESSIONS)]
+    with Client(router.state_dir, timeout=60.0) as c:
+        assert c.ping().pid == router.proc.pid  # the router answers ping itself
+        # Every session gets its own value; each turn runs where its key lives.
+        for key in keys:
+            c.open(key, env={"ROUTE_PROBE": f"value-of-{key}"})
+        turns = [(key, c.send(key, "env ROUTE_PROBE")) for key in keys]
+        for key, turn in turns:
+            assert turn.collect().text == f"value-of-{key}"
+        rows = {row["key"]: row for row in c.sessions()}
+        assert set(rows) == set(keys)
+        for key in keys:
+            assert rows[key]["node"] == owner(key), key
+        assert {rows[k]["node"] for k in keys} == set(NODES)
+        # Each supervisor holds only its own share: no key ran on both.
+        for name, sup in sups.items():
+            with sup.client() as direct:
+                held = {row["key"] for row in direct.sessions()}
+            assert held == {k for k in keys if owner(k) == name}
+
+        # In-flight turns on b, then b dies (SIGKILL): they end with node_lost.
+        on_b = [k for k in keys if owner(k) == "b"][:5]
+        running = [c.send(key, "sleep 60") for key in on_b]
+        for turn in running:
+            first = next(iter(turn))  # the supervisor's `running` (or queued) status
+            assert first is not None
+        os.kill(sups["b"].pid, signal.SIGKILL)
+        sups["b"].proc.wait()
+        for turn in running:
+            with pytest.raises(SupervisorError) as lost:
+                turn.collect()
+            assert lost.value.code == "node_lost", lost.value
+        router.wait_nodes({"a"})
+        # b's keys are served again at their next message, on a.
+        for key in on_b:
+            reply = c.run(key, "env HERMES_SESSION_KEY")
+            assert reply.text == key
+        rows = {row["key"]: row for row in c.sessions()}
+        assert {rows[k]["node"] for k in on_b} == {"a"}
+        assert all(rows[k]["node"] == "a" for k in keys if owner(k) == "a")
