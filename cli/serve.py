@@ -281,10 +281,11 @@ def serve(
 
     # What the command line (or its environment variables) set wins over the file.
     overrides: dict[str, Any] = {}
+    # Absolute: the zygote and workers run in other directories than ours.
     if ctx.obj["state_dir_given"]:
-        overrides["state_dir"] = ctx.obj["state_dir"]
+        overrides["state_dir"] = Path(ctx.obj["state_dir"]).absolute()
     if data_dir is not None:
-        overrides["data_dir"] = data_dir
+        overrides["data_dir"] = data_dir.absolute()
     if agent_config is not None:
         try:
             overrides["runtime_config"] = configfile.load_agent_config(agent_config)

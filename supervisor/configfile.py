@@ -143,7 +143,8 @@ def _check_value(path: Path, key: str, value: Any) -> Any:
     if kind is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where} must be a path")
-        return Path(value).expanduser()
+        # Absolute (from our directory): the zygote and workers run elsewhere.
+        return Path(value).expanduser().absolute()
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false")

@@ -91,3 +91,13 @@ def test_a_git_worktree_counts_only_under_the_configured_repositories(tmp_path: 
     (workspace / ".git").unlink()
     (workspace / ".git").symlink_to(admin / "commondir")  # never followed
     assert seal.git_common_dir(workspace, [repos]) is None
+
+
+def test_relative_directories_are_made_absolute(tmp_path: Path, monkeypatch) -> None:
+    # The zygote runs in the data dir (sealed: in the fixed workspace), so a
+    # relative path would name another directory there (d/d/sessions/...).
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.toml"
+    config.write_text('data_dir = "d"\nstate_dir = "s"\n')
+    values = configfile.load(config)
+    assert values["data_dir"] == tmp_path / "d" and values["state_dir"] == tmp_path / "s"
