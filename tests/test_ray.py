@@ -1,0 +1,153 @@
+"""Ray node agents on a real local Ray cluster (ray.cluster_utils.Cluster, two
+raylets): `ray up` runs one supervisor per node as its agent's child, a
+router follows the registry, turns are answered by key; a node that leaves
+takes every process of ours with it, its in-flight turn gets node_lost and
+its keys are served again on the other node (issue 20)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
+from hermes_sup.cluster.placement import Candidate, rendezvous
+
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+SESSIONS = 20
+pytestmark = pytest.mark.e2e  # real Ray raylets, supervisors and workers
+
+
+def hs_ray(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_sup.cli.ray", *args],
+        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+
+
+def tree(pid: int) -> set[int]:
+    """`pid` and its descendants now."""
+    try:
+        proc = psutil.Process(pid)
+        return {pid, *(c.pid for c in proc.children(recursive=True))}
+    except psutil.Error:
+        return set()
+
+
+def alive(pids: set[int]) -> set[int]:
+    left = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.add(pid)
+        except psutil.Error:
+            continue
+    return left
+
+
+def wait_until(what: str, check, timeout: float = 60.0):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def ray_cluster(workdir: Path):
+    """Two raylets on this machine; everything of Ray's under workdir."""
+    tmp = workdir / "ray"
+    tmp.mkdir()
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(tmp)
+    cluster = cluster_utils.Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        worker = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster, worker, {**os.environ, "RAY_TMPDIR": str(tmp)}
+    finally:
+        cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+
+
+def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir: Path) -> None:
+    cluster, worker, env = ray_cluster
+    import json
+
+    made = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(workdir / "n"))
+    assert made.returncode == 0, made.stderr + made.stdout
+    infos = [json.loads(line) for line in made.stdout.splitlines() if line.startswith("{")]
+    assert len(infos) == 2
+    by_ray_node = {info["ray_node"]: info for info in infos}
+    lost = by_ray_node[worker.node_id]
+    names = {info["name"] for info in infos}
+
+    state_dir = workdir / "r"
+    log_path = workdir / "router.log"
+    with open(log_path, "ab") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "hermes_sup.cli.route", "--ray", cluster.address,
+             "--state-dir", str(state_dir), "--poll", "0.5"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+
+        def answered() -> set[str]:
+            assert router.poll() is None, log_path.read_text()
+            try:
+                with Client(state_dir, timeout=5.0) as c:
+                    return {n["name"] for n in c.status()["nodes"] if n["answered"]}
+            except (NotRunning, Timeout):
+                return set()
+
+        wait_until("both nodes through the router", lambda: answered() == names)
+        owner = {
+            f"ray:{i}": rendezvous(f"ray:{i}", [Candidate(n) for n in names])
+            for i in range(SESSIONS)
+        }
+        with Client(state_dir, timeout=60.0) as c:
+            for key in owner:
+                assert c.run(key, "env HERMES_SESSION_KEY").text == key
+            rows = {row["key"]: row["node"] for row in c.sessions()}
+            assert rows == owner
+            assert set(rows.values()) == names
+
+            # The worker node leaves: its agent, supervisor and workers all go.
+            ours = tree(lost["pid"]) | {lost["agent_pid"]}
+            assert lost["pid"] in ours and len(ours) >= 3  # supervisor, zygote, workers
+            doomed = [k for k, n in owner.items() if n == lost["name"]]
+            turn = c.send(doomed[0], "sleep 60")
+            next(iter(turn))  # running (or queued) there
+            cluster.remove_node(worker)
+            with pytest.raises(SupervisorError) as gone:
+                turn.collect()
+            assert gone.value.code == "node_lost"
+            wait_until("no process of ours on the lost node", lambda: not alive(ours))
+            for key in doomed:
+                assert c.run(key, "env HERMES_SESSION_KEY").text == key
+            survivor = (names - {lost["name"]}).pop()
+            rows = {row["key"]: row["node"] for row in c.sessions()}
+            assert {rows[k] for k in doomed} == {survivor}
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(20)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
+        down = hs_ray(env, "down", "--address", cluster.address)
+        assert down.returncode == 0, down.stderr
