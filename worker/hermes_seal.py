@@ -180,9 +180,12 @@ def preload(paths: SealedPathsLike) -> Preloaded:
             importlib.import_module(name)
         except Exception as exc:
             raise SealError(f"cannot import {name}: {type(exc).__name__}: {exc}") from exc
+    parent = os.getppid()
     for name in recorded_modules():
         if name in sys.modules:
             continue
+        if os.getppid() != parent:  # the supervisor is gone: stop, do not make it wait
+            raise SealError("the zygote's parent went away during the preload")
         try:
             importlib.import_module(name)
         except BaseException as exc:  # a module may exit or need what is absent
