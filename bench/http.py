@@ -676,9 +676,18 @@ async def _streams_chat(
 
 
 async def _streams_runs(
-    url: str, headers: dict[str, str], keys: list[str], watchers: int, words: int, timeout: float
+    url: str,
+    headers: dict[str, str],
+    keys: list[str],
+    watchers: int,
+    words: int,
+    timeout: float,
+    gate: float,
 ) -> dict[str, Any]:
-    """One run per session, each watched by `watchers` event streams at once."""
+    """One run per session, each watched by `watchers` event streams at once.
+    Each session first runs `sleep <gate>`, so that its streaming run waits
+    queued behind it while every watcher connects: the streams are all
+    open before the first token (a late watcher would get a replay)."""
     text, expected = words_of(words)
     tally = Tally()
     connector = aiohttp.TCPConnector(limit=len(keys) * watchers + 10)
@@ -686,7 +695,7 @@ async def _streams_runs(
         deadline = time.monotonic() + timeout
         started = time.perf_counter()
 
-        async def start(key: str) -> str:
+        async def start(key: str, text: str) -> str:
             async with http.post("/v1/runs", json={"input": text}, headers={KEY_HEADER: key}) as r:
                 if r.status != 202:
                     raise RuntimeError(f"POST /v1/runs: {r.status} {await r.text()}")
@@ -701,7 +710,9 @@ async def _streams_runs(
         def end(line: str) -> bool:
             return line.startswith("data: ") and '"event": "run.completed"' in line
 
-        run_ids = await asyncio.gather(*(start(k) for k in keys))
+        if gate:
+            await asyncio.gather(*(start(k, f"sleep {gate:g}") for k in keys))
+        run_ids = await asyncio.gather(*(start(k, text) for k in keys))
         await asyncio.gather(
             *(
                 _read_stream(tally, expected, deadline, opener(run_id), delta, end)
@@ -780,11 +791,13 @@ def streams(
     words: int,
     runs: int = 50,
     timeout: float = 120.0,
+    gate: float = 5.0,
 ) -> dict[str, Any]:
     """SSE streams held at once, each checked in order:
 
     - runs: max(counts) streams of `GET /v1/runs/{id}/events`, watching
-      `runs` runs (so max(counts)/runs watchers each, `runs` workers);
+      `runs` runs (so max(counts)/runs watchers each, `runs` workers),
+      all connected while a `sleep <gate>` turn holds the runs queued;
     - chat, for each of `counts`: that many streaming chat completions,
       one session (one worker) each, beside the same turns through one
       AsyncClient (zmq).
@@ -800,10 +813,10 @@ def streams(
     out["runs"] = _measured(
         both,
         lambda: asyncio.run(
-            _streams_runs(stack.url, stack.auth, run_keys, watchers, words, timeout)
+            _streams_runs(stack.url, stack.auth, run_keys, watchers, words, timeout, gate)
         ),
     )
-    out["runs"] |= {"runs": runs, "watchers_per_run": watchers}
+    out["runs"] |= {"runs": runs, "watchers_per_run": watchers, "gate_s": gate}
     keys = [f"sse-{i}" for i in range(biggest)]
     started = time.perf_counter()
     asyncio.run(_warm(stack.url, stack.auth, keys, 16))
@@ -1034,7 +1047,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
     parser.add_argument("--rounds", type=int, help="round-trip rounds (default 1,000; quick 200)")
     parser.add_argument(
-        "--streams", type=int, help="SSE streams at once (default 1,000; quick 100)"
+        "--streams", help="SSE streams at once, comma-separated (default 250,1000; quick 100)"
+    )
+    parser.add_argument(
+        "--stream-timeout", type=float, default=120.0, help="seconds, then a stream is unfinished"
     )
     parser.add_argument("--words", type=int, default=20, help="words each stream carries")
     parser.add_argument(

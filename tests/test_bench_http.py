@@ -30,7 +30,7 @@ def test_http_bench_measures_every_path_and_leaves_nothing() -> None:
             assert tp[name]["turns_per_s"] > 0 and tp[name]["client_cpu_us_per_turn"] >= 0
         assert tp["http"]["ratio_to_echo_floor"] > 0
 
-        st = bench_http.streams(stack, counts=(4,), words=3, runs=2, timeout=60)
+        st = bench_http.streams(stack, counts=(4,), words=3, runs=2, timeout=60, gate=0.5)
         # 4 chat streams (a session each), through the endpoint and through
         # the Python client, and 4 runs-events streams (2 runs, 2 watchers).
         for figures in (st["chat_4"]["http"], st["chat_4"]["zmq"], st["runs"]):
@@ -38,6 +38,7 @@ def test_http_bench_measures_every_path_and_leaves_nothing() -> None:
             assert figures["streams"] == 4 and figures["outcomes"] == {"complete": 4}
             assert figures["failed"] == 0 and figures["errors"] == {}
             assert 1 <= figures["peak_open_at_once"] <= 4
+        assert st["runs"]["peak_open_at_once"] == 4  # all connected before the first token
         assert st["runs"]["watchers_per_run"] == 2
         assert st["chat_4"]["http"]["memory"]["endpoint"]["rss_peak_mib"] > 0
         assert st["chat_4"]["http"]["memory"]["supervisor"]["fds_peak"] > 0
