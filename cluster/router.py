@@ -125,6 +125,7 @@ class Pending:
     answers: dict[str, Message | None] = field(default_factory=dict)
     stream: bool = False
     moves: int = 0
+    answered: bool = False  # FORWARD: the client has had an answer from a node
     said_watching: bool = False
     watch: str | None = None  # UNWATCH: the watch it ends
     timer: asyncio.TimerHandle | None = None
@@ -136,6 +137,9 @@ class NodeLink:
     def __init__(self, ctx: zmq.asyncio.Context, spec: NodeSpec) -> None:
         self.spec = spec
         self.live = False
+        # What the node last said of its draining (drain answers, status,
+        # `moved` for draining); the node list's `draining` counts too.
+        self.draining = False
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Queue only to a connection that is up: a request never waits in a
@@ -330,7 +334,7 @@ class Router:
 
     def _place(self, link: NodeLink) -> None:
         s = link.spec
-        self.placement.update(Candidate(s.name, s.capacity, link.live, s.draining))
+        self.placement.update(Candidate(s.name, s.capacity, link.live, s.draining or link.draining))
 
     def _drop_link(self, name: str, why: str) -> None:
         link = self.links.pop(name)
@@ -618,6 +622,7 @@ class Router:
         p = self.pending.get(msg.re or "")
         if p is None or name not in p.nodes:
             return  # an answer to a request given up on
+        self._learn(link, msg)
         if p.mode is Mode.FORWARD:
             if (
                 msg.kind is Kind.ERROR
@@ -625,6 +630,7 @@ class Router:
                 and self._move(p, msg, name)
             ):
                 return
+            p.answered = True
             self._to_client_raw(p.front, p.client, frames[2])
             if self._is_final(p, msg):
                 self._finish(p)
@@ -644,6 +650,21 @@ class Router:
             p.nodes.discard(name)
             self._maybe_complete(p)
 
+    def _learn(self, link: NodeLink, msg: Message) -> None:
+        """A node's own word on its draining: a drain's answer, its status."""
+        own: object = None
+        if msg.kind is Kind.INFO:
+            own = msg.body["supervisor"].get("node")
+        elif msg.kind.value == "node":
+            own = msg.body.get("node")
+        if isinstance(own, dict) and isinstance(own.get("draining"), bool):
+            if own["draining"] != link.draining:
+                log.info(
+                    "router_node_draining node=%s draining=%s", link.spec.name, own["draining"]
+                )
+                link.draining = own["draining"]
+                self._place(link)
+
     def _is_final(self, p: Pending, msg: Message) -> bool:
         if msg.kind is Kind.ERROR:
             return True
@@ -652,17 +673,28 @@ class Router:
         return not p.stream  # a stream ends with its unwatch
 
     def _move(self, p: Pending, msg: Message, name: str) -> bool:
-        """A node says the session is held elsewhere: follow it there."""
+        """A node says the session is held elsewhere, or that it is draining:
+        follow it to the holder, or to where the hash places it now."""
         target = msg.body.get("node")
-        if (
-            not isinstance(target, str)
-            or target == name
-            or p.session is None
-            or p.moves >= MAX_MOVES
-            or target not in self.links
-        ):
+        if p.session is None or p.moves >= MAX_MOVES or p.answered:
+            # Once a node answered anything (a turn that started there), a
+            # resend elsewhere could run it twice: the client decides.
             return False
-        self.placement.overrides.set(p.session, target)
+        if target is None and msg.body.get("reason") == "draining":
+            link = self.links.get(name)
+            if link is not None and not link.draining:
+                log.info("router_node_draining node=%s draining=True", name)
+                link.draining = True
+                self._place(link)
+            if self.placement.overrides.get(p.session) == name:
+                self.placement.overrides.forget(p.session)
+            target = self.placement.owner(p.session)
+        elif isinstance(target, str) and target in self.links:
+            self.placement.overrides.set(p.session, target)
+        else:
+            return False
+        if target is None or target == name:
+            return False
         p.nodes.discard(name)
         p.moves += 1
         if not self._to_node_raw(target, p.payload):

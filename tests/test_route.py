@@ -150,3 +150,89 @@ def test_turns_list_and_node_loss_through_the_router(cluster) -> None:
         rows = {row["key"]: row for row in c.sessions()}
         assert {rows[k]["node"] for k in on_b} == {"a"}
         assert all(rows[k]["node"] == "a" for k in keys if owner(k) == "a")
+
+
+@pytest.fixture
+def shared_cluster(supervisor_factory, workdir):
+    """Two supervisors (a, b) on ONE shared data directory (session leases)."""
+    shared = workdir / "shared"
+    sups = {}
+    lines = []
+    for name in NODES:
+        port = free_port()
+        root = workdir / name
+        root.mkdir()
+        config = root / "node.toml"
+        config.write_text(f'node = "{name}"\n')
+        sup = supervisor_factory(
+            "--tcp", str(port), "--config", str(config), "--data-dir", str(shared), root=root
+        )
+        conn = workdir / f"router-{name}.json"
+        made = hs("keys", "generate", f"router-{name}", "--endpoint", f"127.0.0.1:{port}",
+                  "-o", str(conn), "--data-dir", str(shared))  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        lines.append(f'[[node]]\nname = "{name}"\nconnection = "{conn}"\n')
+        sups[name] = sup
+    nodes_file = workdir / "nodes.toml"
+    nodes_file.write_text("\n".join(lines))
+    router = RouterProcess(workdir, nodes_file)
+    try:
+        router.wait_nodes(set(NODES))
+        yield sups, router
+    finally:
+        router.stop()
+
+
+def note(c: Client, key: str) -> str:
+    """The session's note.txt, as its worker reads it (sh's output events)."""
+    reply = c.run(key, "sh cat note.txt")
+    return "".join(str(e.data) for e in reply.events if e.type == "output").strip()
+
+
+def test_drain_and_node_loss_on_a_shared_data_dir_keep_each_sessions_files(
+    shared_cluster,
+) -> None:
+    pytest.importorskip("hermes_sup.supervisor.leases", reason="needs session leases")
+    from hermes_sup.protocol import Kind
+
+    sups, router = shared_cluster
+    keys = [f"note:{i}" for i in range(20)]
+    on_b = [k for k in keys if owner(k) == "b"]
+    with Client(router.state_dir, timeout=60.0) as c:
+        for key in keys:
+            assert c.run(key, f"write note.txt of-{key}").text.startswith("wrote")
+
+        # b drains (on its host): its idle sessions stop, and their next
+        # messages are answered on a, whose worker finds their files.
+        with sups["b"].client() as direct:
+            direct.request(Kind.DRAIN, {"on": True})
+
+            def b_idle_gone() -> bool:
+                return not [r for r in direct.sessions() if r["state"] != "exited"]
+
+            deadline = time.monotonic() + 30
+            while not b_idle_gone():
+                assert time.monotonic() < deadline, direct.sessions()
+                time.sleep(0.1)
+        for key in on_b:
+            assert note(c, key) == f"of-{key}"
+        rows = {row["key"]: row for row in c.sessions()}
+        assert {rows[k]["node"] for k in on_b} == {"a"}
+        assert {rows[k]["state"] for k in keys} == {"idle"}
+
+        # a dies with a turn running: node_lost; b (drain ended) takes every
+        # key over at its next message, files and all.
+        with sups["b"].client() as direct:
+            direct.request(Kind.DRAIN, {"on": False})
+        turn = c.send(keys[0], "sleep 60")
+        next(iter(turn))
+        os.kill(sups["a"].pid, signal.SIGKILL)
+        sups["a"].proc.wait()
+        with pytest.raises(SupervisorError) as lost:
+            turn.collect()
+        assert lost.value.code == "node_lost"
+        router.wait_nodes({"b"})
+        for key in keys:
+            assert note(c, key) == f"of-{key}"
+        rows = {row["key"]: row for row in c.sessions()}
+        assert {rows[k]["node"] for k in keys} == {"b"}
