@@ -132,9 +132,7 @@ class Zygote:
             return fut
         req_id = next(self._ids)
         self._pending[req_id] = fut
-        self._outbox.extend(
-            datagrams.split(msgpack.packb({"op": "spawn", "id": req_id, **request}))
-        )
+        self._outbox.extend(datagrams.split(datagrams.with_id(req_id, msgpack.packb(request))))
         self._flush()
         return fut
 

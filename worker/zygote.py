@@ -85,9 +85,19 @@ def _preload_hermes(paths: Any, failed: dict[str, str]) -> dict[str, Any] | None
     return {"modules": done.modules, "seconds": done.seconds, "missing": len(done.missing)}
 
 
-def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> tuple[int, int]:
-    """Fork one worker as a child of the supervisor. Returns its pid and the
-    read end of the pipe that carries its stdout and stderr (for the supervisor)."""
+def _boot(body: memoryview, out_w: int) -> None:
+    """In the forked child: decode its request (the zygote never does) and
+    become the worker. Never returns."""
+    from hermes_sup.worker.main import boot
+
+    request = msgpack.unpackb(body, raw=False)
+    boot(request, out_w)
+
+
+def _fork_worker(sock: socket.socket, request: memoryview) -> tuple[int, int]:
+    """Fork one worker as a child of the supervisor, for the encoded
+    `request`. Returns its pid and the read end of the pipe that carries
+    its stdout and stderr (for the supervisor)."""
     out_r, out_w = os.pipe()
     if can_fork_to_parent():
         sys.stdout.flush()
@@ -97,9 +107,7 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> tuple[int, int
             try:
                 os.close(out_r)
                 sock.close()
-                from hermes_sup.worker.main import boot
-
-                boot(request, out_w)  # never returns
+                _boot(request, out_w)  # never returns
             finally:
                 os._exit(1)
         os.close(out_w)
@@ -108,7 +116,7 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any]) -> tuple[int, int
 
 
 def _double_fork(
-    sock: socket.socket, request: dict[str, Any], out_r: int, out_w: int
+    sock: socket.socket, request: memoryview, out_r: int, out_w: int
 ) -> tuple[int, int]:
     """Where clone(CLONE_PARENT) is not available: the intermediate child
     exits at once and the worker re-parents to the supervisor (a subreaper)."""
@@ -124,9 +132,7 @@ def _double_fork(
                 os.close(w)
                 os.close(out_r)
                 sock.close()
-                from hermes_sup.worker.main import boot
-
-                boot(request, out_w)  # never returns
+                _boot(request, out_w)  # never returns
             os.write(w, pid.to_bytes(8, "little"))
         finally:
             os._exit(0)
@@ -197,29 +203,39 @@ def kill_workers(workers: dict[int, float | None]) -> int:
 
 def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
     """Answer spawn requests until the supervisor closes its end. A request
-    may come in several parts (see hermes_sup.local.datagrams)."""
-    joiner = datagrams.Joiner()
+    may come in several parts (see hermes_sup.local.datagrams). The zygote
+    never decodes one: only the worker forked for it does, and the buffer
+    it came in is wiped once the fork is done, so no later worker inherits
+    another session's environment or token from the zygote's memory."""
+    inbox = datagrams.Receiver(sock)
     while True:
         try:
-            data = sock.recv(datagrams.DATAGRAM_SIZE)
-        except InterruptedError:
+            message = inbox.receive()
+        except datagrams.PartsError:
+            traceback.print_exc()
             continue
         except OSError:
             return 0
-        if not data or _parent_gone:
+        if message is None or _parent_gone:
             return 0  # the supervisor is gone: fork nothing more
-        whole = joiner.add(data)
-        if whole is None:
-            continue  # more parts to come
-        request = msgpack.unpackb(whole, raw=False)
-        reply: dict[str, Any] = {"id": request.get("id")}
         out_fd: int | None = None
         try:
-            pid, out_fd = _fork_worker(sock, request)
-            reply["pid"] = pid
-        except Exception as exc:
-            reply["error"] = f"{type(exc).__name__}: {exc}"
+            req_id, body = datagrams.split_id(message)
+            reply: dict[str, Any] = {"id": req_id}
+            try:
+                pid, out_fd = _fork_worker(sock, body)
+                reply["pid"] = pid
+            except Exception as exc:
+                reply["error"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            finally:
+                body.release()
+        except datagrams.PartsError:
             traceback.print_exc()
+            continue
+        finally:
+            message.release()
+            inbox.wipe()
         if out_fd is None:
             sock.send(msgpack.packb(reply))
         else:
