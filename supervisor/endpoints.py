@@ -105,7 +105,7 @@ MAX_STREAMS = 4096
 # forwards waits (its sends block) once WORKER_INBOX of its messages wait
 # here, instead of the supervisor reading its stream into memory.
 WORKER_QUEUE = 100_000
-WORKER_INBOX = 1000
+WORKER_INBOX = 128
 
 SLOW = Throttle(log, "slow_consumer")
 
