@@ -427,13 +427,17 @@ def write_peers(session_dir: Path, text: str) -> None:
         os.close(top)
     try:
         try:
-            os.mkdir(PEERS_DIR, 0o700, dir_fd=workspace)
+            os.mkdir(PEERS_DIR, 0o755, dir_fd=workspace)
         except FileExistsError:
             pass
         own = os.open(PEERS_DIR, flags, dir_fd=workspace)
     finally:
         os.close(workspace)
     try:
+        # Readable, not writable, by the session: a sealed worker runs as a
+        # uid of its own (worker/seal.py), and the directories above are
+        # private to it and the service user either way.
+        os.fchmod(own, 0o755)
         _write_at(own, ".gitignore", "# hermes-sup's own files, not the project's\n*\n", keep=True)
         _write_at(own, PEERS_FILE, text, keep=False)
     finally:
@@ -461,6 +465,7 @@ def _write_at(dir_fd: int, name: str, text: str, keep: bool) -> None:
         dir_fd=dir_fd,
     )
     try:
+        os.fchmod(fd, 0o644)  # see write_peers
         os.write(fd, text.encode())
     finally:
         os.close(fd)

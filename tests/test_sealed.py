@@ -366,3 +366,27 @@ def test_the_operators_template_home_stays_readable_and_read_only(
         )
         assert lines[0] == "t3mplate" and lines[-1] != "status=0"
     assert (template / "SOUL.md").read_text() == "t3mplate\n"
+
+
+def test_sealed_sessions_on_one_repository_read_their_peers(supervisor_factory, workdir) -> None:
+    """As root each sealed worker runs as its own uid: the peers file the
+    supervisor writes into its worktree must still be readable to it (and
+    not writable: the supervisor's list is not the session's to change)."""
+    import subprocess
+
+    repo = workdir / "repo"
+    run = {"check": True, "capture_output": True}
+    subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], **run)
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+        + ["commit", "-q", "--allow-empty", "-m", "first"],
+        **run,
+    )
+    sup = supervisor_factory("--sealed", "on", "--repo", str(repo))
+    with sup.client(timeout=60) as client:
+        client.open("left")
+        client.open("right")
+        reply = client.run("left", "peers")
+        assert reply.text.split()[0] == "right", reply.text
+        text, lines = sh(client, "left", "echo x >> .hermes-sup/peers; echo rc=$?")
+        assert lines[-1] != "rc=0", lines
