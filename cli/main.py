@@ -1,5 +1,5 @@
 """The `hermes-sup` command group, and the commands about the supervisor
-itself: ping, status, reload and shutdown. The others live beside this
+itself: ping, status, reload, drain and shutdown. The others live beside this
 module and are added to the group here: send, cancel, approve, attach and
 events (conversation.py); open (start), restart, signal, list, inspect,
 kill (sessions.py); logs (logs.py); serve and config (serve.py); keys (keys.py);
@@ -171,6 +171,13 @@ def status(ctx: click.Context, as_json: bool) -> None:
     ]
     if info["endpoints"].get("tcp"):
         lines.insert(4, f"tcp:       {info['endpoints']['tcp']} (CURVE; hermes-sup keys list)")
+    node = info.get("node")
+    if isinstance(node, dict):
+        lines.insert(
+            1,
+            f"node:      {node['name']}, {node['sessions']} session(s) held"
+            + ("; DRAINING: no new sessions" if node["draining"] else ""),
+        )
     if not info["accepting"]:
         lines.append("shutting down: not accepting turns")
     click.echo("\n".join(lines))
@@ -197,6 +204,49 @@ def reload(ctx: click.Context) -> None:
     click.echo("reloaded; changed: " + (", ".join(body["changed"]) or "nothing"))
     if body["restart_needed"]:
         click.echo("needs a restart to change: " + ", ".join(body["restart_needed"]))
+
+
+@client_options
+@cli.command()
+@click.option("--off", is_flag=True, help="End the drain: take new sessions again.")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Return once the node holds no session (every one finished and stopped).",
+)
+@click.pass_context
+def drain(ctx: click.Context, off: bool, wait: bool) -> None:
+    """Drain this node: take no new sessions (they get `moved`, which a
+    router sends elsewhere), let running turns finish, and stop each
+    session as it goes idle. Local only, as shutdown.
+
+    \b
+    Examples:
+      hermes-sup drain --wait
+      hermes-sup drain --off
+    """
+    with connect(ctx) as client:
+        node = client.request(Kind.DRAIN, {"on": not off}).body["node"]
+        if off:
+            click.echo(f"node {node['name']}: taking new sessions again")
+            return
+        click.echo(
+            f"node {node['name']} draining: no new sessions; {node['sessions']} session(s) "
+            "still held, each stopped once idle"
+        )
+        started = time.monotonic()
+        said = 0.0
+        while wait and node["sessions"]:
+            waited = time.monotonic() - started
+            if waited - said >= 5:
+                said = waited
+                click.echo(f"{node['sessions']} session(s) still held ({waited:.0f}s)...", err=True)
+            time.sleep(0.2)
+            node = client.status()["node"]
+            if not node["draining"]:
+                raise click.ClickException("the drain was ended (drain --off) while waiting")
+        if wait:
+            click.echo("drained: no session left")
 
 
 @client_options

@@ -39,17 +39,32 @@ class ErrorCode(StrEnum):
     BUSY = "busy"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    # Many nodes (PROTOCOL.md, "Nodes"): the session is served by another
+    # supervisor (its lease is held there) or this one takes no new sessions
+    # (draining); and a router's answer for a turn whose node died.
+    MOVED = "moved"
+    NODE_LOST = "node_lost"
 
 
 class ProtocolError(Exception):
     """Base of every protocol error; carries a stable code and a readable message."""
 
-    def __init__(self, code: ErrorCode, message: str, *, msg_id: str | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        msg_id: str | None = None,
+        detail: dict[str, object] | None = None,
+    ) -> None:
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
         # The id of the offending message when it could be read, so a reply can cite it.
         self.msg_id = msg_id
+        # Fields for programs the error body carries beside code and message
+        # (`moved`: the node that holds the session), or None.
+        self.detail = detail
 
 
 class LocalProtocolError(ProtocolError):

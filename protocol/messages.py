@@ -49,6 +49,8 @@ class Kind(StrEnum):
     INSPECTED = "inspected"
     SHUTDOWN = "shutdown"
     SHUTDOWN_STARTED = "shutdown_started"
+    DRAIN = "drain"
+    NODE = "node"
     ERROR = "error"
     # worker <-> supervisor
     HELLO = "hello"
@@ -112,7 +114,16 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.INSPECTED: {"session": ((dict,), True)},
     Kind.SHUTDOWN: {},
     Kind.SHUTDOWN_STARTED: {"pid": ((int,), True), "grace": (_NUM, True)},
-    Kind.ERROR: {"code": ((str,), True), "message": ((str,), True)},
+    Kind.DRAIN: {"on": ((bool,), False)},
+    Kind.NODE: {"node": ((dict,), True)},
+    # `node`, `endpoint` and `reason` only with `moved` (PROTOCOL.md, "Nodes").
+    Kind.ERROR: {
+        "code": ((str,), True),
+        "message": ((str,), True),
+        "node": ((str, _NONE), False),
+        "endpoint": ((str, _NONE), False),
+        "reason": ((str,), False),
+    },
     Kind.HELLO: {"pid": ((int,), True)},
     Kind.TURN: {"text": ((str,), True), "context": ((dict,), False)},
     Kind.STOP: {},
@@ -168,7 +179,16 @@ class Message:
 
 
 def error_message(
-    code: str, message: str, *, re: str | None = None, session: str | None = None
+    code: str,
+    message: str,
+    *,
+    re: str | None = None,
+    session: str | None = None,
+    detail: dict[str, Any] | None = None,
 ) -> Message:
-    """Build an `error` message with a stable code and a readable sentence."""
-    return Message(Kind.ERROR, {"code": code, "message": message}, session=session, re=re)
+    """Build an `error` message with a stable code and a readable sentence
+    (and, for some codes, fields for programs: `detail`)."""
+    body: dict[str, Any] = {"code": code, "message": message}
+    if detail:
+        body.update(detail)
+    return Message(Kind.ERROR, body, session=session, re=re)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -38,8 +39,25 @@ class Context:
         self.accepting = True  # False from the start of shutdown
         self.forced = False  # told twice to shut down: no more grace
         self.started = time.time()
-        self.metrics: Metrics | None = None
+        self._metrics: Metrics | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
+        # This supervisor's name among a cluster's nodes, fixed at start (a
+        # lease names it, so a reload must not change it), and whether it is
+        # draining: taking no new sessions, stopping its idle ones (`drain`).
+        self.node = settings.node or socket.gethostname()
+        self.draining = False
+
+    @property
+    def metrics(self) -> Metrics | None:
+        """The Prometheus metrics, if they are on."""
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics | None) -> None:
+        # The node's name and drain go into every scrape.
+        if metrics is not None:
+            metrics.node_info = lambda: (self.node, self.draining)
+        self._metrics = metrics
 
     def settings_for(self, session: Session) -> Settings:
         """The settings a session's worker was started under (those in force

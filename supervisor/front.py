@@ -36,6 +36,7 @@ from hermes_sup.protocol import (
     ReplayGuard,
     check_session_key,
     decode,
+    error_message,
 )
 
 from .context import Context
@@ -105,6 +106,7 @@ class Front:
             Kind.SIGNAL: self.signal_session,
             Kind.INSPECT: self.inspect,
             Kind.SHUTDOWN: self.shutdown,
+            Kind.DRAIN: self.drain,
         }
 
     def on_frames(self, index: int, frames: list[bytes]) -> None:
@@ -145,7 +147,12 @@ class Front:
         try:
             handler(client, msg)
         except RemoteProtocolError as exc:
-            endpoints.error(client, exc.code, exc.message, msg.id, msg.session)
+            endpoints.to_client(
+                client,
+                error_message(
+                    exc.code.value, exc.message, re=msg.id, session=msg.session, detail=exc.detail
+                ),
+            )
         except Exception as exc:
             log.exception(kv("bug", kind=msg.kind.value))
             endpoints.error(
@@ -324,6 +331,7 @@ class Front:
         rows = []
         for s in chosen:
             row = s.describe()
+            row["node"] = self.ctx.node
             # The session's own runtime where it chose one, else the one its
             # worker was (or would be) started with.
             row["runtime"] = s.options.runtime or self.ctx.settings_for(s).runtime
@@ -344,6 +352,7 @@ class Front:
         for stored_session in stored:
             row = stored_session.describe()
             row.update(
+                node=self.ctx.node,
                 runtime=stored_session.runtime or default_runtime,
                 rss=None,
                 cpu_percent=None,
@@ -383,8 +392,20 @@ class Front:
             "fds": fds,
             "fd_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
             "accepting": ctx.accepting,
+            "node": self.node_info(),
         }
         self.endpoints.to_client(client, msg.reply(Kind.INFO, {"supervisor": info}))
+
+    def node_info(self) -> dict[str, object]:
+        """This node, for `status` and `drain`: its name, whether it drains,
+        its capacity (max_sessions) and the sessions it holds now (with a
+        worker, or turns waiting for one)."""
+        return {
+            "name": self.ctx.node,
+            "draining": self.ctx.draining,
+            "capacity": self.ctx.max_sessions,
+            "sessions": self.table.live_count(),
+        }
 
     def watch(self, client: bytes, msg: Message) -> None:
         session = self.table.get(msg.session) if msg.session else None
@@ -431,6 +452,24 @@ class Front:
         )
         # Through the signal handler, so it is the very path SIGTERM takes.
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def drain(self, client: bytes, msg: Message) -> None:
+        """Drain this node (`on`, the default) or end a drain (`on: false`):
+        no new sessions (`moved`), running turns finish, idle sessions stop.
+        Local clients only, as `shutdown`."""
+        if client[0] != LOCAL_FRONT:
+            raise RemoteProtocolError(
+                ErrorCode.UNKNOWN_KIND,
+                "drain is not accepted from remote front ends; run it on the supervisor's host",
+            )
+        named = msg.body.get("node")
+        if named is not None and named != self.ctx.node:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"this supervisor is node {self.ctx.node!r}, not {str(named)[:64]!r}",
+            )
+        self.lifecycle.drain(bool(msg.body.get("on", True)))
+        self.endpoints.to_client(client, msg.reply(Kind.NODE, {"node": self.node_info()}))
 
     # ------------------------------------------------------ one session, closer
 

@@ -23,6 +23,12 @@ one worker never acts on its successor.
 A kill stops a worker and everything it started: a polite `stop`, then
 SIGTERM to its process group, then SIGKILL, with the process tree taken
 before the first signal (once a parent dies, its children's links are gone).
+
+Admission also takes the session's lease (table.claim) before a worker may
+start, and refuses with `moved` on a draining node: a draining node lets
+its running turns (and those queued behind them) finish and stops each
+session as it goes idle (`drain`). A session whose lease was taken over by
+another node has its worker stopped at once, its turns answered `moved`.
 """
 
 from __future__ import annotations
@@ -104,6 +110,10 @@ class Lifecycle:
                 lambda pid: self.pool.unclaimed_exits.pop(pid, None),
             )
         )
+        # A lease names where this node is reached (its TCP endpoint, once bound).
+        table.leases.endpoint = lambda: getattr(endpoints, "tcp", None)
+        table.on_lease_lost = self._lease_lost
+        table.on_drained_idle = self._stop_when_idle
 
     def _hold_cull(self) -> None:
         """A child of ours that is no worker (git) runs: counted as a spawn,
@@ -114,7 +124,9 @@ class Lifecycle:
 
     def admit(self, session: Session) -> None:
         """Refuse turns for a failed session (until its cool-down) and when
-        there is no room for another worker."""
+        there is no room for another worker; on a draining node, and for a
+        session another node holds, `moved`. A session admitted to start a
+        worker holds its lease."""
         if session.state is State.FAILED:
             left = session.retry_at - time.monotonic()
             if left > 0:
@@ -125,8 +137,16 @@ class Lifecycle:
                 )
             self.table.transition(session, Event.CLEAR, "cool-down passed")
             session.fast_failures = 0
+        if session.state is State.EXITED and self.ctx.draining and session.lease is None:
+            raise RemoteProtocolError(
+                ErrorCode.MOVED,
+                f"node {self.ctx.node} is draining and takes no new sessions; "
+                f"send {session.key!r} to another node (a router does)",
+                detail={"reason": "draining", "node": None, "endpoint": None},
+            )
         if session.state in (State.EXITED, State.BACKOFF):
             self.make_room(session)
+            self.table.claim(session)
 
     def make_room(self, session: Session) -> None:
         """Before a new worker: stop the least recently used idle session if
@@ -151,6 +171,8 @@ class Lifecycle:
     # -------------------------------------------------------------- start
 
     def start_worker(self, session: Session) -> None:
+        """Start a worker for the session (admitted: its lease is held)."""
+        self.table.claim(session)  # held already, but never a worker without it
         if session.retry_timer is not None:
             session.retry_timer.cancel()
             session.retry_timer = None
@@ -290,7 +312,7 @@ class Lifecycle:
             else:
                 note = f", branch {session.branch} deleted"
         if self.table.get(session.key) is session:
-            self.table.purge(session)
+            note += self.table.purge(session)
         return note
 
     async def _register(
@@ -479,6 +501,50 @@ class Lifecycle:
             self.turns.fail_queue(session, exc.code, exc.message)
             return
         self.start_worker(session)
+
+    # ------------------------------------------------------- leases, drain
+
+    def _lease_lost(self, session: Session, why: str) -> None:
+        """Another node took the session over: stop our worker now, and
+        answer its turns `moved` (they may be sent there)."""
+        if session.state in (State.EXITED, State.STOPPING):
+            return
+        self.ctx.spawn(
+            self.kill_session(
+                session, force=True, reason=f"its lease was lost: {why}", code=ErrorCode.MOVED
+            )
+        )
+
+    def _stop_when_idle(self, session: Session) -> None:
+        """While draining: stop a session that went idle with nothing queued
+        (soon, once the turn's answer is out), which gives its lease up."""
+        asyncio.get_running_loop().call_soon(self._stop_if_idle, session)
+
+    def _stop_if_idle(self, session: Session) -> None:
+        if (
+            self.ctx.draining
+            and self.table.get(session.key) is session
+            and session.state in (State.IDLE, State.BACKOFF, State.FAILED)
+            and not session.queue
+        ):
+            self.ctx.spawn(
+                self.kill_session(
+                    session,
+                    force=False,
+                    reason=f"node {self.ctx.node} is draining",
+                    code=ErrorCode.MOVED,
+                )
+            )
+
+    def drain(self, on: bool) -> None:
+        """Start (or end) draining: take no new sessions, and stop every
+        session that is idle now; busy ones are stopped as they go idle."""
+        was, self.ctx.draining = self.ctx.draining, on
+        if on != was:
+            log.info(kv("drain" if on else "undrain", node=self.ctx.node))
+        if on:
+            for session in list(self.table.sessions.values()):
+                self._stop_if_idle(session)
 
     # --------------------------------------------------------------- kill
 

@@ -74,7 +74,9 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30),
             registry=self.registry,
         )
-        self.registry.register(_Gauges(snapshot))
+        # (node name, draining), read at scrape time; set by the Context.
+        self.node_info: Callable[[], tuple[str, bool]] = lambda: ("", False)
+        self.registry.register(_Gauges(snapshot, lambda: self.node_info()))
         self.server: Any = None
 
     def serve(self, address: str) -> str:
@@ -97,12 +99,29 @@ class Metrics:
 class _Gauges:
     """Gauges computed at scrape time from the supervisor's own snapshot."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        node_info: Callable[[], tuple[str, bool]],
+    ) -> None:
         self.snapshot = snapshot
+        self.node_info = node_info
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
+        node, draining = self.node_info()
+        # The node as an info metric (join on it), and whether it drains.
+        info = GaugeMetricFamily(
+            "hermes_sup_node_info", "This supervisor's node name (value 1)", labels=["node"]
+        )
+        info.add_metric([node], 1)
+        yield info
+        yield GaugeMetricFamily(
+            "hermes_sup_node_draining",
+            "1 while the node drains: no new sessions, idle ones stopped",
+            value=int(draining),
+        )
         snap = self.snapshot()
         states = GaugeMetricFamily("hermes_sup_sessions", "Sessions by state", labels=["state"])
         for state, count in snap["sessions"].items():

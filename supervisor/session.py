@@ -15,6 +15,7 @@ from hermes_sup.protocol import RemoteProtocolError, check_session_key, session_
 
 from .config import Settings
 from .environment import SessionOptions, parse_options
+from .leases import Lease
 from .logs import PipeReader, SessionLog
 from .process import WorkerProcess
 from .states import Event, State, next_state
@@ -71,6 +72,14 @@ class Session:
     # A new session's directory and session.json are written once its
     # first worker is asked for: the fork need not wait for the disk.
     unsaved: bool = False
+    # The session's lease (leases.py), held from before its worker starts
+    # until it is exited with nothing queued: None while another supervisor
+    # may own it. `epoch_seen` is the last epoch we held it at (a taking by
+    # another node in between means its session.json may have changed), and
+    # `meta_dirty` a session.json to write once the lease is ours.
+    lease: Lease | None = None
+    epoch_seen: int = 0
+    meta_dirty: bool = False
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     last_activity: float = field(default_factory=time.time)

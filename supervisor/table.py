@@ -10,6 +10,14 @@ Sessions a previous run left on disk are read at start (their
 session.json, not their data) into `stored`: `list` shows them as exited,
 and a request that names one (`logs`, `kill --purge`, a `send`) loads it as
 an exited `Session` of the table, without starting a worker.
+
+The table also keeps the sessions' leases (leases.py), for a data directory
+shared by several supervisors: `claim` takes a session's lease before its
+worker starts (or answers `moved`, naming the node that holds it), and a
+session that is exited with nothing queued gives it up. Every write into a
+session's directory is fenced (`_fenced`): it goes ahead only if the epoch
+there is still ours; if not, the session was taken over while we were cut
+off, nothing is written, and the session is given up (`on_lease_lost`).
 """
 
 from __future__ import annotations
@@ -19,15 +27,19 @@ import os
 import shutil
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
 from .context import Context
 from .environment import SessionOptions, check_policy, parse_options
+from .leases import Holder, LeaseHeld, LeaseLost, Leases, log_lost, read_holder
 from .logs import SessionLog
 from .session import (
+    SESSION_FILE,
     Session,
     StoredSession,
     open_session_dir,
@@ -64,6 +76,12 @@ class SessionTable:
         self.purging: set[str] = set()
         # Sessions by the repository they work on, for their peers at each turn.
         self.by_repo: dict[str, dict[str, Session]] = {}
+        self.leases = Leases(ctx.node)
+        spare_dirs.serve(ctx.node, self.leases)
+        # Set by the lifecycle: stop the worker of a session whose lease was
+        # taken over (why), and stop a session gone idle while draining.
+        self.on_lease_lost: Callable[[Session, str], None] = lambda session, why: None
+        self.on_drained_idle: Callable[[Session], None] = lambda session: None
         self.load_stored()
 
     def load_stored(self) -> None:
@@ -92,10 +110,114 @@ class SessionTable:
         there), or a `no_such_session` error."""
         session = self.sessions.get(key)
         if session is None:
-            if key not in self.stored:
+            # With a shared data directory, another node may have made it since.
+            on_disk = (
+                key in self.stored
+                or (session_path(self.ctx.settings.data_dir, key) / SESSION_FILE).exists()
+            )
+            if not on_disk:
                 raise RemoteProtocolError(ErrorCode.NO_SUCH_SESSION, f"no session {key!r}")
             session = self.find_or_create(key, None)
+        if session.lease is None:
+            self.check_not_elsewhere(session)
         return session
+
+    # ------------------------------------------------------------- leases
+
+    def check_not_elsewhere(self, session: Session) -> None:
+        """`moved` if another supervisor holds the session's lease now."""
+        try:
+            holder = self.leases.holder_elsewhere(session.dir)
+        except OSError:
+            return  # no directory (yet): nobody holds it
+        if holder is not None:
+            raise moved_error(session.key, holder)
+
+    def claim(self, session: Session) -> None:
+        """Hold the session's lease before its worker starts: a new
+        session's comes with a spare directory (renamed into place), an
+        existing one's is taken in its directory. `moved` if another
+        supervisor holds it."""
+        if session.lease is not None:
+            return
+        lease = None
+        if session.unsaved and not session.dir.exists():
+            custom = session.options.workspace is not None
+            lease = self.spare_dirs.take_leased(session.dir, with_workspace=not custom)
+        try:
+            if lease is None:
+                open_session_dir(self.ctx.settings.data_dir, session.key)
+                lease = self.leases.take(session.dir)
+        except LeaseHeld as exc:
+            if session.unsaved and session.state is State.EXITED and not session.queue:
+                self._forget(session)  # another node made it: read it from disk next time
+            raise moved_error(session.key, exc.holder) from None
+        except OSError as exc:
+            raise RemoteProtocolError(
+                ErrorCode.INTERNAL,
+                f"cannot take the lease of session {session.key!r}: {exc.strerror or exc}",
+            ) from None
+        session.lease = lease
+        taken_over = session.epoch_seen and lease.epoch != session.epoch_seen + 1
+        if session.unsaved and lease.epoch > 1 or taken_over:
+            self._reread_meta(session)  # another supervisor had it since
+        session.epoch_seen = lease.epoch
+        if session.meta_dirty and not session.unsaved:
+            self._save_meta(session)
+
+    def release(self, session: Session) -> None:
+        """Give the session's lease up (it is exited with nothing queued)."""
+        lease, session.lease = session.lease, None
+        if lease is not None:
+            self.leases.release(lease)
+
+    def _reread_meta(self, session: Session) -> None:
+        """Another supervisor held the session since we last did: what its
+        session.json says now (options, repository) replaces ours, unless
+        this request brought options of its own."""
+        meta = read_session_meta(session.dir)
+        if meta is None:
+            return
+        session.unsaved = False
+        try:
+            stored = stored_options(meta, session.key, session.dir)
+        except RuntimeError:
+            stored = None
+        if stored is not None and not session.meta_dirty:
+            session.options = stored
+        bound = stored_worktree(meta)
+        session.repo, session.branch = bound["repo"], bound["branch"]
+        created = meta.get("created")
+        if isinstance(created, (int, float)) and not isinstance(created, bool):
+            session.created_at = float(created)
+
+    def _fenced(self, session: Session) -> bool:
+        """Whether a write into the session's directory may go ahead: we
+        hold its lease and the epoch there is still ours. A lease taken
+        over is given up here (logged, the worker stopped): False."""
+        lease = session.lease
+        if lease is None:
+            return False
+        try:
+            self.leases.check(lease)
+        except LeaseLost as exc:
+            log_lost(session.key, exc)
+            self.release(session)
+            self.on_lease_lost(session, str(exc))
+            return False
+        return True
+
+    def _forget(self, session: Session) -> None:
+        """Drop an exited session from the table (its data stays)."""
+        if session.log is not None:
+            session.log.close()
+        self.watchers.forget_follows(session)
+        self.sessions.pop(session.key, None)
+        if session.repo is not None:
+            on_repo = self.by_repo.get(session.repo, {})
+            on_repo.pop(session.key, None)
+            if not on_repo:
+                self.by_repo.pop(session.repo, None)
 
     def find_or_create(self, key: str, raw_options: object) -> Session:
         """Find or create a session; new options on a running one are a conflict."""
@@ -137,7 +259,7 @@ class SessionTable:
             if fresh:
                 session.unsaved = True  # written once its worker is asked for
             else:
-                self._save_meta(session)
+                session.meta_dirty = options is not None  # written once its lease is ours
             self.sessions[key] = session
             if session.repo is not None:
                 self.by_repo.setdefault(session.repo, {})[key] = session
@@ -150,8 +272,7 @@ class SessionTable:
                 session.options = replace(
                     session.options, label=options.label or session.options.label
                 )
-                if not session.unsaved:
-                    self._save_meta(session)
+                self._save_or_defer(session)
                 return session
             if session.state in LIVE_STATES:
                 raise RemoteProtocolError(
@@ -159,9 +280,24 @@ class SessionTable:
                     f"session {key!r} is running with other options; kill it to apply new ones",
                 )
             session.options = options
-            if not session.unsaved:
-                self._save_meta(session)
+            self._save_or_defer(session)
         return session
+
+    def _save_or_defer(self, session: Session) -> None:
+        """New options: written now if the session is ours (`moved` if it
+        turns out not to be), else once its lease is (claim)."""
+        if session.unsaved:
+            return
+        if session.lease is None:
+            session.meta_dirty = True
+            return
+        self._save_meta(session)
+        if session.lease is None:  # lost while writing: the client must know
+            raise moved_error(session.key, self._holder(session))
+
+    def _holder(self, session: Session) -> Holder | None:
+        """Who took a session over from us: whom its lease file names."""
+        return read_holder(session.dir)
 
     def _choose_repo(self, session: Session) -> None:
         """A new session's repository: its `repo` option, else the
@@ -200,6 +336,8 @@ class SessionTable:
         text = peers_text(
             session.key, session.repo, session.branch, self.peers_of(session), time.time()
         )
+        if not self._fenced(session):
+            return
         try:
             write_peers(session.dir, text)
         except OSError as exc:
@@ -208,29 +346,26 @@ class SessionTable:
     def _save_meta(self, session: Session) -> None:
         """Rewrite a session's session.json; on a full disk the old one stays
         and the session is served all the same (it is rewritten at the next
-        chance), with one line instead of an internal error per request."""
+        chance), with one line instead of an internal error per request.
+        Fenced: written only while the session's lease is ours."""
+        if not self._fenced(session):
+            session.meta_dirty = True
+            return
+        session.meta_dirty = False
         try:
             save_session_meta(session)
         except OSError as exc:
             log.warning(kv("session_meta_failed", session=session.key, error=exc.strerror or exc))
 
     def save_new(self, session: Session) -> None:
-        """Write a new session's directory and session.json, once its first
-        worker has been asked for (the fork need not wait for the disk)."""
+        """Write a new session's session.json, once its first worker has
+        been asked for (the fork need not wait for the disk); its directory
+        came with its lease (claim)."""
         if not session.unsaved:
             return
         session.unsaved = False
-        try:
-            # A spare directory moved into place while the worker starts
-            # spares it making its own.
-            custom = session.options.workspace is not None
-            if not self.spare_dirs.take(session.dir, with_workspace=not custom):
-                open_session_dir(self.ctx.settings.data_dir, session.key)
-            save_session_meta(session)
-            self.spare_dirs.refill()  # one behind each new session
-        except OSError as exc:
-            # The worker needs the directory too, and says so if it fails.
-            log.error(kv("session_dir_failed", session=session.key, error=exc))
+        self._save_meta(session)
+        self.spare_dirs.refill()  # one behind each new session
 
     def transition(self, session: Session, event: Event, reason: str | None = None) -> None:
         """Apply `event` to the session (InvalidTransition if the table has
@@ -238,6 +373,10 @@ class SessionTable:
         previous = session.state
         session.advance(event)
         self.running += (session.state in RUNNING_STATES) - (previous in RUNNING_STATES)
+        if session.state is State.EXITED and not session.queue:
+            self.release(session)  # nothing waits: another node may take it
+        elif self.ctx.draining and session.state is State.IDLE and not session.queue:
+            self.on_drained_idle(session)
         self.watchers.publish(
             session,
             "state",
@@ -250,21 +389,29 @@ class SessionTable:
             bound=128 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
         )
 
-    def purge(self, session: Session) -> None:
+    def purge(self, session: Session) -> str:
         """Forget a stopped session and delete its data (kill --purge); its
-        worktree, if it has one, the lifecycle has removed first."""
-        if session.log is not None:
-            session.log.close()
-        self.watchers.forget_follows(session)
+        worktree, if it has one, the lifecycle has removed first. Under its
+        lease: one another supervisor took meanwhile is not deleted (the
+        note says so)."""
+        try:
+            self.claim(session)
+        except RemoteProtocolError as exc:
+            self._forget(session)
+            return f" (data kept: {exc.message})"
+        if not self._fenced(session):
+            return " (data kept: the session was taken over)"
         shutil.rmtree(session.dir, ignore_errors=True)
-        del self.sessions[session.key]
-        if session.repo is not None:
-            on_repo = self.by_repo.get(session.repo, {})
-            on_repo.pop(session.key, None)
-            if not on_repo:
-                self.by_repo.pop(session.repo, None)
+        self.release(session)
+        self._forget(session)
         self.stored.pop(session.key, None)
         log.info(kv("purged", session=session.key))
+        return ""
+
+    def live_count(self) -> int:
+        """Sessions this node holds the lease of (a worker, or turns waiting
+        for one): what a drain waits to reach zero."""
+        return sum(1 for s in list(self.sessions.values()) if s.lease is not None)
 
     def counts_by_state(self) -> dict[str, int]:
         """How many sessions are in each state (only states that occur).
@@ -300,3 +447,20 @@ def _check_same_repo(session: Session, options: SessionOptions | None) -> None:
 def _same_but_label(a: SessionOptions, b: SessionOptions) -> bool:
     """Whether two sessions' options differ in their label at most."""
     return replace(a, label=None) == replace(b, label=None)
+
+
+def moved_error(key: str, holder: Holder | None) -> RemoteProtocolError:
+    """`moved`: the session's lease is held by another supervisor (named in
+    the error's body as `node` and `endpoint` when its lease file says)."""
+    detail: dict[str, Any] = {
+        "reason": "leased",
+        "node": holder.node if holder else None,
+        "endpoint": holder.endpoint if holder else None,
+    }
+    where = holder.describe() if holder else "another supervisor"
+    return RemoteProtocolError(
+        ErrorCode.MOVED,
+        f"session {key!r} is served by {where}, which holds its lease; "
+        "send it there (a router does)",
+        detail=detail,
+    )

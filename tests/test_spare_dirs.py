@@ -20,7 +20,7 @@ def test_spare_session_dirs_move_into_place_and_never_over_a_real_one(tmp_path: 
 
     a = sessions / "aaaa"
     assert spares.take(a)
-    assert sorted(p.name for p in a.iterdir()) == ["home", "tmp", "workspace"]
+    assert sorted(p.name for p in a.iterdir()) == ["home", "tmp", "workspace"]  # no leases here
     assert a.stat().st_mode & 0o777 == 0o700
 
     b = sessions / "bbbb"
@@ -34,6 +34,48 @@ def test_spare_session_dirs_move_into_place_and_never_over_a_real_one(tmp_path: 
     assert not spares.take(sessions / "dddd")  # none left
     spares.refill(5)
     assert len(spares.free) == 2  # up to the target, no further
+
+
+def test_two_supervisors_on_one_data_dir_never_share_or_remove_each_others_spares(
+    tmp_path: Path,
+) -> None:
+    """Each supervisor keeps its spares under a directory of its own (named
+    by its node, and locked while it runs), even two with one node name;
+    one that starts removes the spares of those that are gone, never a live
+    one's."""
+    from hermes_sup.supervisor.leases import Leases
+    from hermes_sup.supervisor.spare_dirs import SPARE_DIR, SpareDirs
+
+    base = tmp_path / SPARE_DIR
+    a, b = SpareDirs(tmp_path, target=3), SpareDirs(tmp_path, target=3)
+    a.serve("node-a", Leases("node-a"))
+    b.serve("node-a", Leases("node-a"))  # the same name, by mistake
+    a.reset()
+    a_spares = sorted(p for p, _ in a.free)
+    b.reset()  # must leave a's spares alone
+    assert all(p.is_dir() for p in a_spares) and sorted(p for p, _ in a.free) == a_spares
+    assert a.root != b.root and a.root.name.startswith("node-a-")
+    assert not {p for p, _ in a.free} & {p for p, _ in b.free}
+    # Both numbered theirs from 0, each in its own directory.
+    assert {p.name for p, _ in a.free} == {p.name for p, _ in b.free} == {"0", "1", "2"}
+
+    # Each spare comes with its session lease taken, and keeps it through the rename.
+    dest = tmp_path / "sessions" / "k1"
+    lease = a.take_leased(dest)
+    assert lease is not None and lease.dir == dest and lease.epoch == 1
+    assert b.leases is not None and b.leases.holder_elsewhere(dest) is not None
+
+    # a stops (its locks go with its descriptors): the next to start sweeps a's spares.
+    assert a._lock_fd is not None
+    os.close(a._lock_fd)
+    a.release_all()
+    c = SpareDirs(tmp_path, target=1)
+    c.serve("node-c", Leases("node-c"))
+    c.reset()
+    assert not a.root.exists() and b.root.is_dir() and c.root.is_dir()
+    assert sorted(p.name for p in base.iterdir()) == sorted(
+        [b.root.name, b.root.name + ".lock", c.root.name, c.root.name + ".lock"]
+    )
 
 
 def test_a_worker_making_its_dirs_survives_a_spare_renamed_over_them(tmp_path, monkeypatch):

@@ -1,0 +1,270 @@
+"""Session leases: one supervisor at a time owns a session, even when many
+share one data directory (NFSv4, a cluster file system).
+
+Theory of operation
+-------------------
+A session's directory holds two small files:
+
+    lease   locked (fcntl, an open-file-description lock) by the supervisor
+            that owns the session, for as long as it has the session live;
+            its content names the holder: node, endpoint, pid, epoch
+    epoch   the fencing epoch, "<n> <token>": n counts the takings of the
+            lease, the token is random to each one
+
+Taking the lease is: lock `lease` without waiting (held elsewhere: `moved`,
+naming the holder from the file's content), then write `epoch` anew, n + 1
+with a fresh token (a rename, so a reader never sees half of it), then the
+holder's name into `lease`. The kernel (or the NFS server, once the client's
+state expires) drops the lock when its process dies, so a SIGKILLed node's
+sessions can be taken at once by the next supervisor asked for them.
+
+The lock alone does not stop an owner cut off from the file server: its
+lock expires there and another node takes the session, while it still
+believes it owns it. That is what the epoch is for (a fencing token): every
+write the supervisor makes into a session's directory first reads `epoch`
+and goes ahead only if it is the one it wrote when it took the lease. An
+old owner that comes back finds another's epoch, writes nothing, and gives
+the session up. (A write can still race a taking that lands between its
+check and the write itself; the window is one read long, and the next check
+catches it.)
+
+Open-file-description locks (F_OFD_SETLK) are used, not classic POSIX ones:
+those belong to the process, and closing any descriptor of the file (one
+that only read the holder's name, say) would silently drop them. Where the
+platform has none, flock(2) serves, which is per open file too.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hermes_sup.local.logfmt import kv
+
+log = logging.getLogger("hermes_sup.supervisor")
+
+LEASE_FILE = "lease"
+EPOCH_FILE = "epoch"
+_HELD = (errno.EACCES, errno.EAGAIN)
+_OFD = hasattr(fcntl, "F_OFD_SETLK")
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a session's lease, as its lease file says."""
+
+    node: str | None
+    endpoint: str | None
+    pid: int | None
+
+    def describe(self) -> str:
+        """For a sentence: 'node b (tcp://10.0.0.2:5555)'."""
+        where = f"node {self.node}" if self.node else "another supervisor"
+        return where + (f" ({self.endpoint})" if self.endpoint else "")
+
+
+class LeaseHeld(Exception):
+    """The lease is held by another supervisor (its holder, if known)."""
+
+    def __init__(self, path: Path, holder: Holder | None) -> None:
+        super().__init__(f"{path} is held by {(holder or Holder(None, None, None)).describe()}")
+        self.holder = holder
+
+
+class LeaseLost(Exception):
+    """The fencing epoch is no longer ours: another supervisor took the session."""
+
+
+@dataclass
+class Lease:
+    """A lease this supervisor holds: the locked file's descriptor and the
+    epoch line it wrote."""
+
+    dir: Path
+    fd: int
+    epoch: int
+    token: str
+    # The epoch file could not be written (a full disk): the lock alone
+    # guards the session until a later check manages to write it.
+    unfenced: bool = False
+
+    @property
+    def line(self) -> str:
+        return f"{self.epoch} {self.token}\n"
+
+
+def lock_file(fd: int) -> bool:
+    """Lock the whole file for writing without waiting; False if another holds it."""
+    try:
+        if _OFD:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0))
+        else:  # pragma: no cover - not Linux
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _HELD or exc.errno == errno.EWOULDBLOCK:
+            return False
+        raise
+    return True
+
+
+def _locked_elsewhere(fd: int) -> bool:
+    """Whether another open file (this process's or another's) holds the lock."""
+    if _OFD:
+        probe = struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0)
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe)
+        return struct.unpack("hhqqi4x", answer)[0] != fcntl.F_UNLCK
+    if not lock_file(fd):  # pragma: no cover - not Linux
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def read_holder(session_dir: Path) -> Holder | None:
+    """Who the lease file names, if it names anyone readable."""
+    try:
+        data = json.loads((session_dir / LEASE_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+
+    def text(name: str) -> str | None:
+        value = data.get(name)
+        return value if isinstance(value, str) and value.isprintable() else None
+
+    pid = data.get("pid")
+    return Holder(text("node"), text("endpoint"), pid if isinstance(pid, int) else None)
+
+
+def read_epoch(session_dir: Path) -> tuple[int, str]:
+    """The epoch line's counter and token ((0, "") if there is none yet)."""
+    try:
+        text = (session_dir / EPOCH_FILE).read_text()
+    except FileNotFoundError:
+        return 0, ""
+    number, _, token = text.strip().partition(" ")
+    try:
+        return int(number), token
+    except ValueError:
+        return 0, ""  # torn or hand-edited: the next taker starts over above it
+
+
+def write_epoch(session_dir: Path, epoch: int, token: str, tag: str) -> None:
+    """Replace the epoch file at once (tmp + rename): a reader sees the
+    old line or the new, never part of one. `tag` keeps two writers' tmp
+    files apart."""
+    tmp = session_dir / f".{EPOCH_FILE}.{tag}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, f"{epoch} {token}\n".encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, session_dir / EPOCH_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves the old line, not a partial one
+        raise
+
+
+class Leases:
+    """This supervisor's side of every session lease."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        # The endpoint other nodes' routers reach this supervisor at (its
+        # TCP endpoint once bound, else None): asked at each taking.
+        self.endpoint: Any = lambda: None
+        self.held = 0  # leases held now, for status and metrics
+
+    def _holder_text(self, epoch: int) -> bytes:
+        return json.dumps(
+            {"node": self.node, "endpoint": self.endpoint(), "pid": os.getpid(), "epoch": epoch}
+        ).encode()
+
+    def take(self, session_dir: Path) -> Lease:
+        """Take the lease of an existing session directory; LeaseHeld if
+        another supervisor holds it (OSError if the directory cannot be used)."""
+        fd = os.open(session_dir / LEASE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not lock_file(fd):
+                raise LeaseHeld(session_dir, read_holder(session_dir))
+            epoch, _ = read_epoch(session_dir)
+            lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex())
+            self._write_epoch(lease)
+            try:
+                self._name_holder(lease)
+            except OSError as exc:  # a full disk: the lock holds all the same
+                log.warning(kv("lease_holder_unwritten", dir=session_dir.name, error=exc))
+        except BaseException:
+            os.close(fd)  # drops the lock, if we got it
+            raise
+        self.held += 1
+        return lease
+
+    def _write_epoch(self, lease: Lease) -> None:
+        """Write the lease's epoch line; on a full disk (or any failure to
+        write) the lease is unfenced, the lock alone guarding it, and the
+        next check tries again."""
+        try:
+            write_epoch(lease.dir, lease.epoch, lease.token, f"{self.node}.{os.getpid()}")
+            lease.unfenced = False
+        except OSError as exc:
+            if not lease.unfenced:
+                log.warning(kv("lease_unfenced", dir=lease.dir.name, error=exc.strerror or exc))
+            lease.unfenced = True
+
+    def _name_holder(self, lease: Lease) -> None:
+        data = self._holder_text(lease.epoch)
+        os.ftruncate(lease.fd, 0)
+        os.pwrite(lease.fd, data, 0)
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease up (closing the file drops the lock)."""
+        try:
+            os.close(lease.fd)
+        except OSError:
+            pass
+        self.held -= 1
+
+    def check(self, lease: Lease) -> None:
+        """Fencing: LeaseLost unless the epoch file is still the one this
+        lease wrote. Called before every write into the session's directory."""
+        if lease.unfenced:
+            self._write_epoch(lease)  # still ours by the lock: fence it now if we can
+            return
+        try:
+            epoch, token = read_epoch(lease.dir)
+        except OSError as exc:
+            raise LeaseLost(f"cannot read {lease.dir / EPOCH_FILE}: {exc}") from None
+        if (epoch, token) != (lease.epoch, lease.token):
+            holder = read_holder(lease.dir)
+            raise LeaseLost(
+                f"the session was taken over (epoch {epoch}, ours {lease.epoch}) by "
+                + (holder.describe() if holder else "another supervisor")
+            )
+
+    def holder_elsewhere(self, session_dir: Path) -> Holder | None:
+        """If another supervisor holds the session's lease now, who (a
+        Holder, maybe with nothing known in it); None if nobody does."""
+        try:
+            fd = os.open(session_dir / LEASE_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if not _locked_elsewhere(fd):
+                return None
+        finally:
+            os.close(fd)
+        return read_holder(session_dir) or Holder(None, None, None)
+
+
+def log_lost(key: str, why: object) -> None:
+    """One line for an owner that found its session taken over."""
+    log.error(kv("lease_lost", session=key, error=why))

@@ -1,0 +1,115 @@
+"""Draining a node: its running turns finish, new sessions are refused with
+`moved` (reason `draining`, for a router to send elsewhere), idle sessions
+are stopped (their leases given up), `status` says so; undraining takes new
+sessions again. Real supervisor, real workers, and the CLI."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from hermes_sup.cli.main import cli
+from hermes_sup.client import Reply, SupervisorError
+from hermes_sup.protocol import Kind, Message, session_dir_name
+from hermes_sup.supervisor import leases
+from tests.test_leases import raw_request, two_nodes, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def state_of(client, key: str) -> str | None:  # noqa: ANN001
+    return next((r["state"] for r in client.sessions() if r["key"] == key), None)
+
+
+def test_drain_finishes_turns_refuses_new_sessions_and_stops_idle_ones(supervisor_factory, workdir):
+    (sup,) = two_nodes(supervisor_factory, workdir, "node-a")
+    with sup.client(timeout=30.0) as client:
+        assert client.run("idle", "pid").ok
+        idle_dir = sup.data_dir / "sessions" / session_dir_name("idle")
+        node = client.status()["node"]
+        assert node == {
+            "name": "node-a",
+            "draining": False,
+            "capacity": node["capacity"],
+            "sessions": 1,
+        }
+        assert node["capacity"] >= 1
+
+        # A turn that is running when the drain starts.
+        answers: list[object] = []
+        turn = threading.Thread(
+            target=lambda: answers.append(_run(sup, "busy", "sleep 2")), daemon=True
+        )
+        turn.start()
+        wait_for(lambda: state_of(client, "busy") == "busy", what="busy turn running")
+
+        drained = client.request(Kind.DRAIN, {"on": True}).body["node"]
+        assert drained["name"] == "node-a" and drained["draining"] is True
+
+        # A new key is refused, with what a router needs to send it elsewhere.
+        with pytest.raises(SupervisorError) as err:
+            client.run("newcomer", "pid")
+        assert err.value.code == "moved" and "draining" in err.value.message
+        answer = raw_request(sup, Message(Kind.SEND, {"text": "pid"}, session="newcomer"))
+        assert answer.body["code"] == "moved" and answer.body["reason"] == "draining"
+        assert not (sup.data_dir / "sessions" / session_dir_name("newcomer")).exists()
+
+        # The idle session is stopped, and lets its lease go.
+        wait_for(lambda: state_of(client, "idle") == "exited", what="idle session stopped")
+        assert leases.Leases("other").holder_elsewhere(idle_dir) is None
+        with pytest.raises(SupervisorError) as err:
+            client.run("idle", "pid")  # a new worker would be a new session here
+        assert err.value.code == "moved"
+
+        # The running turn finished with its answer; then its session stopped too.
+        turn.join(30)
+        assert len(answers) == 1 and isinstance(answers[0], Reply) and answers[0].ok
+        wait_for(lambda: state_of(client, "busy") == "exited", what="busy session stopped")
+        status = client.status()
+        assert status["node"]["draining"] is True and status["node"]["sessions"] == 0
+
+        # Undrain: new sessions are welcome again.
+        assert client.request(Kind.DRAIN, {"on": False}).body["node"]["draining"] is False
+        assert client.run("newcomer", "env HERMES_SESSION_KEY").text == "newcomer"
+        assert client.status()["node"]["draining"] is False
+        assert {r["node"] for r in client.sessions()} == {"node-a"}
+
+
+def _run(sup, key: str, text: str) -> object:  # noqa: ANN001
+    try:
+        with sup.client(timeout=30.0) as client:
+            return client.run(key, text)
+    except SupervisorError as exc:
+        return exc
+
+
+def test_drain_from_the_command_line(supervisor_factory, workdir):
+    (sup,) = two_nodes(supervisor_factory, workdir, "node-a")
+    with sup.client() as client:
+        assert client.run("s1", "pid").ok
+    runner = CliRunner()
+    state = ["--state-dir", str(sup.state_dir)]
+    result = runner.invoke(cli, [*state, "drain", "--wait", "--timeout", "30"])
+    assert result.exit_code == 0, result.output
+    assert "node node-a draining" in result.output and "drained: no session left" in result.output
+    result = runner.invoke(cli, [*state, "status"])
+    assert result.exit_code == 0 and "DRAINING" in result.output and "node-a" in result.output
+    result = runner.invoke(cli, [*state, "drain", "--off"])
+    assert result.exit_code == 0 and "taking new sessions again" in result.output
+    result = runner.invoke(cli, [*state, "status"])
+    assert "DRAINING" not in result.output
+    with sup.client() as client:
+        assert client.run("s2", "pid").ok
+    assert os.path.isdir(sup.data_dir / "sessions" / session_dir_name("s2"))
+
+
+def test_drain_naming_another_node_is_refused(supervisor_factory, workdir):
+    (sup,) = two_nodes(supervisor_factory, workdir, "node-a")
+    with sup.client() as client:
+        with pytest.raises(SupervisorError) as err:
+            client.request(Kind.DRAIN, {"on": True, "node": "node-b"})
+        assert err.value.code == "bad_field" and "node-a" in err.value.message
+        assert client.status()["node"]["draining"] is False

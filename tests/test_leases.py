@@ -1,0 +1,170 @@
+"""Many supervisors on one data directory: a session is served by one of them
+at a time (its lease), a dead one's sessions are taken over with their
+files, a cut-off old owner can never write after another took its session
+(the fencing epoch), and spare directories never collide. Real supervisors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from hermes_sup.client import Output, SupervisorError
+from hermes_sup.protocol import Kind, Message, decode, encode, session_dir_name
+from hermes_sup.supervisor import leases, statedir
+
+pytestmark = pytest.mark.e2e
+
+
+def two_nodes(supervisor_factory, workdir: Path, *names: str):  # noqa: ANN001, ANN201
+    """One supervisor per name, each with its own state directory and the
+    same data directory."""
+    shared = workdir / "shared"
+    made = []
+    for name in names:
+        root = workdir / name
+        root.mkdir()
+        config = root / "hermes-sup.toml"
+        config.write_text(f'node = "{name}"\n')
+        sup = supervisor_factory("--config", str(config), root=root, start=False)
+        sup.data_dir = shared
+        made.append(sup.start())
+    return made
+
+
+def wait_for(check, timeout: float = 30.0, what: str = "condition"):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def raw_request(sup, msg: Message) -> Message:  # noqa: ANN001
+    """One request on a raw socket: the whole answer, body fields and all."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(statedir.endpoint(sup.state_dir, statedir.CONTROL_SOCKET))
+        key = statedir.read_key(sup.state_dir)
+        sock.send_multipart(encode(msg, key))
+        assert sock.poll(15_000), "no answer"
+        return decode(sock.recv_multipart(), key)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def session_dir(sup, key: str) -> Path:  # noqa: ANN001
+    return sup.data_dir / "sessions" / session_dir_name(key)
+
+
+def test_one_key_runs_on_one_supervisor_and_moves_when_it_dies(supervisor_factory, workdir):
+    a, b = two_nodes(supervisor_factory, workdir, "node-a", "node-b")
+    with a.client() as ca:
+        assert ca.run("alice", "write notes.txt kept across nodes").ok
+        pid_a = int(ca.run("alice", "pid").text)
+    with b.client() as cb:
+        with pytest.raises(SupervisorError) as err:
+            cb.run("alice", "pid")
+        assert err.value.code == "moved" and "node node-a" in err.value.message
+        # The body names the holder for a router: `node`, and why.
+        answer = raw_request(b, Message(Kind.SEND, {"text": "pid"}, session="alice"))
+        assert answer.kind is Kind.ERROR and answer.body["code"] == "moved"
+        assert answer.body["node"] == "node-a" and answer.body["reason"] == "leased"
+        # Requests about the session are sent where it lives, too.
+        with pytest.raises(SupervisorError) as err:
+            cb.kill("alice", purge=True)
+        assert err.value.code == "moved"
+    assert session_dir(a, "alice").is_dir() and os.path.exists(f"/proc/{pid_a}")
+
+    # node-a dies without a word: the kernel drops its locks, node-b takes over.
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    with b.client() as cb:
+        reply = wait_for(lambda: _run_or_none(cb, "alice", "sh cat notes.txt"), what="takeover")
+        printed = "".join(e.line for e in reply.events if isinstance(e, Output))
+        assert printed.strip() == "kept across nodes"
+        assert int(cb.run("alice", "pid").text) != pid_a
+    epoch, _ = leases.read_epoch(session_dir(b, "alice"))
+    assert epoch >= 2  # a, then b
+    holder = leases.read_holder(session_dir(b, "alice"))
+    assert holder is not None and holder.node == "node-b" and holder.pid == b.pid
+    wait_for(lambda: not os.path.exists(f"/proc/{pid_a}"), what="node-a's worker gone")
+
+
+def _run_or_none(client, key: str, text: str):  # noqa: ANN001, ANN202
+    try:
+        return client.run(key, text)
+    except SupervisorError as exc:
+        assert exc.code == "moved", exc
+        return None
+
+
+def test_a_stale_owner_cannot_write_after_a_new_owner_took_the_session(supervisor_factory, workdir):
+    """A partition, simulated: another node takes the session as a new owner
+    does (a new epoch, its name in the lease file) while node-a still
+    believes it owns it. node-a's next write into the session's directory
+    (new options in session.json) is refused: logged, the file unchanged,
+    the client told `moved`, node-a's worker stopped and the lease let go."""
+    (a,) = two_nodes(supervisor_factory, workdir, "node-a")
+    with a.client() as ca:
+        ca.open("bob", options={"label": "first"})
+        pid = int(ca.run("bob", "pid").text)
+        path = session_dir(a, "bob")
+        before = (path / "session.json").read_bytes()
+        assert b'"first"' in before
+        epoch, token = leases.read_epoch(path)
+        assert epoch >= 1 and token
+        # The new owner's two writes (it holds the lock where node-a's was lost).
+        leases.write_epoch(path, epoch + 1, "f" * 16, "test")
+        (path / leases.LEASE_FILE).write_text('{"node": "node-c", "endpoint": null, "pid": 1}')
+
+        with pytest.raises(SupervisorError) as err:
+            ca.open("bob", options={"label": "second"})
+        assert err.value.code == "moved" and "node node-c" in err.value.message
+        assert (path / "session.json").read_bytes() == before
+        assert leases.read_epoch(path) == (epoch + 1, "f" * 16)
+        wait_for(lambda: "lease_lost" in a.log(), what="lease_lost logged")
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what="the stale worker stopped")
+        row = wait_for(
+            lambda: next(
+                (r for r in ca.sessions() if r["key"] == "bob" and r["state"] == "exited"), None
+            ),
+            what="bob exited",
+        )
+        assert row["node"] == "node-a"
+    # node-a let the lock go: the new owner could take it.
+    assert leases.Leases("node-c").holder_elsewhere(path) is None
+
+
+def test_spare_directories_of_two_supervisors_never_collide(supervisor_factory, workdir):
+    a, b = two_nodes(supervisor_factory, workdir, "node-a", "node-b")
+    base = a.data_dir / ".spare-sessions"
+    roots = sorted(p.name for p in base.iterdir() if p.is_dir())
+    assert len(roots) == 2 and roots[0].startswith("node-a-") and roots[1].startswith("node-b-")
+    with a.client() as ca, b.client() as cb:
+        for i in range(6):
+            assert ca.run(f"a{i}", "env HERMES_SESSION_KEY").text == f"a{i}"
+            assert cb.run(f"b{i}", "env HERMES_SESSION_KEY").text == f"b{i}"
+        # Each one's spares are still its own, refilled, none taken twice.
+        for root in roots:
+            assert len(list((base / root).iterdir())) >= 1
+    keys = [f"{side}{i}" for side in "ab" for i in range(6)]
+    made = sorted(p.name for p in (a.data_dir / "sessions").iterdir())
+    assert made == sorted(session_dir_name(k) for k in keys)
+    # b stops: a restarted node sweeps only spares nobody holds.
+    b.stop()
+    a.stop()
+    c = two_nodes(supervisor_factory, workdir, "node-c")[0]
+    left = sorted(p.name for p in base.iterdir() if p.is_dir())
+    assert len(left) == 1 and left[0].startswith("node-c-")
+    with c.client() as cc:
+        assert cc.run("c0", "pid").ok
