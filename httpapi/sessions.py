@@ -170,14 +170,31 @@ def parse_chat(body: dict[str, Any]) -> ChatTurn:
     return ChatTurn(users[-1], system, users[0], said[:-1])
 
 
+# What a runtime may take as a conversation id (the Hermes runtime's rule:
+# it becomes a state.db key and part of file names).
+MAX_CONVERSATION = 256
+_UNSAFE_CONVERSATION = re.compile(r"[\x00-\x1f\x7f/\\]|\.\.")
+
+
+def conversation_id(original: str) -> str:
+    """The conversation id a runtime is given for a client's id: the id
+    itself when a runtime can use it as a name, else its session key (the
+    same readable part and hash), else only the hash."""
+    for candidate in (original, key_for(original)):
+        if len(candidate) <= MAX_CONVERSATION and not _UNSAFE_CONVERSATION.search(candidate):
+            return candidate
+    digest = hashlib.sha256(original.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"id={digest}"
+
+
 def turn_context(
     instructions: str | None, history: list[dict[str, str]], conversation: str
 ) -> dict[str, Any]:
     """A turn's `context` for the session's runtime (PROTOCOL.md): the
     front end's system prompt and history for this turn, and its
-    conversation id. The runtime decides what to use (Hermes keeps its own
-    history in the session's state.db)."""
-    context: dict[str, Any] = {"conversation": conversation}
+    conversation id (one the runtime can use as a name). The runtime decides
+    what to use (Hermes keeps its own history in the session's state.db)."""
+    context: dict[str, Any] = {"conversation": conversation_id(conversation)}
     if instructions:
         context["instructions"] = instructions
     if history:

@@ -127,6 +127,13 @@ def test_the_responses_api_streams_tool_calls_as_function_call_items(hermes_http
     )
     assert [i.type for i in again.output] == ["function_call", "function_call_output", "message"]
     assert f"key={final.id}" in again.output_text
+    # A conversation named with characters Hermes cannot take as an id (a
+    # `/`) still keeps its history from turn to turn.
+    named = [
+        client.responses.create(model="m", input=text, conversation="team/chat 1").output_text
+        for text in ("first", "second")
+    ]
+    assert named == ["echo: first (turn 1)", "echo: second (turn 2)"]
 
 
 def run_events(url: str, key: str, text: str) -> list[dict]:
