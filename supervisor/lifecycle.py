@@ -505,15 +505,22 @@ class Lifecycle:
     # ------------------------------------------------------- leases, drain
 
     def _lease_lost(self, session: Session, why: str) -> None:
-        """Another node took the session over: stop our worker now, and
-        answer its turns `moved` (they may be sent there)."""
-        if session.state in (State.EXITED, State.STOPPING):
+        """Another node took the session over: its turns are answered
+        `moved` (they may be sent there), and our worker is SIGKILLed now,
+        before it can write anything more (a turn being handed to it too)."""
+        if session.state not in (State.STARTING, State.IDLE, State.BUSY):
             return
-        self.ctx.spawn(
-            self.kill_session(
-                session, force=True, reason=f"its lease was lost: {why}", code=ErrorCode.MOVED
+        reason = f"its lease was lost: {why}"
+        self.turns.fail_queue(session, ErrorCode.MOVED, f"the session moved: {reason}")
+        proc = session.proc
+        if proc is None or proc.returncode is not None:  # still being forked
+            self.ctx.spawn(
+                self.kill_session(session, force=True, reason=reason, code=ErrorCode.MOVED)
             )
-        )
+            return
+        session.kill_reason, session.kill_code = reason, ErrorCode.MOVED.value
+        self.table.transition(session, Event.KILL, reason)
+        self.kill_now(session, session.generation)
 
     def _stop_when_idle(self, session: Session) -> None:
         """While draining: stop a session that went idle with nothing queued

@@ -373,10 +373,6 @@ class SessionTable:
         previous = session.state
         session.advance(event)
         self.running += (session.state in RUNNING_STATES) - (previous in RUNNING_STATES)
-        if session.state is State.EXITED and not session.queue:
-            self.release(session)  # nothing waits: another node may take it
-        elif self.ctx.draining and session.state is State.IDLE and not session.queue:
-            self.on_drained_idle(session)
         self.watchers.publish(
             session,
             "state",
@@ -388,6 +384,14 @@ class SessionTable:
             },
             bound=128 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
         )
+        if session.state is State.EXITED and not session.queue:
+            self.release(session)  # nothing waits: another node may take it
+        elif self.ctx.draining and session.state is State.IDLE and not session.queue:
+            self.on_drained_idle(session)
+        elif event is Event.TURN and session.lease is not None:
+            # A turn writes into the session's files (its state.db): a
+            # session taken over meanwhile loses its worker, the turn `moved`.
+            self._fenced(session)
 
     def purge(self, session: Session) -> str:
         """Forget a stopped session and delete its data (kill --purge); its

@@ -124,7 +124,7 @@ def test_a_stale_owner_cannot_write_after_a_new_owner_took_the_session(superviso
         epoch, token = leases.read_epoch(path)
         assert epoch >= 1 and token
         # The new owner's two writes (it holds the lock where node-a's was lost).
-        leases.write_epoch(path, epoch + 1, "f" * 16, "test")
+        leases.write_epoch(path, epoch + 1, "f" * 16)
         (path / leases.LEASE_FILE).write_text('{"node": "node-c", "endpoint": null, "pid": 1}')
 
         with pytest.raises(SupervisorError) as err:
@@ -143,6 +143,25 @@ def test_a_stale_owner_cannot_write_after_a_new_owner_took_the_session(superviso
         assert row["node"] == "node-a"
     # node-a let the lock go: the new owner could take it.
     assert leases.Leases("node-c").holder_elsewhere(path) is None
+
+
+def test_a_stale_owner_runs_no_turn_after_a_new_owner_took_the_session(supervisor_factory, workdir):
+    """The fence is checked as each turn starts, too (a turn writes into the
+    session's files): a turn on a session taken over is answered `moved`,
+    its worker killed before it could run it."""
+    (a,) = two_nodes(supervisor_factory, workdir, "node-a")
+    with a.client() as ca:
+        pid = int(ca.run("carol", "pid").text)
+        path = session_dir(a, "carol")
+        epoch, _ = leases.read_epoch(path)
+        leases.write_epoch(path, epoch + 1, "e" * 16)
+        with pytest.raises(SupervisorError) as err:
+            ca.run("carol", "write stale.txt from the old owner")
+        assert err.value.code == "moved" and "lease was lost" in err.value.message
+        assert not (path / "workspace" / "stale.txt").exists()
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what="the stale worker killed")
+        assert leases.read_epoch(path) == (epoch + 1, "e" * 16)
+        assert "lease_lost" in a.log()
 
 
 def test_spare_directories_of_two_supervisors_never_collide(supervisor_factory, workdir):
