@@ -344,6 +344,27 @@ def _memory_mentions(pid: int, needles: list[bytes]) -> set[bytes]:
     return found
 
 
+def _memory_context(pid: int, needles: set[bytes]) -> list[bytes]:
+    """Where in the process's memory the needles are (for a failure's message)."""
+    out: list[bytes] = []
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            fields = line.split()
+            if not fields[1].startswith("r") or fields[-1] in ("[vvar]", "[vsyscall]"):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                mem.seek(start)
+                chunk = mem.read(end - start)
+            except (OSError, ValueError):
+                continue
+            for needle in needles:
+                at = chunk.find(needle)
+                if at >= 0:
+                    out.append(fields[-1].encode() + b": " + chunk[max(0, at - 200) : at + 100])
+    return out[:6]
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("extra", [[], ["--spare-workers", "2"]], ids=["forked", "spares"])
 def test_sealed_hermes_sessions_see_only_their_own(
@@ -378,6 +399,12 @@ def test_sealed_hermes_sessions_see_only_their_own(
         mark = f"sealed-{workdir.name}.txt"  # a name no other run uses
         results = _turns(sup, {k: SEES.format(data=data, mark=mark) for k in keys})
         others = {k: [o for o in keys if o != k] for k in keys}
+        # Nothing in a worker's memory names another session (its key or its
+        # directory). Checked before the escape tries, whose commands name others.
+        for key in keys:
+            needles = [n.encode() for o in others[key] for n in (o, session_dir_name(o))]
+            found = _memory_mentions(pids[key], needles)
+            assert found == set(), (key, found, _memory_context(pids[key], found))
         escapes = _turns(
             sup,
             {
@@ -455,7 +482,11 @@ def test_sealed_hermes_sessions_see_only_their_own(
 # Run by a session's own shell: how often its worker's memory holds a string.
 MEMORY_SCAN = """
 import sys
-pid, needle, hits = sys.argv[1], sys.argv[2].encode(), 0
+# Each needle comes in two parts: whole, it would be in the command, which
+# passes through the worker.
+pid, parts = sys.argv[1], sys.argv[2:]
+needles = [(parts[i] + parts[i + 1]).encode() for i in range(0, len(parts), 2)]
+hits = [0] * len(needles)
 with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
     for line in maps:
         fields = line.split()
@@ -464,20 +495,16 @@ with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem
         start, end = (int(x, 16) for x in fields[0].split("-"))
         try:
             mem.seek(start)
-            hits += mem.read(end - start).count(needle)
+            chunk = mem.read(end - start)
         except OSError:
-            pass
-print(f"hits={hits}")
+            continue
+        for i, needle in enumerate(needles):
+            hits[i] += chunk.count(needle)
+print("hits=" + ",".join(map(str, hits)))
 """
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(
-    strict=True,
-    reason="the zygote's freed heap still holds the spawn requests it forked earlier "
-    "workers from (other sessions' keys and env values), copied into every later fork; "
-    "a sealed worker is dumpable, so its session's own shell can read that memory",
-)
 def test_a_sealed_session_finds_nothing_of_another_in_its_workers_memory(
     supervisor_factory: Any, workdir: Path
 ) -> None:
@@ -486,20 +513,25 @@ def test_a_sealed_session_finds_nothing_of_another_in_its_workers_memory(
     model = FakeModel()
     try:
         sup = _sealed_supervisor(supervisor_factory, model, workdir, [])
-        secret = f"tok-{workdir.name}-alpha"
+        # Values no other text holds: each session's key and env token.
+        alpha, beta = f"sa-{workdir.name}", f"sb-{workdir.name}"
+        tokens = {k: f"tok-{k}-{os.getpid()}" for k in (alpha, beta)}
         with sup.client(timeout=120) as client:
-            client.open("alpha", options={"env": {"ALPHA_TOKEN": secret}})
-            client.run("alpha", "hello")
-            client.run("beta", "hello")
-            beta = client.sessions(prefix="beta")[0]["pid"]
-            # Beta's own worker holds its own key (the scan sees), from root...
-            assert _memory_mentions(beta, [b"beta"]) == {b"beta"}
-        # ...and, read by beta's own shell (approved), nothing of alpha.
-        command = f"run: python3 - {beta} {secret} <<'EOF'\n{MEMORY_SCAN}\nEOF"
-        reply, events = _turns(sup, {"beta": command})["beta"]
+            for key in (alpha, beta):  # one after the other: beta forked after alpha
+                client.open(key, options={"env": {"SEALED_TOKEN": tokens[key]}})
+                client.run(key, "hello")
+            pid = client.sessions(prefix=beta)[0]["pid"]
+        # From root: beta's worker holds its own key and token (the scan
+        # sees), and nothing of alpha's.
+        own = [beta.encode(), tokens[beta].encode()]
+        assert _memory_mentions(pid, own) == set(own)
+        assert _memory_mentions(pid, [alpha.encode(), tokens[alpha].encode()]) == set()
+        # Read by beta's own shell (approved): its own token, not alpha's.
+        halves = [t[: len(t) // 2] + " " + t[len(t) // 2 :] for t in (tokens[beta], tokens[alpha])]
+        command = f"run: python3 - {pid} {' '.join(halves)} <<'EOF'\n{MEMORY_SCAN}\nEOF"
+        reply, events = _turns(sup, {beta: command})[beta]
         out = _tool_output(events)
-        assert "hits=" in out, (reply.body, out)
-        assert "hits=0" in out, out
-        assert _memory_mentions(beta, [secret.encode(), b"alpha"]) == set()
+        counts = out.split("hits=", 1)[1].split("\\n", 1)[0].split('"', 1)[0].split(",")
+        assert int(counts[0]) > 0 and int(counts[1]) == 0, out
     finally:
         model.close()
