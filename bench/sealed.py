@@ -316,8 +316,32 @@ def main(argv: list[str] | None = None) -> int:
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     (results / "sealed.json").write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out["runs"], indent=1))
+    print(table(out))
     return 0
+
+
+def table(out: dict[str, Any]) -> str:
+    """The Hermes rows as a markdown table (BENCHMARKS.md)."""
+
+    def span(s: dict[str, Any]) -> str:
+        return f"{s['p50_ms']:,.0f} [{s['min_ms']:,.0f} - {s['max_ms']:,.0f}]"
+
+    rows = [
+        "| mode | ready ms | first reply ms | CPU to ready ms | CPU to reply ms "
+        "| idle USS MiB | zygote RSS MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, run in out["runs"].items():
+        if "ready" not in run:
+            if "error" in run:
+                rows.append(f"| {name} | failed: {run['error'][:80]} | | | | | |")
+            continue
+        rows.append(
+            f"| {name} | {span(run['ready'])} | {span(run['first_reply'])} "
+            f"| {run['cpu_ready']['p50_ms']:.0f} | {run['cpu_first_reply']['p50_ms']:.0f} "
+            f"| {run['uss_mib']['p50']:.1f} | {run['zygote_rss_mib']:.0f} |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
