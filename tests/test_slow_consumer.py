@@ -99,3 +99,38 @@ def test_a_client_that_stops_reading_costs_its_queue_and_learns_what_it_missed(
         # And it is served as before.
         assert slow.run("slow", "pid").ok
     assert "slow_consumer_caught_up" in sup.log()
+
+
+def test_a_watcher_that_stops_reading_is_told_what_it_missed_and_keeps_watching(
+    supervisor_factory, workdir: Path
+) -> None:
+    sup = supervisor_factory("--config", str(config(workdir, 200)))
+    with sup.client(timeout=60) as client, sup.client(timeout=60) as watcher:
+        client.run("w", "pid")
+        watch = watcher.submit(Kind.WATCH, {"replay": 0}, session="w")
+        assert watcher.next(timeout=30).body["type"] == "watching"
+        # The watcher stops reading while the session streams 20,000 lines.
+        done = client.run("w", "sh seq 1 20000")
+        assert done.text == "exit 0" and accounted(done.events) == 20_000
+        wait_for("the watcher to lag", lambda: "slow_consumer" in sup.log())
+        # A later turn, while it still lags: counted too, never lost.
+        assert client.run("w", "env HERMES_SESSION_KEY").text == "w"
+        seen: list[dict] = []
+        missed = 0
+        # It reads again: what it got, how many it missed, and it still
+        # watches: the next turn's reply shows up.
+        marker = client.submit(Kind.SEND, {"text": "sh echo after"}, session="w")
+        while True:
+            msg = watcher.next(timeout=60)
+            assert msg.re == watch
+            body = msg.body
+            if body["type"] == "dropped":
+                missed += body["data"]["count"]
+                continue
+            seen.append(body)
+            if body["type"] == "reply" and body.get("turn") == marker:
+                break
+        outputs = [b["data"] for b in seen if b["type"] == "output"]
+        assert missed > 0 and "after" in outputs
+        lines = [int(x) for x in outputs if x.isdigit()]
+        assert lines == sorted(lines)
