@@ -222,7 +222,8 @@ def list_(
     \b
     JSON fields: key, state, pid (or null), started and last_activity (epoch
     seconds), turns, queued, exits, last_exit, fast_failures, runtime,
-    label, repo and branch (or null), rss (bytes), procs, cpu_percent.
+    label, repo and branch (or null), rss (bytes), procs, cpu_percent,
+    node (the supervisor's node; a NODE column when there are several).
 
     \b
     Examples:

@@ -100,18 +100,24 @@ def session_table(
     """The lines of `hermes-sup list`: a header, one row per session (busiest
     states first, then by key) and a line of totals. The key column is as
     wide as the longest key; given a `width` (the terminal's) that the table
-    would overflow, keys are cut in the middle to fit it."""
+    would overflow, keys are cut in the middle to fit it. Rows from more
+    than one node (a router's list) get a NODE column."""
     rows = sort_rows(rows)
+    nodes = {r.get("node") for r in rows}
+    node_width = max(len("NODE"), *(len(str(n)) for n in nodes)) if len(nodes) > 1 else 0
+    node_width = min(node_width, MAX_BRANCH_WIDTH)
     branch_width = _optional_width(rows, "branch", MAX_BRANCH_WIDTH)
     label_width = _optional_width(rows, "label", MAX_LABEL_WIDTH)
     rest = sum(w + 1 for _, w, _ in COLUMNS)
-    rest += sum(w + 1 for w in (branch_width, label_width) if w)
+    rest += sum(w + 1 for w in (node_width, branch_width, label_width) if w)
     key_width = max([len("SESSION"), *(len(r["key"]) for r in rows)])
     if width is not None and key_width + rest > width:
         key_width = max(MIN_KEY_WIDTH, width - rest)
     header = f"{'SESSION':<{key_width}} " + " ".join(
         f"{name:>{w}}" if right else f"{name:<{w}}" for name, w, right in COLUMNS
     )
+    if node_width:
+        header += f" {'NODE':<{node_width}}"
     if branch_width:
         header += f" {'BRANCH':<{branch_width}}"
     if label_width:
@@ -129,6 +135,11 @@ def session_table(
             f"{shorten(r['key'], key_width):<{key_width}} {state_cell} {r['pid'] or '-':>7} "
             f"{duration(up):>7} {duration(now - r['last_activity']):>6} {r['turns']:>5} "
             f"{size(r.get('rss')):>7} {cpu:>5}"
+            + (
+                f" {shorten(str(r.get('node') or '-'), node_width):<{node_width}}"
+                if node_width
+                else ""
+            )
             + (
                 f" {shorten(r.get('branch') or '-', branch_width):<{branch_width}}"
                 if branch_width

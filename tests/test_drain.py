@@ -113,3 +113,27 @@ def test_drain_naming_another_node_is_refused(supervisor_factory, workdir):
             client.request(Kind.DRAIN, {"on": True, "node": "node-b"})
         assert err.value.code == "bad_field" and "node-a" in err.value.message
         assert client.status()["node"]["draining"] is False
+
+
+def test_list_shows_a_node_column_only_for_rows_of_several_nodes() -> None:
+    from hermes_sup.cli.show import session_table
+
+    def row(key: str, node: str) -> dict[str, object]:
+        return {
+            "key": key,
+            "state": "idle",
+            "pid": 10,
+            "started": 0.0,
+            "last_activity": 0.0,
+            "turns": 1,
+            "rss": None,
+            "cpu_percent": None,
+            "runtime": "probe",
+            "node": node,
+        }
+
+    one = session_table([row("a", "n1"), row("b", "n1")], False, 100.0)
+    assert "NODE" not in one[0]
+    many = session_table([row("a", "node-one"), row("b", "node-two")], False, 100.0)
+    assert "NODE" in many[0]
+    assert many[1].rstrip().endswith("node-one") and many[2].rstrip().endswith("node-two")
