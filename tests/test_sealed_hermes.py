@@ -8,6 +8,7 @@ the import saw."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -207,9 +208,12 @@ ESCAPE_NAMES = (
 )
 
 
-def _sealed_supervisor(supervisor_factory: Any, model: Any, workdir: Path, extra: list[str]) -> Any:
-    """A supervisor running sealed Hermes sessions against the fake model;
-    the test is skipped where this machine cannot seal (no namespaces)."""
+def _sealed_supervisor(
+    supervisor_factory: Any, model: Any, workdir: Path, extra: list[str], as_user: bool = False
+) -> Any:
+    """A supervisor running sealed Hermes sessions against the fake model
+    (as_user: as uid 65534, sealing with user namespaces); the test is
+    skipped where this machine cannot seal (no namespaces)."""
     from hermes_sup.worker import seal
 
     template = workdir / "template"
@@ -236,10 +240,19 @@ def _sealed_supervisor(supervisor_factory: Any, model: Any, workdir: Path, extra
         env=env,
         start=False,
     )
+    preexec: Any = None
+    if as_user:
+        # tests/test_sealed.py's way to become uid 65534 with the interpreter reachable.
+        sealed_tests = importlib.import_module(f"{__package__}.test_sealed")
+        preexec = sealed_tests.as_nobody_with_the_interpreter_reachable
+
+        for path in [workdir, *workdir.rglob("*")]:
+            os.chown(path, 65534, 65534)
+        env["HOME"] = "/nonexistent"
     try:
         # The zygote imports all of hermes before the supervisor answers:
         # seconds, and many more on a loaded machine.
-        sup.start(wait=False)
+        sup.start(wait=False, preexec_fn=preexec)
         sup.wait_ready(timeout=300)
     except AssertionError as exc:
         if "sessions cannot be sealed here" in str(exc):
@@ -285,9 +298,16 @@ def _turns(
 
 
 def _tool_output(events: list[Any]) -> str:
-    return "\n".join(
-        str(e.body["data"]["result"]) for e in events if e.body["type"] == "tool_complete"
-    )
+    """What the terminal tool's commands printed, over the turn's tool calls."""
+    outputs = []
+    for event in events:
+        if event.body["type"] == "tool_complete":
+            result = event.body["data"]["result"]
+            try:
+                outputs.append(str(json.loads(result)["output"]))
+            except (TypeError, ValueError, KeyError):
+                outputs.append(str(result))
+    return "\n".join(outputs)
 
 
 def _inodes(top: Path) -> set[tuple[int, int]]:
@@ -366,9 +386,13 @@ def _memory_context(pid: int, needles: set[bytes]) -> list[bytes]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("extra", [[], ["--spare-workers", "2"]], ids=["forked", "spares"])
+@pytest.mark.parametrize(
+    ("extra", "as_user"),
+    [([], False), (["--spare-workers", "2"], False), ([], True)],
+    ids=["forked", "spares", "unprivileged"],
+)
 def test_sealed_hermes_sessions_see_only_their_own(
-    supervisor_factory: Any, workdir: Path, extra: list[str]
+    supervisor_factory: Any, workdir: Path, extra: list[str], as_user: bool
 ) -> None:
     import sqlite3
 
@@ -380,7 +404,9 @@ def test_sealed_hermes_sessions_see_only_their_own(
 
     model = FakeModel()
     try:
-        sup = _sealed_supervisor(supervisor_factory, model, workdir, extra)
+        if as_user and os.geteuid() != 0:
+            pytest.skip("needs root to start the supervisor as another uid")
+        sup = _sealed_supervisor(supervisor_factory, model, workdir, extra, as_user)
         keys = ["tg-alice", "dc-bob", "web-carol"]
         data = sup.data_dir
         with sup.client(timeout=120) as client:
@@ -423,7 +449,9 @@ def test_sealed_hermes_sessions_see_only_their_own(
         # signal scope (Linux 6.12+) keeps a session from signalling others.
         from hermes_sup.worker import seal
 
-        signals_scoped = os.geteuid() == 0 or seal.landlock_abi() >= seal.LANDLOCK_SCOPE_ABI
+        root = os.geteuid() == 0 and not as_user
+        signals_scoped = root or seal.landlock_abi() >= seal.LANDLOCK_SCOPE_ABI
+        assert ("sealed mode=root" if root else "sealed mode=user") in sup.log()
 
         for key in keys:
             d = data / "sessions" / session_dir_name(key)
@@ -531,7 +559,7 @@ def test_a_sealed_session_finds_nothing_of_another_in_its_workers_memory(
         command = f"run: python3 - {pid} {' '.join(halves)} <<'EOF'\n{MEMORY_SCAN}\nEOF"
         reply, events = _turns(sup, {beta: command})[beta]
         out = _tool_output(events)
-        counts = out.split("hits=", 1)[1].split("\\n", 1)[0].split('"', 1)[0].split(",")
+        counts = out.split("hits=", 1)[1].split("\n", 1)[0].split(",")
         assert int(counts[0]) > 0 and int(counts[1]) == 0, out
     finally:
         model.close()
