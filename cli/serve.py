@@ -155,6 +155,15 @@ def tunables(func: Any) -> Any:
     "in a process of its own; needs `hermes-sup keys http generate` and the http extra.",
 )
 @click.option(
+    "--http-web",
+    "http_web",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="With --http, also serve this directory's static files at / (a page such as "
+    "examples/web; they need no key, the API still does).",
+)
+@click.option(
     "--workspace-root",
     "workspace_roots",
     multiple=True,
@@ -246,6 +255,7 @@ def serve(
     config: Path | None,
     tcp: str | None,
     http_listen: str | None,
+    http_web: Path | None,
     workspace_roots: tuple[str, ...],
     runtimes: tuple[str, ...],
     allow_env: tuple[str, ...],
@@ -352,10 +362,14 @@ def serve(
     from .logformat import configure
 
     configure(settings.log_level, log_format, settings.shutdown_grace)
+    if http_web is not None and not http_listen:
+        raise click.BadParameter(
+            "serves a page beside --http: give --http too", param_hint="--http-web"
+        )
     if http_listen:
         from .http import start_http_beside
 
-        start_http_beside(settings, http_listen)  # forks: before anything else starts
+        start_http_beside(settings, http_listen, http_web)  # forks: before anything else starts
     from hermes_sup.supervisor.sealing import SealingUnavailable
 
     try:

@@ -792,3 +792,13 @@ def test_the_endpoint_is_a_client_and_loads_nothing_of_the_server_side() -> None
     assert "hermes_sup.httpapi.serve" in loaded and "uvicorn" not in loaded  # imported when run
     server_side = [m for m in loaded if package(m) in SERVER_SIDE]
     assert server_side == []
+
+
+def test_serve_http_web_serves_the_page_beside_the_api(endpoint_factory) -> None:
+    page = Path(__file__).resolve().parent.parent / "examples" / "web"
+    endpoint = endpoint_factory("--http-web", str(page))
+    index = httpx.get(endpoint.url + "/", timeout=30)
+    assert index.status_code == 200 and "<html" in index.text.lower()
+    assert (page / "index.html").read_text() == index.text
+    # The page needs no key; the API still does.
+    assert httpx.get(endpoint.url + "/v1/models", timeout=30).status_code == 401
