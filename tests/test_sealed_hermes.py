@@ -35,6 +35,7 @@ from typing import Any
 from hermes_sup.worker import hermes_seal
 
 base, do_replay = Path(sys.argv[1]), sys.argv[2] == "replay"
+template = sys.argv[3] if len(sys.argv) > 3 else None
 paths = SimpleNamespace(home=base / "home", workspace=base / "workspace", user=base / "user")
 for p in (paths.home, paths.workspace, paths.user):
     p.mkdir(parents=True)
@@ -48,15 +49,17 @@ config.load_config()  # the zygote's (empty) config, memoized under P's path
 # The "bind mount": the session's own home now at P.
 paths.home.rename(base / "zygote-home")
 paths.home.mkdir()
-(paths.home / ".env").write_text("SEALED_MARK=session-value\n")
-(paths.home / "config.yaml").write_text("terminal:\n  timeout: 77\nmodel:\n  context_length: 4242\n")
+if not template:
+    (paths.home / ".env").write_text("SEALED_MARK=session-value\n")
+    (paths.home / "config.yaml").write_text(
+        "terminal:\n  timeout: 77\nmodel:\n  context_length: 4242\n")
 session_env = {"PATH": os.environ["PATH"], "HERMES_HOME": str(paths.home),
                "TERMINAL_CWD": str(paths.workspace), "HOME": str(paths.user),
                "HERMES_SESSION_KEY": "k1"}
 os.environ.clear()
 os.environ.update(session_env)
 if do_replay:
-    hermes_seal.replay(paths)
+    hermes_seal.replay(paths, template)
 from tools import approval, file_operations
 from agent import redact
 import certifi, ssl
@@ -84,9 +87,16 @@ print(json.dumps({
 """
 
 
-def swap_and_replay(base: Path, mode: str) -> dict[str, Any]:
+def swap_and_replay(base: Path, mode: str, template: Path | None = None) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-c", SWAP_AND_REPLAY, str(base), mode],
+        [
+            sys.executable,
+            "-c",
+            SWAP_AND_REPLAY,
+            str(base),
+            mode,
+            *([str(template)] if template else []),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -127,6 +137,21 @@ def test_ssl_contexts_made_ahead_are_each_fresh_and_verifying(replayed: dict[str
     made = replayed["ssl"]
     assert made["pooled"] == "_SSLPool"
     assert made["distinct"] and made["verify"] and made["certs"] > 0
+
+
+def test_a_new_sessions_home_is_its_template_before_the_replay_reads_it(tmp_path: Path) -> None:
+    """A new session's home is empty until the template is copied: the
+    template's .env and config must be what the replay loads."""
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / ".env").write_text("SEALED_MARK=session-value\n")
+    (template / "config.yaml").write_text(
+        "terminal:\n  timeout: 77\nmodel:\n  context_length: 4242\n"
+    )
+    seen = swap_and_replay(tmp_path / "b", "replay", template)
+    assert seen["env"]["SEALED_MARK"] == "session-value"
+    assert seen["env"]["TERMINAL_TIMEOUT"] == "77"
+    assert {".env", "config.yaml", "SOUL.md"} <= set(seen["home"])
 
 
 def test_replay_makes_the_sessions_home_skeleton(replayed: dict[str, Any]) -> None:

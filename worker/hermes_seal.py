@@ -48,6 +48,7 @@ import ast
 import importlib
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -341,16 +342,26 @@ def _probe_environment(notes: dict[str, str]) -> None:
         notes["env_probe"] = f"failed, left to each session: {type(exc).__name__}: {exc}"
 
 
-def replay(paths: SealedPathsLike) -> None:
+def replay(paths: SealedPathsLike, template: str | os.PathLike[str] | None = None) -> None:
     """In the worker, after its mounts and environment are set and before
     the runtime loads: redo what hermes's import did with the contents of
     P, now the session's. Raises SealError when it cannot; the worker must
-    then not run hermes."""
+    then not run hermes.
+
+    `template`: the Hermes runtime's `template_home`. A new session's home
+    starts as a copy of it, and without preloading that copy comes before
+    hermes's import reads the home: so it must come before the replay too,
+    or a new session's first worker would miss the template's `.env` and
+    config bridge (its later workers would not)."""
     home = Path(paths.home)
     if os.environ.get("HERMES_HOME") != str(home):
         raise SealError(f"replay needs HERMES_HOME={home}, found {os.environ.get('HERMES_HOME')!r}")
     if "run_agent" not in sys.modules:
         return  # hermes was not preloaded: its own import does all of this
+    if template and not (home / "config.yaml").exists():
+        # As the Hermes runtime does it (worker/hermes.py), which then finds
+        # config.yaml there and copies nothing more.
+        shutil.copytree(template, home, dirs_exist_ok=True, symlinks=True)
     _clear_memos()
     from hermes_cli.config import ensure_hermes_home
 
