@@ -544,6 +544,9 @@ class Front:
             "current_turn": session.current.id if session.current is not None else None,
             "approvals_waiting": list(session.approvals),
             "state_history": history,
+            # Its lease (see PROTOCOL.md, "Nodes"): held here, at which epoch.
+            "node": self.ctx.node,
+            "lease_epoch": session.lease.epoch if session.lease is not None else None,
             # A reload since its worker started applies at its next start.
             "settings_outdated": session.settings is not None
             and session.settings is not self.ctx.settings,

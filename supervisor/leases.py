@@ -195,7 +195,6 @@ class Leases:
         # The endpoint other nodes' routers reach this supervisor at (its
         # TCP endpoint once bound, else None): asked at each taking.
         self.endpoint: Any = lambda: None
-        self.held = 0  # leases held now, for status and metrics
 
     def _holder_text(self, epoch: int) -> bytes:
         endpoint = self.endpoint()
@@ -225,7 +224,6 @@ class Leases:
         except BaseException:
             os.close(fd)  # drops the lock, if we got it
             raise
-        self.held += 1
         return lease
 
     def _write_epoch(self, lease: Lease) -> None:
@@ -249,7 +247,6 @@ class Leases:
             os.close(lease.fd)
         except OSError:
             pass
-        self.held -= 1
 
     def check(self, lease: Lease) -> None:
         """Fencing: LeaseLost unless the epoch file is still the one this

@@ -137,3 +137,30 @@ def test_list_shows_a_node_column_only_for_rows_of_several_nodes() -> None:
     many = session_table([row("a", "node-one"), row("b", "node-two")], False, 100.0)
     assert "NODE" in many[0]
     assert many[1].rstrip().endswith("node-one") and many[2].rstrip().endswith("node-two")
+
+
+def test_metrics_name_the_node_and_its_drain(supervisor_factory, workdir):
+    import socket
+    import urllib.request
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    root = workdir / "m"
+    root.mkdir()
+    (root / "c.toml").write_text(f'node = "node-m"\nmetrics = "{port}"\n')
+    sup = supervisor_factory("--config", str(root / "c.toml"), root=root)
+
+    def scrape() -> str:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.read().decode()
+
+    text = scrape()
+    assert 'hermes_sup_node_info{node="node-m"} 1.0' in text
+    assert "hermes_sup_node_draining 0.0" in text
+    with sup.client() as client:
+        client.request(Kind.DRAIN, {})  # `on` defaults to true
+        assert client.status()["node"]["draining"] is True
+    assert "hermes_sup_node_draining 1.0" in scrape()

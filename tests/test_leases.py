@@ -95,6 +95,9 @@ def test_one_key_runs_on_one_supervisor_and_moves_when_it_dies(supervisor_factor
         assert int(cb.run("alice", "pid").text) != pid_a
     epoch, _ = leases.read_epoch(session_dir(b, "alice"))
     assert epoch >= 2  # a, then b
+    with b.client() as cb:
+        seen = cb.inspect("alice")
+        assert seen["node"] == "node-b" and seen["lease_epoch"] == epoch
     holder = leases.read_holder(session_dir(b, "alice"))
     assert holder is not None and holder.node == "node-b" and holder.pid == b.pid
     wait_for(lambda: not os.path.exists(f"/proc/{pid_a}"), what="node-a's worker gone")
