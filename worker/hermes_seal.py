@@ -350,9 +350,11 @@ def replay(paths: SealedPathsLike, template: str | os.PathLike[str] | None = Non
 
     `template`: the Hermes runtime's `template_home`. A new session's home
     starts as a copy of it, and without preloading that copy comes before
-    hermes's import reads the home: so it must come before the replay too,
-    or a new session's first worker would miss the template's `.env` and
-    config bridge (its later workers would not)."""
+    hermes's import reads the home; given, it comes before the replay too.
+    (Not given, the runtime copies it after the replay: hermes-agent 0.19
+    loads the `.env` and bridges config.yaml again when it resolves the
+    agent's settings, so a new session's first worker still sees them,
+    tested; what only the import reads would be missed.)"""
     home = Path(paths.home)
     if os.environ.get("HERMES_HOME") != str(home):
         raise SealError(f"replay needs HERMES_HOME={home}, found {os.environ.get('HERMES_HOME')!r}")
