@@ -5,6 +5,7 @@ Against the fake model server on 127.0.0.1; needs hermes-agent."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -80,4 +81,13 @@ def test_each_hermes_agent_sees_only_its_own_changes_in_git_status(
         assert branch_for(key) in seen[key]
         assert f"You are session {key}" in listed[key]
         assert branch_for(other) in listed[key], listed[key]  # the live peer, by its branch
+    # The agent is told too, in the system prompt of every turn: each model
+    # request of a session names the other live session, never itself as a peer.
+    for key in keys:
+        other = next(k for k in keys if k != key)
+        asked = [r for r in model.requests if f"echo {key} > {key}.txt" in json.dumps(r)]
+        assert asked, f"no model request of {key}"
+        system = " ".join(m["content"] for m in asked[0]["messages"] if m["role"] == "system")
+        assert "Other sessions are working on this same git repository" in system
+        assert branch_for(other) in system and f"{other}\t" in system, system[-600:]
     assert not (repo / "alice.txt").exists() and not (repo / "bob.txt").exists()

@@ -73,6 +73,11 @@ TOOLSET_PLATFORM = "api_server"
 MAX_CONVERSATION_ID = 256
 _UNSAFE_ID = re.compile(r"[\x00-\x1f\x7f/\\]|\.\.")
 HISTORY_ROLES = ("user", "assistant")
+# Where the supervisor lists the other live sessions on this session's
+# repository, rewritten before each turn (supervisor/worktrees.py), and the
+# most of it put in front of the agent.
+PEERS_PATH = Path(".hermes-sup") / "peers"
+MAX_PEERS_TEXT = 4096
 # What the clarify tool answers the agent: nobody can reply within the turn.
 CLARIFY_SHOWN = (
     "[the question was shown to the user, who cannot answer it during this turn: "
@@ -83,6 +88,27 @@ CLARIFY_SHOWN = (
 
 class HermesTurnError(Exception):
     """A turn that hermes could not complete; the message says why."""
+
+
+def _with_peers(instructions: str | None, workspace: Path) -> str | None:
+    """The turn's ephemeral system prompt: the front end's instructions,
+    then the peers file when this session works in a git worktree beside
+    other live sessions, so that an agent is never unaware that another is
+    changing the same repository next to it. The file is the supervisor's,
+    fresh for this turn; a missing or unreadable one adds nothing."""
+    try:
+        with open(workspace / PEERS_PATH, encoding="utf-8", errors="replace") as fh:
+            peers = fh.read(MAX_PEERS_TEXT).strip()
+    except OSError:
+        return instructions
+    if not any(line and not line.startswith("#") for line in peers.splitlines()):
+        return instructions  # no other session is live on the repository
+    note = (
+        "Other sessions are working on this same git repository right now, each in its own "
+        f"worktree and branch (listed in {PEERS_PATH}, refreshed every turn). Do not assume "
+        "you are alone: coordinate through commits on your own branch.\n" + peers
+    )
+    return f"{instructions}\n\n{note}" if instructions else note
 
 
 @dataclass(frozen=True)
@@ -321,7 +347,9 @@ class HermesRuntime:
                 # this turn is repeated by the worker until the turn ends.
                 self.agent.clear_interrupt()
             agent = self.agent
-            agent.ephemeral_system_prompt = turn.instructions  # this turn's only
+            # This turn's only: the front end's instructions, and who else
+            # works on this session's repository right now.
+            agent.ephemeral_system_prompt = _with_peers(turn.instructions, self.session.workspace)
             history = self._history(conversation, turn.history)
             before = _usage(agent)
             result = agent.run_conversation(text, conversation_history=history or None)
