@@ -15,6 +15,7 @@ import pytest
 
 from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
 from hermes_sup.cluster.placement import Candidate, rendezvous
+from hermes_sup.protocol import Kind
 
 from .test_clients import free_port
 
@@ -37,11 +38,14 @@ class RouterProcess:
 
     def __init__(self, root: Path, nodes_file: Path) -> None:
         self.state_dir = root / "r"
+        self.data_dir = root / "rd"  # its CURVE keys, for remote front ends
+        self.port = free_port()
         self.log_path = root / "router.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hermes_sup.cli.route", "--nodes", str(nodes_file),
-             "--state-dir", str(self.state_dir), "--poll", "0.2"],
+             "--state-dir", str(self.state_dir), "--poll", "0.2",
+             "--tcp", str(self.port), "--data-dir", str(self.data_dir)],
             stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -193,7 +197,6 @@ def test_drain_and_node_loss_on_a_shared_data_dir_keep_each_sessions_files(
     shared_cluster,
 ) -> None:
     pytest.importorskip("hermes_sup.supervisor.leases", reason="needs session leases")
-    from hermes_sup.protocol import Kind
 
     sups, router = shared_cluster
     keys = [f"note:{i}" for i in range(20)]
@@ -236,3 +239,37 @@ def test_drain_and_node_loss_on_a_shared_data_dir_keep_each_sessions_files(
             assert note(c, key) == f"of-{key}"
         rows = {row["key"]: row for row in c.sessions()}
         assert {rows[k]["node"] for k in keys} == {"b"}
+
+
+def test_remote_front_end_and_watch_of_all_through_the_router(cluster, workdir) -> None:
+    """A remote client (TCP + CURVE, a connection file made for the router)
+    is served as by one supervisor; a watch of every session sees turns on
+    both nodes, and ends with one unwatch."""
+    sups, router = cluster
+    conn = workdir / "web.json"
+    made = hs("keys", "generate", "web", "--endpoint", f"127.0.0.1:{router.port}",
+              "-o", str(conn), "--data-dir", str(router.data_dir))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    keys = {owner(f"w:{i}"): f"w:{i}" for i in range(20)}  # one key per node
+    assert set(keys) == set(NODES)
+    with Client(router.state_dir, timeout=30.0) as watcher:
+        watch = watcher.submit(Kind.WATCH, {}, None)
+        first = watcher.next()
+        assert (first.re, first.body["type"]) == (watch, "watching")
+        with Client.from_connection_file(conn, timeout=30.0) as remote:
+            for key in keys.values():
+                assert remote.run(key, "env HERMES_SESSION_KEY").text == key
+            assert {r["key"] for r in remote.sessions()} == set(keys.values())
+        replied = set()
+        while replied != set(keys.values()):
+            msg = watcher.next()
+            assert msg.re == watch and msg.kind is Kind.EVENT, msg
+            assert msg.body["type"] != "watching"  # said once, not once per node
+            if msg.body["type"] == "reply":
+                replied.add(msg.session)
+        # One unwatch ends it on both nodes: one `unwatched`.
+        unwatch = watcher.submit(Kind.UNWATCH, {"watch": watch}, None)
+        while (msg := watcher.next()).re != unwatch:
+            assert msg.re == watch
+        assert msg.body["type"] == "unwatched"
+        assert watcher.ping().pid == router.proc.pid
