@@ -115,20 +115,22 @@ def test_a_watcher_that_stops_reading_is_told_what_it_missed_and_keeps_watching(
         wait_for("the watcher to lag", lambda: "slow_consumer" in sup.log())
         # A later turn, while it still lags: counted too, never lost.
         assert client.run("w", "env HERMES_SESSION_KEY").text == "w"
+        # It reads again: what it got, then how many it missed (told once it
+        # has caught up), and it still watches: a turn after that shows up.
         seen: list[dict] = []
         missed = 0
-        # It reads again: what it got, how many it missed, and it still
-        # watches: the next turn's reply shows up.
-        marker = client.submit(Kind.SEND, {"text": "sh echo after"}, session="w")
+        marker = None
         while True:
             msg = watcher.next(timeout=60)
             assert msg.re == watch
             body = msg.body
             if body["type"] == "dropped":
                 missed += body["data"]["count"]
+                if marker is None:
+                    marker = client.submit(Kind.SEND, {"text": "sh echo after"}, session="w")
                 continue
             seen.append(body)
-            if body["type"] == "reply" and body.get("turn") == marker:
+            if marker is not None and body["type"] == "reply" and body.get("turn") == marker:
                 break
         outputs = [b["data"] for b in seen if b["type"] == "output"]
         assert missed > 0 and "after" in outputs
