@@ -132,7 +132,8 @@ class Settings:
     # Messages the supervisor queues for one client connection. A client
     # that does not read that many lags: its events are dropped and counted
     # (a `dropped` event tells it how many once it reads again), its answers
-    # kept for it (supervisor/endpoints.py, "Slow consumers").
+    # kept for it (supervisor/endpoints.py, "Slow consumers"). 0: no limit
+    # (zmq's), so such a client can hold any amount of memory.
     client_queue: int = 10_000
     # A worker merges the stream deltas (`token`, `output`) of a turn made
     # within this many milliseconds into one event, losing nothing; a turn's
