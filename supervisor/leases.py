@@ -12,13 +12,14 @@ A session's directory holds two small files:
             lease, the token is random to each one
 
 Taking the lease is: lock `lease` without waiting (held elsewhere: `moved`,
-naming the holder from the file's content), then write `epoch` anew, n + 1
-with a fresh token (in place, one small write of a fixed size: see
-`write_epoch`), then the holder's name into `lease`. A new session's files
+naming the holder from the file's content), then write the holder's name
+into `lease`, then `epoch` anew, n + 1 with a fresh token (in place, one
+small write of a fixed size: see `write_epoch`). A new session's files
 are made ahead, with its spare directory (spare_dirs.py): making a file
-costs a journalled metadata change, about 1 ms here, writing one a page. The kernel (or the NFS server, once the client's
-state expires) drops the lock when its process dies, so a SIGKILLed node's
-sessions can be taken at once by the next supervisor asked for them.
+costs a journalled metadata change, about 1 ms here, writing one a page.
+The kernel (or the NFS server, once the client's state expires) drops
+the lock when its process dies, so a SIGKILLed node's sessions can be
+taken at once by the next supervisor asked for them.
 
 The lock alone does not stop an owner cut off from the file server: its
 lock expires there and another node takes the session, while it still
@@ -216,11 +217,12 @@ class Leases:
                 raise LeaseHeld(session_dir, read_holder(session_dir))
             epoch, _ = read_epoch(session_dir)
             lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex())
-            self._write_epoch(lease)
+            # The holder's name first: one refused meanwhile reads who holds it.
             try:
                 self._name_holder(lease)
             except OSError as exc:  # a full disk: the lock holds all the same
                 log.warning(kv("lease_holder_unwritten", dir=session_dir.name, error=exc))
+            self._write_epoch(lease)
         except BaseException:
             os.close(fd)  # drops the lock, if we got it
             raise

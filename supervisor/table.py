@@ -42,7 +42,6 @@ from .session import (
     SESSION_FILE,
     Session,
     StoredSession,
-    open_session_dir,
     read_session_meta,
     save_session_meta,
     scan_sessions,
@@ -146,16 +145,18 @@ class SessionTable:
             lease = self.spare_dirs.take_leased(session.dir, with_workspace=not custom)
         try:
             if lease is None:
-                open_session_dir(self.ctx.settings.data_dir, session.key)
+                session.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
                 lease = self.leases.take(session.dir)
         except LeaseHeld as exc:
             if session.unsaved and session.state is State.EXITED and not session.queue:
                 self._forget(session)  # another node made it: read it from disk next time
             raise moved_error(session.key, exc.holder) from None
         except OSError as exc:
+            log.error(kv("lease_failed", session=session.key, error=exc))
             raise RemoteProtocolError(
                 ErrorCode.INTERNAL,
-                f"cannot take the lease of session {session.key!r}: {exc.strerror or exc}",
+                f"cannot take the lease of session {session.key!r} in {session.dir}: "
+                f"{exc.strerror or exc}",
             ) from None
         session.lease = lease
         taken_over = session.epoch_seen and lease.epoch != session.epoch_seen + 1
@@ -177,6 +178,7 @@ class SessionTable:
         this request brought options of its own."""
         meta = read_session_meta(session.dir)
         if meta is None:
+            session.meta_dirty = True  # purged meanwhile, made again: write ours
             return
         session.unsaved = False
         try:

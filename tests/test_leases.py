@@ -190,3 +190,29 @@ def test_spare_directories_of_two_supervisors_never_collide(supervisor_factory, 
     assert len(left) == 1 and left[0].startswith("node-c-")
     with c.client() as cc:
         assert cc.run("c0", "pid").ok
+
+
+def test_two_supervisors_racing_for_new_keys_never_both_run_one(supervisor_factory, workdir):
+    """The same new keys sent to both supervisors at once: for each key one
+    runs it, the other answers `moved` naming it; never both."""
+    a, b = two_nodes(supervisor_factory, workdir, "node-a", "node-b")
+    keys = [f"race{i}" for i in range(12)]
+    with a.client(timeout=30) as ca, b.client(timeout=30) as cb:
+        sent = {
+            name: {client.submit(Kind.SEND, {"text": "pid"}, session=k): k for k in keys}
+            for name, client in (("node-a", ca), ("node-b", cb))
+        }
+        finals: dict[str, dict[str, Message]] = {"node-a": {}, "node-b": {}}
+        for name, client in (("node-a", ca), ("node-b", cb)):
+            while len(finals[name]) < len(keys):
+                msg = client.next()
+                if msg.kind is not Kind.EVENT:
+                    finals[name][sent[name][msg.re]] = msg
+    for key in keys:
+        answers = {name: finals[name][key] for name in finals}
+        ran = [name for name, msg in answers.items() if msg.kind is Kind.REPLY]
+        assert len(ran) == 1, (key, answers)
+        other = "node-b" if ran[0] == "node-a" else "node-a"
+        refused = answers[other]
+        assert refused.kind is Kind.ERROR and refused.body["code"] == "moved", refused
+        assert refused.body["node"] == ran[0]
