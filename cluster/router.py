@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -108,6 +109,11 @@ class Front:
     key: bytes
     local: bool
     endpoint: str
+    sync: zmq.Socket[bytes] = field(init=False)
+    reader: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.sync = zmq.Socket.shadow(self.sock.underlying)
 
 
 @dataclass
@@ -159,6 +165,8 @@ class NodeLink:
         )
         sock.connect(spec.endpoint)
         self.sock = sock
+        self.sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self.reader: Callable[[], None] | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     def close(self) -> None:
@@ -204,6 +212,8 @@ class Router:
         self._lock: statedir.InstanceLock | None = None
         self._auth: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._fds: dict[int, int] = {}
+        self._kicked: list[Callable[[], None]] = []
 
     # -- start and stop ----------------------------------------------------
 
@@ -219,7 +229,9 @@ class Router:
             if self.tcp:
                 self._bind_tcp()
             for index, front in enumerate(self.fronts):
-                self._tasks.append(asyncio.create_task(self._read_front(index, front)))
+                front.reader = self._add_reader(
+                    front.sync, functools.partial(self.on_front, index, front)
+                )
             self._tasks.append(asyncio.create_task(self._follow_membership()))
             log.info(
                 "router_started pid=%s endpoints=%s",
@@ -288,9 +300,11 @@ class Router:
         for task in self._tasks:
             task.cancel()
         for link in self.links.values():
+            self._remove_reader(link.reader)
             link.close()
         self.links.clear()
         for front in self.fronts:
+            self._remove_reader(front.reader)
             front.sock.close(0)
         if self._auth is not None:
             self._auth.stop()
@@ -298,6 +312,55 @@ class Router:
             self.sync_ctx.term()
         if self._lock is not None:
             self._lock.release()
+
+    # -- reading sockets -----------------------------------------------------
+
+    def _add_reader(
+        self, sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]
+    ) -> Callable[[], None]:
+        """Call `handle` for every message on `sock`, straight from the event
+        loop's readiness callback: no future per message (a routed turn is
+        a handful of messages, and each future cost more than its handling).
+
+        zmq's FD is edge-triggered and a send on the socket may consume the
+        edge, so every send re-checks its socket (`_kick`)."""
+        fd = int(sock.getsockopt(zmq.FD))
+
+        def read() -> None:
+            if sock.closed:
+                return
+            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    handle(frames)
+                except Exception:
+                    log.exception("router_bug while handling a message")
+
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, read)
+        loop.call_soon(read)
+        self._fds[id(read)] = fd
+        return read
+
+    def _remove_reader(self, read: Callable[[], None] | None) -> None:
+        if read is not None and id(read) in self._fds:
+            asyncio.get_running_loop().remove_reader(self._fds.pop(id(read)))
+
+    def _kick(self, read: Callable[[], None] | None) -> None:
+        """After a send: read what the send's own processing may have hidden."""
+        if read is None or read in self._kicked:
+            return
+        if not self._kicked:
+            asyncio.get_running_loop().call_soon(self._run_kicked)
+        self._kicked.append(read)
+
+    def _run_kicked(self) -> None:
+        kicked, self._kicked = self._kicked, []
+        for read in kicked:
+            read()
 
     # -- membership ----------------------------------------------------------
 
@@ -327,7 +390,7 @@ class Router:
                 log.info("router_node_added node=%s endpoint=%s", name, spec.endpoint)
                 link = NodeLink(self.ctx, spec)
                 self.links[name] = link
-                link.tasks.append(asyncio.create_task(self._read_node(link)))
+                link.reader = self._add_reader(link.sync, functools.partial(self.on_node, link))
                 link.tasks.append(asyncio.create_task(self._watch_node(link)))
             self.links[name].spec = spec
             self._place(self.links[name])
@@ -338,6 +401,8 @@ class Router:
 
     def _drop_link(self, name: str, why: str) -> None:
         link = self.links.pop(name)
+        self._remove_reader(link.reader)
+        link.reader = None
         link.close()
         self.placement.remove(name)
         self._lose_node(name, why)
@@ -383,14 +448,6 @@ class Router:
             # WATCH_ALL: the other nodes' events keep coming.
 
     # -- front ends ---------------------------------------------------------
-
-    async def _read_front(self, index: int, front: Front) -> None:
-        while True:
-            frames = await front.sock.recv_multipart(copy=True)
-            try:
-                self.on_front(index, front, frames)
-            except Exception:
-                log.exception("router_bug while handling a front end's message")
 
     def on_front(self, index: int, front: Front, frames: list[bytes]) -> None:
         """One message from a front end: route it, answer it, or refuse it."""
@@ -603,14 +660,6 @@ class Router:
 
     # -- nodes -----------------------------------------------------------------
 
-    async def _read_node(self, link: NodeLink) -> None:
-        while True:
-            frames = await link.sock.recv_multipart(copy=True)
-            try:
-                self.on_node(link, frames)
-            except Exception:
-                log.exception("router_bug while handling node %s's message", link.spec.name)
-
     def on_node(self, link: NodeLink, frames: list[bytes]) -> None:
         """One message from a node: to the client waiting on it, or merged."""
         name = link.spec.name
@@ -708,11 +757,12 @@ class Router:
         if link is None or not link.live:
             return False
         try:
-            link.sock.send_multipart(
+            link.sync.send_multipart(
                 [MAGIC, sign(link.spec.hmac_key, payload), payload], flags=zmq.NOBLOCK
             )
         except zmq.Again:
             return False  # no connection up (IMMEDIATE), or its queue is full
+        self._kick(link.reader)
         return True
 
     def _to_node(self, name: str, msg: Message) -> None:
@@ -726,9 +776,10 @@ class Router:
         front = self.fronts[index]
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
             # A client over its queue loses this message, as zmq would drop it.
-            front.sock.send_multipart(
+            front.sync.send_multipart(
                 [client, MAGIC, sign(front.key, payload), payload], flags=zmq.NOBLOCK
             )
+        self._kick(front.reader)
 
     def _to_client(self, index: int, client: bytes, msg: Message) -> None:
         self._to_client_raw(index, client, encode(msg, self.fronts[index].key, self.limits)[2])

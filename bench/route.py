@@ -1,0 +1,211 @@
+"""A routed turn against a direct one, in the same run (issue 20).
+
+One supervisor (probe runtime, --tcp) and one router in front of it
+(`hermes-sup route` with that node). Three ways to the same warm session,
+alternating one turn at a time so the noise of a shared machine falls on
+all alike:
+
+    direct-ipc   the Python client on the supervisor's own ipc socket
+    direct-tcp   the client over TCP + CURVE (a connection file)
+    routed       the client on the router's ipc socket; the router forwards
+                 over TCP + CURVE
+    proxy        the floor: a bare zmq.proxy (C, its own process) from an ipc
+                 socket to the node over TCP + CURVE, the client signing
+                 with the node's key (no checks, no routing by key)
+
+The router's cost is routed - direct-tcp; routed - proxy is what its
+Python costs over the bare hop (the same transport to the node
+plus one hop); routed - direct-ipc is what a local front end pays for
+going through a router. p50 and p90 in ms; results in
+bench/results/route.json.
+
+    .venv/bin/python bench/route.py [--turns 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hermes_sup.client import Client, NotRunning, Timeout
+from hermes_sup.client.connection import Connection
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hs(*args: str, **kw: object) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", *args], **kw)  # type: ignore[call-overload]
+
+
+def wait_ping(make: object, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with make() as c:  # type: ignore[operator]
+                c.ping()
+                return
+        except (NotRunning, Timeout):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def proxy_main(front: str, conn_file: str) -> None:
+    """The floor's process: zmq.proxy between an ipc ROUTER and the node."""
+    import zmq
+
+    from hermes_sup.client.connection import Connection
+
+    conn = Connection.from_file(conn_file)
+    assert conn.curve is not None
+    ctx = zmq.Context()
+    # DEALER to DEALER: no routing frames to strip, for the one bench client.
+    router = ctx.socket(zmq.DEALER)
+    router.bind(front)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.curve_serverkey = conn.curve.server_public.encode()
+    dealer.curve_publickey = conn.curve.public.encode()
+    dealer.curve_secretkey = conn.curve.secret.encode()
+    dealer.connect(conn.endpoint)
+    zmq.proxy(router, dealer)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=2000)
+    parser.add_argument("--proxy", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "route.json"
+    )
+    args = parser.parse_args()
+    if args.proxy:
+        proxy_main(*args.proxy)
+        return
+
+    root = Path(tempfile.mkdtemp(prefix="hsr-", dir="/tmp"))
+    procs: list[subprocess.Popen[bytes]] = []
+    log = open(root / "log", "ab")  # noqa: SIM115
+    try:
+        port = free_port()
+        (root / "node.toml").write_text('node = "a"\n')
+        procs.append(
+            hs(
+                "hermes_sup.cli",
+                "--state-dir",
+                str(root / "s"),
+                "serve",
+                "--data-dir",
+                str(root / "d"),
+                "--tcp",
+                str(port),
+                "--config",
+                str(root / "node.toml"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        )
+        wait_ping(lambda: Client(root / "s", timeout=2.0))
+        for name in ("router", "bench", "proxy"):
+            subprocess.run(
+                [sys.executable, "-m", "hermes_sup.cli", "keys", "generate", name, "--endpoint",
+                 f"127.0.0.1:{port}", "-o", str(root / f"{name}.json"), "--data-dir",
+                 str(root / "d")], check=True, capture_output=True,
+            )  # fmt: skip
+        (root / "nodes.toml").write_text(
+            f'[[node]]\nname = "a"\nconnection = "{root / "router.json"}"\n'
+        )
+        procs.append(
+            hs(
+                "hermes_sup.cli.route",
+                "--nodes",
+                str(root / "nodes.toml"),
+                "--state-dir",
+                str(root / "r"),
+                "--log-level",
+                "WARNING",
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        )
+        wait_ping(lambda: Client(root / "r", timeout=2.0))
+        front = f"ipc://{root / 'proxy.sock'}"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--proxy", front, str(root / "proxy.json")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        )
+        node_key = Connection.from_file(root / "proxy.json").key
+        proxied = Connection(front, node_key)
+        wait_ping(lambda: Client(connection=proxied, timeout=2.0))
+        clients = {
+            "direct-ipc": Client(root / "s", timeout=30.0),
+            "direct-tcp": Client.from_connection_file(root / "bench.json", timeout=30.0),
+            "routed": Client(root / "r", timeout=30.0),
+            "proxy": Client(connection=proxied, timeout=30.0),
+        }
+        key = "bench:route"
+        times: dict[str, list[float]] = {name: [] for name in clients}
+        for c in clients.values():  # warm: the worker, the sockets, the CURVE handshakes
+            for _ in range(50):
+                c.run(key, "hello")
+        for _ in range(args.turns):
+            for name, c in clients.items():
+                start = time.perf_counter()
+                c.run(key, "hello")
+                times[name].append((time.perf_counter() - start) * 1000)
+        for c in clients.values():
+            c.close()
+        result = {
+            name: {
+                "p50_ms": round(statistics.median(v), 3),
+                "p90_ms": round(pct(v, 0.9), 3),
+                "turns": len(v),
+            }
+            for name, v in times.items()
+        }
+        result["routed_minus_direct_tcp_p50_ms"] = round(
+            result["routed"]["p50_ms"] - result["direct-tcp"]["p50_ms"], 3
+        )
+        result["routed_minus_proxy_p50_ms"] = round(
+            result["routed"]["p50_ms"] - result["proxy"]["p50_ms"], 3
+        )
+        result["routed_minus_direct_ipc_p50_ms"] = round(
+            result["routed"]["p50_ms"] - result["direct-ipc"]["p50_ms"], 3
+        )
+        print(json.dumps(result, indent=2))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
