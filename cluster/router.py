@@ -132,7 +132,6 @@ class Pending:
     stream: bool = False
     moves: int = 0
     answered: bool = False  # FORWARD: the client has had an answer from a node
-    said_watching: bool = False
     watch: str | None = None  # UNWATCH: the watch it ends
     timer: asyncio.TimerHandle | None = None
 
@@ -205,7 +204,6 @@ class Router:
         self.fronts: list[Front] = []
         self.pending: dict[str, Pending] = {}
         self.guard = ReplayGuard()
-        self.gone: set[tuple[int, bytes]] = set()  # clients whose connection closed
         self.started = time.time()
         self.stopping = asyncio.Event()
         self.ctx: zmq.asyncio.Context | None = None
@@ -452,10 +450,6 @@ class Router:
     def on_front(self, index: int, front: Front, frames: list[bytes]) -> None:
         """One message from a front end: route it, answer it, or refuse it."""
         client = frames[0]
-        if len(frames) == 2 and frames[1] == b"":
-            self._client_gone(index, client)
-            return
-        self.gone.discard((index, client))
         try:
             msg = decode(frames[1:], front.key, self.limits)
         except RemoteProtocolError as exc:
@@ -512,16 +506,6 @@ class Router:
             "uptime": time.time() - self.started,
         }
 
-    def _client_gone(self, index: int, client: bytes) -> None:
-        """A front end's connection closed: end its streams on the nodes; its
-        turns go on (a reconnected client may resend and take them over)."""
-        self.gone.add((index, client))
-        for p in list(self.pending.values()):
-            if p.front == index and p.client == client and p.stream:
-                for node in p.nodes:
-                    self._to_node(node, Message(Kind.UNWATCH, {"watch": p.id}))
-                self._finish(p)
-
     # -- forwarding ------------------------------------------------------------
 
     def _forward(
@@ -530,11 +514,13 @@ class Router:
         held = self.pending.get(msg.id)
         if held is not None:
             if (held.front, held.client) != (index, client):
-                if (held.front, held.client) not in self.gone:
-                    raise RemoteProtocolError(
-                        ErrorCode.REPLAYED, f"message id {msg.id!r} is another client's request"
-                    )
-                held.front, held.client = index, client  # a reconnected client resends
+                # One supervisor hands a turn to a client that reconnected once
+                # the old connection is gone; a router cannot tell it is.
+                raise RemoteProtocolError(
+                    ErrorCode.REPLAYED, f"message id {msg.id!r} is another connection's request"
+                )
+            # The same client resending (a timed-out send): its node answers
+            # it as a duplicate, never running it twice.
             target = next(iter(held.nodes), None)
             if target is not None and self._to_node_raw(target, payload):
                 return
@@ -562,18 +548,17 @@ class Router:
 
     def _fan_out(self, index: int, client: bytes, msg: Message, payload: bytes) -> None:
         mode = Mode.WATCH_ALL if msg.kind is Kind.WATCH else Mode.FANOUT
+        if msg.id in self.pending:
+            raise RemoteProtocolError(ErrorCode.REPLAYED, f"message id {msg.id!r} is in use")
         p = Pending(
             msg.id, msg.kind, mode, index, client, None, payload, stream=mode is Mode.WATCH_ALL
         )
         for name, link in self.links.items():
             if link.live and self._to_node_raw(name, payload):
                 p.nodes.add(name)
-        if msg.id in self.pending:
-            raise RemoteProtocolError(ErrorCode.REPLAYED, f"message id {msg.id!r} is in use")
         self.pending[msg.id] = p
         if mode is Mode.WATCH_ALL:
             # The client hears `watching` once, whatever the number of nodes.
-            p.said_watching = True
             self._to_client(
                 index, client, msg.reply(Kind.EVENT, {"type": "watching", "data": None})
             )

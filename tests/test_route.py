@@ -4,6 +4,7 @@ the router's state directory (issue 20)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
+from hermes_sup.client import AsyncClient, Client, NotRunning, SupervisorError, Timeout
 from hermes_sup.cluster.placement import Candidate, rendezvous
 from hermes_sup.protocol import Kind
 
@@ -273,3 +274,15 @@ def test_remote_front_end_and_watch_of_all_through_the_router(cluster, workdir) 
             assert msg.re == watch
         assert msg.body["type"] == "unwatched"
         assert watcher.ping().pid == router.proc.pid
+
+    # The asyncio client and the CLI, unchanged, through the router too.
+    async def async_turns() -> list[str]:
+        async with AsyncClient(router.state_dir, timeout=30.0) as ac:
+            replies = await asyncio.gather(
+                *(ac.run(key, "env HERMES_SESSION_KEY") for key in keys.values())
+            )
+        return [reply.text for reply in replies]
+
+    assert asyncio.run(async_turns()) == list(keys.values())
+    listed = hs("--state-dir", str(router.state_dir), "list", "-q")
+    assert sorted(listed.stdout.split()) == sorted(keys.values()), listed.stderr
