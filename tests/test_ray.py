@@ -126,6 +126,18 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
             assert rows == owner
             assert set(rows.values()) == names
 
+            # The head node's agent is SIGKILLed: its supervisor and workers go
+            # with it (parent-death signal), Ray restarts the agent on the same
+            # node, which registers its new supervisor; the router follows.
+            head = next(i for i in infos if i is not lost)
+            old = tree(head["pid"]) | {head["agent_pid"]}
+            assert len(old) >= 3
+            os.kill(head["agent_pid"], signal.SIGKILL)
+            wait_until("the killed agent's processes gone", lambda: not alive(old))
+            wait_until("the restarted agent through the router", lambda: answered() == names)
+            for key in owner:
+                assert c.run(key, "env HERMES_SESSION_KEY").text == key
+
             # The worker node leaves: its agent, supervisor and workers all go.
             ours = tree(lost["pid"]) | {lost["agent_pid"]}
             assert lost["pid"] in ours and len(ours) >= 3  # supervisor, zygote, workers
