@@ -208,7 +208,8 @@ SEES = (
     "echo own-$HERMES_SESSION_KEY > mine.txt; echo tmp-$HERMES_SESSION_KEY > /tmp/{mark}; "
     "echo seen=$(cat /tmp/{mark}); echo tmpls=$(ls -A /tmp | tr '\\n' ,); "
     "echo sessions=$(ls -A {data}/sessions 2>&1 | tr '\\n' ,); "
-    "echo user=$HOME=$(ls -A $HOME | tr '\\n' ,)"
+    "echo user=$HOME=$(ls -A $HOME | tr '\\n' ,); "
+    "echo template=$SEALED_TEMPLATE timeout=$TERMINAL_TIMEOUT"
 )
 # Escape tries from the agent's shell: each prints its exit status.
 ESCAPES = (
@@ -244,8 +245,10 @@ def _sealed_supervisor(
     template = workdir / "template"
     template.mkdir()
     (template / "config.yaml").write_text(
-        "approvals:\n  timeout: 5\nmodel:\n  context_length: 131072\n"
+        "approvals:\n  timeout: 5\nmodel:\n  context_length: 131072\nterminal:\n  timeout: 77\n"
     )
+    # What a new session's first worker must load from its home, as unsealed.
+    (template / ".env").write_text("SEALED_TEMPLATE=from-template\n")
     config = workdir / "agent.toml"
     config.write_text(
         f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
@@ -486,6 +489,9 @@ def test_sealed_hermes_sessions_see_only_their_own(
             assert f"key={key}" in out
             assert f"home={sup.paths.home}" in out and f"pwd={sup.paths.workspace}" in out
             assert f"seen=tmp-{key}" in out
+            # Its home's .env and config (copied from the template at its
+            # first start) are loaded and bridged, as unsealed.
+            assert "template=from-template timeout=77" in out
             # Of the sessions' parent directory, it sees its own directory only
             # (or may not list it at all).
             listed = out.split("sessions=", 1)[1].split("\n", 1)[0]
