@@ -181,7 +181,9 @@ NodeSource = Callable[[], list[NodeSpec]]
 
 
 class Router:
-    """The router's state and its loops (one asyncio loop, no threads of ours)."""
+    """The router's state and its loop: one asyncio loop does all the routing;
+    the only other threads are zmq's ZAP handler (with --tcp) and the
+    executor that reads the node list (a file, or Ray's registry)."""
 
     def __init__(
         self,
@@ -280,7 +282,11 @@ class Router:
         sock.curve_secretkey = secret
         sock.zap_domain = remote.ZAP_DOMAIN.encode()
         endpoint = remote.tcp_endpoint(host, port)
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise remote.RemoteError(f"cannot listen on {endpoint}: {exc}") from None
         self.fronts.append(Front(sock, key, False, endpoint))
 
     def _front_socket(self) -> zmq.asyncio.Socket:

@@ -167,3 +167,18 @@ def test_node_file_reads_connection_files_and_refuses_bad_ones(tmp_path: Path) -
         nodes.write_text(bad)
         with pytest.raises(NodeConfigError, match=why):
             load_nodes(nodes)
+
+
+def test_route_command_refuses_a_bad_node_list_before_it_binds(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hermes_sup.cli.route import route
+
+    runner = CliRunner()
+    both = runner.invoke(route, ["--state-dir", str(tmp_path / "r")])
+    assert both.exit_code == 2 and "exactly one of --nodes" in both.output
+    bad = tmp_path / "nodes.toml"
+    bad.write_text('[[node]]\nname = "a"\n')
+    refused = runner.invoke(route, ["--nodes", str(bad), "--state-dir", str(tmp_path / "r")])
+    assert refused.exit_code == 1 and "missing 'endpoint'" in refused.output
+    assert not (tmp_path / "r").exists()
