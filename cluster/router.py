@@ -419,6 +419,7 @@ class Router:
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.live = True
                 log.info("router_node_up node=%s", name)
+                self._join_watches(link)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 if link.live:
                     log.warning("router_node_lost node=%s", name)
@@ -432,6 +433,17 @@ class Router:
                     link.spec.server_key,
                 )
             self._place(link)
+
+    def _join_watches(self, link: NodeLink) -> None:
+        """A node that comes up joins every watch of all sessions open now.
+        The watch is sent anew (same id, fresh `ts`: the node's replay window
+        would refuse the first one's); its `watching` is not passed on."""
+        name = link.spec.name
+        for p in self.pending.values():
+            if p.mode is Mode.WATCH_ALL and name not in p.nodes:
+                watch = Message(Kind.WATCH, {}, id=p.id)
+                if self._to_node_raw(name, encode(watch, link.spec.hmac_key)[2]):
+                    p.nodes.add(name)
 
     def _lose_node(self, name: str, why: str) -> None:
         """Every request waiting on `name` is answered now, not left hanging."""

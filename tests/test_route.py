@@ -156,6 +156,25 @@ def test_turns_list_and_node_loss_through_the_router(cluster) -> None:
         assert {rows[k]["node"] for k in on_b} == {"a"}
         assert all(rows[k]["node"] == "a" for k in keys if owner(k) == "a")
 
+        # b comes back: a watch of all sessions opened meanwhile covers it too.
+        watch = c.submit(Kind.WATCH, {}, None)
+        assert c.next().body["type"] == "watching"
+        sups["b"].start()
+        router.wait_nodes(set(NODES))
+        back = (
+            "back:on-b"
+            if owner("back:on-b") == "b"
+            else next(f"back:{i}" for i in range(100) if owner(f"back:{i}") == "b")
+        )
+        with Client(router.state_dir, timeout=60.0) as other:
+            assert other.run(back, "env HERMES_SESSION_KEY").text == back
+            assert {r["key"]: r["node"] for r in other.sessions()}[back] == "b"
+        while True:
+            msg = c.next()
+            assert msg.re == watch
+            if msg.body["type"] == "reply" and msg.session == back:
+                break
+
 
 @pytest.fixture
 def shared_cluster(supervisor_factory, workdir):
