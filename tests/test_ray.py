@@ -52,6 +52,12 @@ def alive(pids: set[int]) -> set[int]:
     return left
 
 
+def note(c: Client, key: str) -> str:
+    """The session's note.txt, as its worker reads it (sh's output events)."""
+    reply = c.run(key, "sh cat note.txt")
+    return "".join(str(e.data) for e in reply.events if e.type == "output").strip()
+
+
 def wait_until(what: str, check, timeout: float = 60.0):  # noqa: ANN001, ANN201
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -88,7 +94,10 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
     cluster, worker, env = ray_cluster
     import json
 
-    made = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(workdir / "n"))
+    # One data directory for both nodes (session leases): a session's files
+    # outlive its node.
+    made = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(workdir / "n"),
+                  "--data-dir", str(workdir / "shared"))  # fmt: skip
     assert made.returncode == 0, made.stderr + made.stdout
     infos = [json.loads(line) for line in made.stdout.splitlines() if line.startswith("{")]
     assert len(infos) == 2
@@ -122,6 +131,7 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
         with Client(state_dir, timeout=60.0) as c:
             for key in owner:
                 assert c.run(key, "env HERMES_SESSION_KEY").text == key
+                assert c.run(key, f"write note.txt of-{key}").text.startswith("wrote")
             rows = {row["key"]: row["node"] for row in c.sessions()}
             assert rows == owner
             assert set(rows.values()) == names
@@ -136,7 +146,7 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
             wait_until("the killed agent's processes gone", lambda: not alive(old))
             wait_until("the restarted agent through the router", lambda: answered() == names)
             for key in owner:
-                assert c.run(key, "env HERMES_SESSION_KEY").text == key
+                assert note(c, key) == f"of-{key}"
 
             # The worker node leaves: its agent, supervisor and workers all go.
             ours = tree(lost["pid"]) | {lost["agent_pid"]}
@@ -150,7 +160,7 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
             assert gone.value.code == "node_lost"
             wait_until("no process of ours on the lost node", lambda: not alive(ours))
             for key in doomed:
-                assert c.run(key, "env HERMES_SESSION_KEY").text == key
+                assert note(c, key) == f"of-{key}"  # its files, on the other node
             survivor = (names - {lost["name"]}).pop()
             rows = {row["key"]: row["node"] for row in c.sessions()}
             assert {rows[k] for k in doomed} == {survivor}
