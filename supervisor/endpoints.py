@@ -19,9 +19,12 @@ holds that much of the supervisor's memory and no more, and every other
 client is served as before. Once its queue is full the client *lags*
 (`Lag`): its events are dropped and counted per stream (the session and
 the request they answer), and its final answers (a turn's reply or error,
-the answer to any request) are kept for it, never dropped, up to
-MAX_OWED of them (beyond that, the oldest is dropped and counted too, and
-one over OWED_ANSWER_BYTES is kept as a short `overloaded` error instead).
+the answer to any request) are kept for it: one over OWED_ANSWER_BYTES,
+or any once OWED_BYTES of answers are kept, as a short `overloaded` error
+instead, so that every request still gets its answer (a front end such as
+the HTTP endpoint has a turn in flight per conversation, a thousand of
+them); only past MAX_OWED answers, which no well-behaved client reaches,
+is the oldest dropped and counted too.
 While any client lags, the supervisor tries again every CATCH_UP_INTERVAL
 and before anything new is sent to it: each stream's count goes first, as
 an event `{type: "dropped", data: {count, reason: "slow_consumer"}}` with
@@ -97,8 +100,9 @@ HANDSHAKE_MS = 10_000
 # may be to be kept as it is. Streams whose drops are counted for one
 # client, at most (beyond, they are counted under no stream).
 CATCH_UP_INTERVAL = 0.025
-MAX_OWED = 256
+MAX_OWED = 65_536
 OWED_ANSWER_BYTES = 64 * 1024
+OWED_BYTES = 32 * 1024 * 1024
 MAX_STREAMS = 4096
 # What zmq queues on the workers' socket, in messages per worker: to a
 # worker, and from one. A worker that streams faster than the supervisor
@@ -138,6 +142,7 @@ class Lag:
     since: float
     streams: OrderedDict[Stream, Owed] = field(default_factory=OrderedDict)
     answers: int = 0  # kept, all streams together
+    answer_bytes: int = 0  # their size (last frames), for OWED_BYTES
     dropped: int = 0  # events dropped since it began to lag, for the log
 
 
@@ -424,10 +429,11 @@ class Endpoints:
             lag.dropped += 1
             return
         kept = frames()
-        if len(kept[-1]) > OWED_ANSWER_BYTES:
+        size = len(kept[-1])
+        if size > OWED_ANSWER_BYTES or lag.answer_bytes + size > OWED_BYTES:
             stand_in = error_message(
                 ErrorCode.OVERLOADED.value,
-                f"this {msg.kind.value} ({len(kept[-1])} bytes) was not kept for this client, "
+                f"this {msg.kind.value} ({size} bytes) was not kept for this client, "
                 "which had stopped reading (slow_consumer); read faster, or ask again",
                 re=msg.re,
                 session=msg.session,
@@ -435,13 +441,14 @@ class Endpoints:
             kept = encode(stand_in, self.fronts[client[0]][1])
         owed.answers.append(kept)
         lag.answers += 1
+        lag.answer_bytes += len(kept[-1])
         if lag.answers > MAX_OWED:
             self._drop_oldest_answer(lag)
 
     def _drop_oldest_answer(self, lag: Lag) -> None:
         for owed in lag.streams.values():
             if owed.answers:
-                owed.answers.pop(0)
+                lag.answer_bytes -= len(owed.answers.pop(0)[-1])
                 owed.dropped += 1
                 lag.answers -= 1
                 lag.dropped += 1
@@ -473,7 +480,7 @@ class Endpoints:
                 sent = self._send(client, owed.answers[0])
                 if sent is not Sent.DELIVERED:
                     return self._behind(client, sent)
-                owed.answers.pop(0)
+                lag.answer_bytes -= len(owed.answers.pop(0)[-1])
                 lag.answers -= 1
             del streams[stream]
         del self.lagging[client]

@@ -136,3 +136,37 @@ def test_a_watcher_that_stops_reading_is_told_what_it_missed_and_keeps_watching(
         assert missed > 0 and "after" in outputs
         lines = [int(x) for x in outputs if x.isdigit()]
         assert lines == sorted(lines)
+
+
+def test_a_lagging_client_gets_an_answer_to_every_request(supervisor_factory, workdir) -> None:
+    """A front end with many turns in flight (the HTTP endpoint has one per
+    conversation) that falls behind must still get every turn's answer:
+    none may be dropped to bound memory, or that turn waits forever. Its
+    events may be dropped, counted."""
+    sup = supervisor_factory("--config", str(config(workdir, 4)))
+    sessions, per_session = 8, 250  # 2,000 answers: past what zmq and the kernel buffer
+    with sup.client(timeout=120) as slow, sup.client(timeout=120) as watcher:
+        asked = {
+            slow.submit(Kind.SEND, {"text": "x" * 2000}, session=f"s{n}")
+            for n in range(sessions)
+            for _ in range(per_session)
+        }
+        # Not read until every turn is over, and everyone else is served meanwhile.
+        wait_for(
+            "every turn to end",
+            lambda: (
+                sum(r["turns"] for r in watcher.sessions()) >= sessions * per_session
+                and all(r["state"] == "idle" for r in watcher.sessions())
+            ),
+            timeout=300,
+        )
+        answered = {}
+        while len(answered) < len(asked):
+            msg = slow.next(timeout=60)
+            if msg.kind is not Kind.EVENT:
+                answered[msg.re] = msg
+        assert set(answered) == asked
+        kinds = {m.kind for m in answered.values()}
+        assert kinds <= {Kind.REPLY, Kind.ERROR}, kinds
+        errors = [m.body for m in answered.values() if m.kind is Kind.ERROR]
+        assert all(e["code"] == "overloaded" for e in errors), errors[:3]
