@@ -4,7 +4,9 @@ under fixed paths, replayed in each worker for its own session's files.
 The replay tests need no namespaces: a subprocess preloads hermes under
 P, then P's contents are swapped for a session's (as the worker's bind
 mount swaps them) and the replay must find the session's files, not what
-the import saw."""
+the import saw. The audit runs real supervisors (`--agent hermes --sealed
+on`, as root, with spares and unprivileged) against the fake model and
+checks from outside what each session's worker and shell can reach."""
 
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ SWAP_AND_REPLAY = r"""
 import json, os, sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 from hermes_sup.worker import hermes_seal
 
 base, do_replay = Path(sys.argv[1]), sys.argv[2] == "replay"
@@ -161,7 +162,7 @@ def test_replay_makes_the_sessions_home_skeleton(replayed: dict[str, Any]) -> No
     assert ".env" not in replayed["zygote_home"]
 
 
-def test_replay_leaves_the_write_deny_list_whole(replayed: dict[str, Any], tmp_path: Path) -> None:
+def test_replay_leaves_the_write_deny_list_whole(replayed: dict[str, Any]) -> None:
     """A generic 'clear what is keyed by P' would empty it."""
     denied = replayed["denied"]
     assert any(p.endswith("/home/.env") for p in denied), denied
