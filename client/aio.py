@@ -2,6 +2,15 @@
 
 One socket per client; one reader task hands each incoming message to the
 request it answers, so any number of tasks may use one client at once.
+
+A front end (the HTTP endpoint) runs every request through here, so the
+path of one message is kept short: the reader takes every message already
+queued at each wake-up (a plain non-blocking read, not one trip through
+pyzmq's asyncio layer each), and wakes the one request waiting for it by
+resolving that request's future (no task or `wait_for` per message). The
+supervisor's lock file is checked before a request only when nothing was
+heard from it for a while; a waiting request checks it every
+`LIVENESS_SLICE`, so a supervisor gone is noticed either way.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from hermes_sup.local.frames import EVENTS, NOBLOCK, POLLIN, recv_frames
 from hermes_sup.protocol import Kind, Message
 
 from . import core
@@ -24,6 +34,10 @@ from .core import ClientCore, Killed, Opened, Pending, Pong, Signalled
 from .errors import AccessDenied, ClientError, NotRunning, Timeout
 from .events import Event, Reply, to_event
 from .sockets import LIVENESS_SLICE, close_socket, make_socket, refused
+
+# A supervisor that sent us something this recently is not checked for
+# (its lock file) before a request.
+RECENTLY = 1.0
 
 
 class AsyncClient:
@@ -44,7 +58,10 @@ class AsyncClient:
         self._monitor: Any = None
         self._core: ClientCore | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._wakers: dict[str, asyncio.Event] = {}
+        # The future of each request now waiting: True when an answer came,
+        # False when its wait ran out (see `_wait`).
+        self._wakers: dict[str, asyncio.Future[bool]] = {}
+        self._heard = 0.0  # monotonic time the supervisor last sent us anything
         self._fresh = True
 
     @classmethod
@@ -91,11 +108,25 @@ class AsyncClient:
         return sock, self._core
 
     async def _read(self, sock: zmq.asyncio.Socket, core_: ClientCore) -> None:
+        # The same socket, read without pyzmq's futures: every message queued
+        # at a wake-up is taken in one go (after a read, EVENTS says whether
+        # more wait, and pyzmq re-arms its own wait on the next await).
+        plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        wakers = self._wakers
         while True:
             frames = await sock.recv_multipart()
-            pending = core_.receive(frames)
-            if pending is not None and pending.id in self._wakers:
-                self._wakers[pending.id].set()
+            while True:
+                pending = core_.receive(frames)
+                if pending is not None:
+                    waker = wakers.pop(pending.id, None)
+                    if waker is not None and not waker.done():
+                        waker.set_result(True)
+                if not int(plain.getsockopt(EVENTS)) & POLLIN:
+                    break
+                frames = recv_frames(plain, NOBLOCK)
+            self._heard = time.monotonic()
+            for resend in core_.take_outbox():
+                await sock.send_multipart(resend)  # a turn's send again, after `dropped`
 
     async def _drop(self) -> None:
         """Forget the connection; waiting requests fail, the next one reconnects."""
@@ -108,8 +139,11 @@ class AsyncClient:
         if self._sock is not None:
             close_socket(self._sock, self._monitor)
         self._sock = self._core = self._reader = self._monitor = None
-        for waker in self._wakers.values():
-            waker.set()
+        wakers = list(self._wakers.values())
+        self._wakers.clear()
+        for waker in wakers:
+            if not waker.done():
+                waker.set_result(True)  # they see the connection gone
 
     def _lost(self, why: str) -> ClientError:
         asyncio.get_running_loop().create_task(self._drop())
@@ -120,17 +154,20 @@ class AsyncClient:
     async def _start(
         self, kind: Kind, body: dict[str, Any], session: str | None, ttl: float | None
     ) -> Pending:
-        if self.connection.alive() is False:
+        # Is it still there? Not asked (a lock-file check) when it sent us
+        # something just now; one gone since is noticed while waiting anyway.
+        if time.monotonic() - self._heard > RECENTLY and self.connection.alive() is False:
             await self._drop()
             raise NotRunning(f"no hermes-sup supervisor is running on {self.state_dir}")
         sock, core_ = self._connect()
         pending, frames = core_.request(kind, body, session, ttl=ttl)
-        self._wakers[pending.id] = asyncio.Event()
         await sock.send_multipart(frames)
         return pending
 
     def _end(self, pending: Pending) -> None:
-        self._wakers.pop(pending.id, None)
+        waker = self._wakers.pop(pending.id, None)
+        if waker is not None and not waker.done():
+            waker.set_result(True)  # a wait on it sees it ended
         if self._core is not None:
             self._core.forget(pending)
 
@@ -138,12 +175,9 @@ class AsyncClient:
         """The next answer to `pending` (errors raise); None waits for ever,
         checking that the supervisor is still there."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        waker = self._wakers[pending.id]
         while True:
             msg = pending.pop()
             if msg is not None:
-                if pending.done and not pending.inbox:
-                    self._wakers.pop(pending.id, None)
                 return core.check(msg)
             if self._core is None or pending.id not in self._core.pending and not pending.done:
                 self._end(pending)
@@ -157,10 +191,7 @@ class AsyncClient:
                     # still queued on it is never delivered after this error.
                     await self._drop()
                 raise error
-            waker.clear()
-            try:
-                await asyncio.wait_for(waker.wait(), min(left, LIVENESS_SLICE))
-            except TimeoutError:
+            if not await self._next(pending, min(left, LIVENESS_SLICE)):
                 reason = refused(self._monitor)
                 if reason:
                     self._end(pending)
@@ -168,6 +199,20 @@ class AsyncClient:
                 if self.connection.alive() is False:
                     self._end(pending)
                     raise self._lost("the supervisor went away before it answered") from None
+
+    async def _next(self, pending: Pending, wait: float) -> bool:
+        """Wait up to `wait` seconds for the reader to bring `pending` an
+        answer: True when it did (or the connection went), False if not."""
+        loop = asyncio.get_running_loop()
+        waker: asyncio.Future[bool] = loop.create_future()
+        self._wakers[pending.id] = waker
+        timer = loop.call_later(wait, _expire, waker)
+        try:
+            return await waker
+        finally:
+            timer.cancel()
+            if self._wakers.get(pending.id) is waker:
+                del self._wakers[pending.id]
 
     def _timed_out(self, waited: float) -> ClientError:
         reason = refused(self._monitor)
@@ -296,6 +341,11 @@ class AsyncClient:
                 await self._sock.send_multipart(
                     self._core.notice(Kind.UNWATCH, {"watch": pending.id})
                 )
+
+
+def _expire(waker: asyncio.Future[bool]) -> None:
+    if not waker.done():
+        waker.set_result(False)
 
 
 class AsyncTurn:

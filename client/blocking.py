@@ -60,6 +60,8 @@ class _Link:
             count += 1
             if not int(self.sock.getsockopt(EVENTS)) & POLLIN:
                 break  # cheaper than the exception of one recv too many
+        for frames in self.core.take_outbox():
+            send_frames(self.sock, frames)  # a turn's send again, after a `dropped`
         if count:
             self.heard = time.monotonic()
         return count

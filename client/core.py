@@ -8,6 +8,16 @@ A request is *pending* until its final answer arrives:
   - a plain request (ping, open, list, kill, ...): its one answer;
   - `send`: `event`s, then one `reply` or `error`;
   - `watch` and `logs` with follow: events until `unwatched` or an `error`.
+
+A client that reads too slowly may miss some of a stream (PROTOCOL.md,
+"Slow consumers"): the supervisor then sends that stream an event
+`dropped`. Events it dropped are gone, but a turn's final answer must not
+be: one kept for the client follows the notice, yet beyond what the
+supervisor keeps the oldest are dropped too. So on a `dropped` notice for a
+`send` the core queues the very same frames again (`outbox`, which the
+transport sends): a resend is answered with the turn's final answer if it
+has ended, `duplicate` and the rest of the turn if not, or an `expired` /
+`too_large` error, never a second run. Either way the turn ends.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ class Pending:
     stream: bool
     inbox: deque[Message] = field(default_factory=deque)
     done: bool = False
+    frames: list[bytes] | None = None  # a send's own frames, to resend them
 
     def pop(self) -> Message | None:
         """The next answer that arrived, if any."""
@@ -55,6 +66,11 @@ def is_final(pending: Pending, msg: Message) -> bool:
         return msg.kind is not Kind.EVENT
     # watch, logs with follow: a first answer (log_lines), events, `unwatched`
     return msg.kind is Kind.EVENT and msg.body.get("type") == "unwatched"
+
+
+def is_dropped_notice(msg: Message) -> bool:
+    """Whether `msg` says the supervisor dropped some of its stream."""
+    return msg.kind is Kind.EVENT and msg.body.get("type") == "dropped"
 
 
 def check(msg: Message) -> Message:
@@ -72,6 +88,7 @@ class ClientCore:
         self.limits = limits or Limits()
         self.pending: dict[str, Pending] = {}
         self.dropped = 0  # frames that were not ours: bad signature, unknown request
+        self.outbox: list[list[bytes]] = []  # frames the transport must send (resends)
 
     def request(
         self,
@@ -94,6 +111,8 @@ class ClientCore:
             # `logs` with follow streams its new lines after the first answer.
             stream = kind in STREAMING or (kind is Kind.LOGS and bool((body or {}).get("follow")))
         pending = Pending(msg.id, kind, session, stream)
+        if kind is Kind.SEND:
+            pending.frames = frames
         self.pending[msg.id] = pending
         return pending, frames
 
@@ -117,7 +136,15 @@ class ClientCore:
         if is_final(pending, msg):
             pending.done = True
             del self.pending[pending.id]
+        elif pending.frames is not None and is_dropped_notice(msg):
+            # Its final answer may have been dropped as well: ask for it again.
+            self.outbox.append(pending.frames)
         return pending
+
+    def take_outbox(self) -> list[list[bytes]]:
+        """The frames queued to send (resends), emptying the queue."""
+        out, self.outbox = self.outbox, []
+        return out
 
     def forget(self, pending: Pending) -> None:
         """Stop waiting for a request (timed out, abandoned)."""

@@ -52,6 +52,17 @@ class Backoff(Event):
 
 
 @dataclass(frozen=True)
+class Dropped(Event):
+    """`count` events of this stream never reached this client: it read too
+    slowly and the supervisor dropped them (`reason` "slow_consumer"). What
+    was streamed is incomplete; a turn's final answer is still delivered
+    (the client asks for it again if it was dropped too, see core.py)."""
+
+    count: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Token(Event):
     """A piece of streamed text."""
 
@@ -195,6 +206,8 @@ def to_event(msg: Message) -> Event:
     # A field of an unexpected type gets its default; `data` keeps it as sent.
     if etype == "status":
         return _status(base, d)
+    if etype == "dropped":
+        return Dropped(**base, count=_int(d.get("count")) or 0, reason=_str(d.get("reason")))
     if etype == "token":
         return Token(**base, text=data if isinstance(data, str) else _str(d.get("text")))
     if etype == "output":
