@@ -9,6 +9,14 @@ after the stream has started ends it with `finish_reason: "error"`, an
 `error` object and `data: [DONE]`, as Hermes does. Not streaming: one
 `chat.completion` object; an agent failure is a 502 error.
 
+If the endpoint fell behind the supervisor and some of a stream's events
+were dropped (a `dropped` notice, PROTOCOL.md "Slow consumers"), the
+streamed text has gaps: the stream then ends with `finish_reason: "error"`,
+an `error` of type `output_incomplete` and Hermes's `hermes` object
+(`completed: true, partial: true`), never a plain `stop`. Not streaming,
+the text is the turn's reply, which is never dropped (the client asks the
+supervisor for it again if need be), so it is whole.
+
 Chat completions has no way to answer an approval. Hermes's API server
 does not run a command that needs one there (no approval callback is
 registered, so the command stays unapproved and the agent is told so); we
@@ -31,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from hermes_sup.client import (
     ApprovalRequest,
     ClientError,
+    Dropped,
     Event,
     Reply,
     SupervisorError,
@@ -48,7 +57,7 @@ from .sessions import (
     parse_chat,
     turn_context,
 )
-from .turns import END, OpenTurn, Pump, QueueSink
+from .turns import END, IDLE, OpenTurn, Pump, QueueSink, next_item
 
 if TYPE_CHECKING:
     from .app import Api
@@ -270,6 +279,26 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def incomplete(dropped: int) -> dict[str, Any]:
+    """The `error` and `hermes` fields of a last chunk whose stream lost
+    `dropped` events: the turn completed, what was streamed is partial."""
+    message = (
+        f"{dropped} streamed event(s) of this reply were dropped: this endpoint read too "
+        "slowly from the supervisor (slow_consumer); the streamed text is incomplete, "
+        "the turn itself completed"
+    )
+    return {
+        "error": {"message": message, "type": "output_incomplete"},
+        "hermes": {
+            "completed": True,
+            "partial": True,
+            "failed": False,
+            "error": message,
+            "error_code": "output_incomplete",
+        },
+    }
+
+
 def failure_of(item: Any) -> tuple[str, str]:
     """The message and code of what ended a stream without a reply: the
     turn's error, or END (the reader fell behind and the turn was cancelled)."""
@@ -296,13 +325,13 @@ async def _chunks(
 
     tools = ToolProgress()
     streamed: list[str] = []
+    dropped = 0  # events of this stream the supervisor dropped (we lagged)
     finished = False
     try:
         yield sse_data(chunk({"role": "assistant"}))
         while True:
-            try:
-                item = await asyncio.wait_for(sink.queue.get(), api.settings.keepalive)
-            except TimeoutError:
+            item = await next_item(sink.queue, api.settings.keepalive)
+            if item is IDLE:
                 yield b": keepalive\n\n"
                 continue
             if isinstance(item, Token):
@@ -313,14 +342,23 @@ async def _chunks(
                 progress = tools.payload(item)
                 if progress is not None:
                     yield f"event: hermes.tool.progress\ndata: {json.dumps(progress)}\n\n".encode()
+            elif isinstance(item, Dropped):
+                dropped += item.count
+                log.warning(kv("http_stream_dropped", stream=sink.what, count=item.count))
             elif isinstance(item, Reply):
-                rest = rest_of_reply("".join(streamed), item)
+                said = "".join(streamed)
+                rest = rest_of_reply(said, item)
                 if rest:
                     yield sse_data(chunk({"content": rest}))
-                last = chunk({}, "stop" if item.ok else "error")
+                # With events dropped, the client has the reply only if what
+                # it was sent adds up to it (the gap was at the end).
+                partial = bool(dropped) and said + rest != item.text
+                last = chunk({}, "stop" if item.ok and not partial else "error")
                 last["usage"] = usage_of(item)
                 if not item.ok:
                     last["error"] = {"message": item.text, "type": "agent_error"}
+                elif partial:
+                    last.update(incomplete(dropped))
                 finished = True
                 yield sse_data(last)
                 yield b"data: [DONE]\n\n"

@@ -37,7 +37,6 @@ is denied at once (use the runs API to approve). Client-side `tools`,
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -50,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hermes_sup.client import ClientError, Reply, Token, ToolComplete, ToolStart
+from hermes_sup.client import ClientError, Dropped, Reply, Token, ToolComplete, ToolStart
 
 from .chat import (
     SSE_HEADERS,
@@ -63,7 +62,7 @@ from .chat import (
 from .errors import ApiError
 from .runs import history_of
 from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
-from .turns import END, OpenTurn, Pump, QueueSink
+from .turns import END, IDLE, OpenTurn, Pump, QueueSink, next_item
 
 if TYPE_CHECKING:
     from .app import Api
@@ -471,15 +470,17 @@ class Responses:
             done = [{k: v for k, v in i.items() if k != "status"} for i in tools.items]
             return _shortened(done) + [message_item(text)]
 
+        dropped = 0  # events of this stream the supervisor dropped (we lagged)
         try:
             yield event("response.created", response=envelope("in_progress"))
             while True:
-                try:
-                    item = await asyncio.wait_for(sink.queue.get(), self.api.settings.keepalive)
-                except TimeoutError:
+                item = await next_item(sink.queue, self.api.settings.keepalive)
+                if item is IDLE:
                     yield b": keepalive\n\n"
                     continue
-                if isinstance(item, Token):
+                if isinstance(item, Dropped):
+                    dropped += item.count
+                elif isinstance(item, Token):
                     if item.text:
                         for chunk in text(item.text):
                             yield chunk
@@ -522,6 +523,10 @@ class Responses:
                         for chunk in text(reply.text):  # a runtime that does not stream
                             yield chunk
                     said = "".join(parts)
+                    if dropped and reply is not None and reply.ok:
+                        # The deltas have gaps (events dropped while this
+                        # endpoint lagged): the done events carry the whole reply.
+                        said = reply.text
                     if message_index is not None:
                         yield event(
                             "response.output_text.done",

@@ -14,6 +14,12 @@ queue, and one that falls behind by more than that is cut off (its stream
 ends with a comment saying so) rather than let memory grow. Status:
 queued, running, waiting_for_approval, stopping, then completed, failed or
 cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs`.
+
+If the endpoint fell behind the supervisor and some of the turn's events
+were dropped (PROTOCOL.md, "Slow consumers"), the run publishes
+`events.dropped` {count, reason, message} where they went missing: the
+text deltas have a gap there; `run.completed`'s `output` is still the
+whole reply.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from hermes_sup.client import (
     ApprovalRequest,
     ApprovalTimeout,
     ClientError,
+    Dropped,
     Event,
     Queued,
     Reply,
@@ -49,7 +56,7 @@ from hermes_sup.local.logfmt import kv
 from .chat import SSE_HEADERS, usage_of
 from .errors import ApiError
 from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
-from .turns import Pump
+from .turns import IDLE, Pump, next_item
 
 if TYPE_CHECKING:
     from .app import Api
@@ -297,6 +304,16 @@ class Runs:
         elif isinstance(item, Token):
             if item.text:
                 run.publish("message.delta", delta=item.text)
+        elif isinstance(item, Dropped):
+            log.warning(kv("http_run_dropped", run=run.id, count=item.count))
+            run.publish(
+                "events.dropped",
+                count=item.count,
+                reason=item.reason,
+                message=f"{item.count} event(s) of this run were dropped (this endpoint read "
+                "too slowly from the supervisor); message.delta has a gap here, "
+                "run.completed's output is whole",
+            )
         elif isinstance(item, ToolStart):
             if not item.name.startswith("_"):
                 d = item.data if isinstance(item.data, dict) else {}
@@ -378,9 +395,8 @@ class Runs:
     async def _stream(self, run: Run, queue: asyncio.Queue[Any]) -> AsyncIterator[bytes]:
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), self.api.settings.keepalive)
-                except TimeoutError:
+                item = await next_item(queue, self.api.settings.keepalive)
+                if item is IDLE:
                     yield b": keepalive\n\n"
                     continue
                 if item is _CLOSE:

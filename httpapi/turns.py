@@ -124,6 +124,19 @@ class Pump:
 
 
 END = object()  # closes a QueueSink's reader when the sink gives up
+IDLE = object()  # what `next_item` returns when nothing came in time
+
+
+async def next_item(queue: asyncio.Queue[Any], wait: float) -> Any:
+    """The queue's next item, or IDLE after `wait` seconds without one (for
+    a keepalive). Without a task per item, as `wait_for` would make."""
+    if not queue.empty():
+        return queue.get_nowait()
+    try:
+        async with asyncio.timeout(wait):
+            return await queue.get()
+    except TimeoutError:
+        return IDLE
 
 
 class QueueSink:
@@ -138,8 +151,12 @@ class QueueSink:
         self.stalled = False
 
     async def __call__(self, item: Item) -> bool:
+        if not self.queue.full():
+            self.queue.put_nowait(item)  # the usual case: no timer, no task
+            return True
         try:
-            await asyncio.wait_for(self.queue.put(item), self.stall_timeout)
+            async with asyncio.timeout(self.stall_timeout):
+                await self.queue.put(item)
             return True
         except TimeoutError:
             self.stalled = True
