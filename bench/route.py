@@ -20,6 +20,13 @@ going through a router. p50 and p90 in ms; results in
 bench/results/route.json.
 
     .venv/bin/python bench/route.py [--turns 2000]
+
+With --failover N: two nodes on one shared data directory behind a
+router, N sessions spread over them by key (each with one turn done);
+node b is SIGKILLed, and every one of its sessions is sent a turn at once
+through the router (asyncio client): the time from the kill to each
+answer (the router's node_lost detection, a lease taken, a worker
+started), p50 and the last, in bench/results/route_failover.json.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hermes_sup.client import Client, NotRunning, Timeout
+from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
 from hermes_sup.client.connection import Connection
 
 
@@ -83,6 +90,106 @@ def proxy_main(front: str, conn_file: str) -> None:
     zmq.proxy(router, dealer)
 
 
+def failover(sessions: int, out: Path) -> None:
+    """Time from a node's SIGKILL to each of its keys answered again."""
+    import asyncio
+    import os
+
+    from hermes_sup.client import AsyncClient
+    from hermes_sup.cluster.placement import Candidate, rendezvous
+
+    root = Path(tempfile.mkdtemp(prefix="hsf-", dir="/tmp"))
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    log = open(root / "log", "ab")  # noqa: SIM115
+    try:
+        lines = []
+        for name in ("a", "b"):
+            port = free_port()
+            (root / f"{name}.toml").write_text(f'node = "{name}"\n')
+            procs[name] = hs(
+                "hermes_sup.cli", "--state-dir", str(root / f"s{name}"), "serve", "--data-dir",
+                str(root / "d"), "--tcp", str(port), "--config", str(root / f"{name}.toml"),
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            wait_ping(lambda n=name: Client(root / f"s{n}", timeout=2.0))  # type: ignore[misc]
+            subprocess.run(
+                [sys.executable, "-m", "hermes_sup.cli", "keys", "generate", f"router-{name}",
+                 "--endpoint", f"127.0.0.1:{port}", "-o", str(root / f"{name}.json"),
+                 "--data-dir", str(root / "d")], check=True, capture_output=True,
+            )  # fmt: skip
+            lines.append(f'[[node]]\nname = "{name}"\nconnection = "{root / f"{name}.json"}"\n')
+        (root / "nodes.toml").write_text("\n".join(lines))
+        procs["router"] = hs(
+            "hermes_sup.cli.route", "--nodes", str(root / "nodes.toml"), "--state-dir",
+            str(root / "r"), "--log-level", "WARNING", stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_ping(lambda: Client(root / "r", timeout=2.0))
+        keys = [f"fo:{i}" for i in range(sessions)]
+        on_b = [k for k in keys if rendezvous(k, [Candidate("a"), Candidate("b")]) == "b"]
+
+        retries: dict[str, int] = {}
+        floor: list[float] = []
+
+        async def run() -> list[float]:
+            async with AsyncClient(root / "r", timeout=120.0) as c:
+                while len((await c.status())["nodes"]) < 2 or not all(
+                    n["answered"] for n in (await c.status())["nodes"]
+                ):
+                    await asyncio.sleep(0.1)
+                await asyncio.gather(*(c.run(k, "hello") for k in keys))
+                # The floor: as many new sessions started at once on node a.
+                fresh = [
+                    k
+                    for k in (f"floor:{i}" for i in range(20 * sessions))
+                    if rendezvous(k, [Candidate("a"), Candidate("b")]) == "a"
+                ][: len(on_b)]
+                begin = time.perf_counter()
+
+                async def timed(key: str) -> float:
+                    await c.run(key, "hello")
+                    return (time.perf_counter() - begin) * 1000
+
+                floor[:] = await asyncio.gather(*(timed(k) for k in fresh))
+                os.kill(procs["b"].pid, signal.SIGKILL)
+                start = time.perf_counter()
+
+                async def again(key: str) -> float:
+                    while True:
+                        try:
+                            await c.run(key, "hello")
+                            return (time.perf_counter() - start) * 1000
+                        except SupervisorError as exc:  # node_lost while the router learns
+                            retries[exc.code] = retries.get(exc.code, 0) + 1
+                            await asyncio.sleep(0.01)
+
+                return list(await asyncio.gather(*(again(k) for k in on_b)))
+
+        times = asyncio.run(run())
+        result = {
+            "sessions": sessions,
+            "moved": len(on_b),
+            "p50_ms": round(statistics.median(times), 1),
+            "last_ms": round(max(times), 1),
+            "errors_before_served": retries,
+            "floor_new_sessions_at_once_p50_ms": round(statistics.median(floor), 1),
+            "floor_last_ms": round(max(floor), 1),
+        }
+        print(json.dumps(result, indent=2))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        for proc in reversed(list(procs.values())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -92,12 +199,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=2000)
     parser.add_argument("--proxy", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--failover", type=int, default=0, metavar="N")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "route.json"
     )
     args = parser.parse_args()
     if args.proxy:
         proxy_main(*args.proxy)
+        return
+    if args.failover:
+        failover(args.failover, args.out.with_name("route_failover.json"))
         return
 
     root = Path(tempfile.mkdtemp(prefix="hsr-", dir="/tmp"))
