@@ -3,7 +3,8 @@ itself: ping, status, reload, drain and shutdown. The others live beside this
 module and are added to the group here: send, cancel, approve, attach and
 events (conversation.py); open (start), restart, signal, list, inspect,
 kill (sessions.py); logs (logs.py); serve and config (serve.py); keys (keys.py);
-install-service (service.py); http and keys http (http.py). common.py holds
+install-service (service.py); http and keys http (http.py); route
+(route.py) and ray (ray.py), for many nodes. common.py holds
 what the client commands share, send.py runs a turn, attach.py an attached
 terminal, show.py and terminal.py shape what is printed, options.py holds
 the options every client command takes, complete.py shell completion,
@@ -42,6 +43,8 @@ from .options import (
     init_obj,
     state_dir_option,
 )
+from .ray import ray_group
+from .route import route
 from .serve import config, serve
 from .service import install_service
 from .sessions import inspect, kill, list_, open_, restart, signal_
@@ -114,6 +117,8 @@ cli.add_command(list_)
 cli.add_command(inspect)
 cli.add_command(kill)
 cli.add_command(logs)
+cli.add_command(route)
+cli.add_command(ray_group, name="ray")
 keys.add_command(http_keys)
 
 

@@ -66,6 +66,8 @@ RESTART_FIELDS = (
     "tcp",
     "max_clients",
     "sealed",
+    "client_queue",
+    "node",
 )
 # Bookkeeping, not settings: never reported as changed.
 META_FIELDS = ("config_file", "overrides")

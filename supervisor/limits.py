@@ -25,9 +25,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 # File descriptors the supervisor holds per live session: its ipc connection
-# to the worker, the worker's pidfd and its output pipe (measured: 4,018 fds
-# at 1,000 sessions), and headroom for libzmq's own use.
-FDS_PER_SESSION = 5
+# to the worker, the worker's pidfd, its output pipe and its lease file
+# (leases.py) (measured: 4,018 fds at 1,000 sessions before the lease), and
+# headroom for libzmq's own use.
+FDS_PER_SESSION = 6
 # Descriptors kept back for clients, logs, the zygote and the interpreter.
 FD_RESERVE = 256
 

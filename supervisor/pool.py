@@ -194,6 +194,9 @@ class WorkerPool:
             # The clients' frame limit: the worker sends a too_large stand-in
             # for an answer or event over it, instead of one nobody can read.
             "max_frame_size": s.max_frame_size,
+            # The window in which the worker merges a turn's stream deltas
+            # into one event (worker/coalesce.py); 0 is off.
+            "coalesce_ms": s.stream_coalesce_ms,
             # How it seals itself (None: unsealed); see sealing.py.
             "seal": self.sealing.plan(s, session, self._sealed_uid(session)),
         }

@@ -84,6 +84,8 @@ class Driver:
         elif op == "cwd":
             assert reply == self.workspace
         elif op.startswith("sh "):
+            # One output event may hold several lines (coalesced streams).
+            output = "\n".join(output).split("\n")
             var, key, home, tcwd, pwd = output[0].split("|")
             assert (var, key, home, tcwd, pwd) == (
                 self.env_value,
