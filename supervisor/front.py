@@ -393,6 +393,8 @@ class Front:
             "fd_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
             "accepting": ctx.accepting,
             "node": self.node_info(),
+            # Whether sessions are sealed (worker/seal.py), how, and if not why.
+            "sealed": pool.sealing.describe(),
         }
         self.endpoints.to_client(client, msg.reply(Kind.INFO, {"supervisor": info}))
 
@@ -547,6 +549,9 @@ class Front:
             # Its lease (see PROTOCOL.md, "Nodes"): held here, at which epoch.
             "node": self.ctx.node,
             "lease_epoch": session.lease.epoch if session.lease is not None else None,
+            # Sealed, its worker runs as this uid (as root; None otherwise).
+            "sealed": self.pool.sealing.mode is not None,
+            "uid": self.pool.sealed_uids.get(session.key),
             # A reload since its worker started applies at its next start.
             "settings_outdated": session.settings is not None
             and session.settings is not self.ctx.settings,

@@ -75,7 +75,11 @@ log = logging.getLogger("hermes_sup.supervisor")
 
 # Exits a worker chooses before it could have started a turn: a first turn
 # handed over in its spawn request did not run, and may be tried again.
-UNSTARTED_EXITS = frozenset({WorkerExit.BOOT_FAILED, WorkerExit.RUNTIME_LOAD_FAILED})
+UNSTARTED_EXITS = frozenset(
+    {WorkerExit.BOOT_FAILED, WorkerExit.RUNTIME_LOAD_FAILED, WorkerExit.SEAL_FAILED}
+)
+# Exits that will not go otherwise at the next try: give up at once.
+HOPELESS_EXITS = frozenset({WorkerExit.RUNTIME_LOAD_FAILED, WorkerExit.SEAL_FAILED})
 # A first turn longer than this waits for the worker's hello instead: the
 # spawn request travels as one datagram, bounded by the socket's buffer.
 HANDOVER_TEXT = 16 * 1024
@@ -392,7 +396,7 @@ class Lifecycle:
         event, session.fast_failures = exit_event(
             was,
             accepting=self.ctx.accepting,
-            load_failed=exit_code == WorkerExit.RUNTIME_LOAD_FAILED,
+            load_failed=exit_code in HOPELESS_EXITS,
             uptime=time.monotonic() - session.spawned_mono,
             min_uptime=s.min_uptime,
             fast_failures=session.fast_failures,

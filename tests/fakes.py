@@ -139,6 +139,7 @@ class FakePool:
         self.spawning = 0
         self.orphan_culls = 0
         self.sealing = Sealing()  # unsealed, as sealed = off
+        self.sealed_uids: dict[str, int] = {}
 
     def take_spare(self) -> None:
         return None  # spare_workers = 0: every worker is forked

@@ -28,9 +28,11 @@ SESSIONS = 4
 
 
 def sh(client, key: str, command: str) -> tuple[str, list[str]]:  # noqa: ANN001
-    """Run `command` in the session's shell: its reply and output lines."""
+    """Run `command` in the session's shell: its reply and output lines
+    (an output event may hold several: streams are coalesced)."""
     reply = client.run(key, f"sh {command}")
-    return reply.text, [e.line for e in reply.events if isinstance(e, Output)]
+    text = "\n".join(e.line for e in reply.events if isinstance(e, Output))
+    return reply.text, text.split("\n") if text else []
 
 
 def wait_for(predicate, timeout: float = 20.0):  # noqa: ANN001, ANN201
@@ -68,7 +70,7 @@ def check_isolation(sup, client, keys: list[str], own_uids: bool = True) -> dict
     for key, handle in zip(keys, sends, strict=True):
         reply = handle.collect()
         assert reply.text == "exit 0", reply
-        uids[key] = int([e.line for e in reply.events if isinstance(e, Output)][-1])
+        uids[key] = int([e.line for e in reply.events if isinstance(e, Output)][-1].split()[-1])
     pids = {key: int(client.run(key, "pid").text) for key in keys}
     for key in keys:
         text, lines = sh(
@@ -109,6 +111,9 @@ def test_concurrent_sealed_sessions_each_see_only_their_own(supervisor_factory) 
         for key, pid in pids.items():
             uid = psutil.Process(pid).uids().real
             assert uid >= 200_000, (key, uid)  # a uid of its own, not root
+            assert client.inspect(key)["uid"] == uid and client.inspect(key)["sealed"]
+        sealed = client.status()["sealed"]
+        assert sealed["sealed"] and sealed["mode"] == "root", sealed
     assert "sealed mode=root" in sup.log()
 
 
@@ -153,6 +158,9 @@ def test_a_failing_seal_step_fails_the_session_closed(supervisor_factory, workdi
         assert "status 73" in err.value.message
         (row,) = client.sessions()
         assert "could not seal" in (row.get("last_exit") or "")
+        # A seal that failed will fail again: given up at once, not retried
+        # in a back-off loop, until the operator acts.
+        assert row["state"] == "failed", row
     assert not marker.exists()  # nothing of the session ran
     log = (session_dir(sup, "s") / "worker.log").read_text()
     assert "seal failed session=s step=session" in log and "does not run unsealed" in log

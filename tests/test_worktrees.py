@@ -66,7 +66,9 @@ def worktrees(repo: Path) -> dict[str, str]:
 
 
 def output(reply) -> list[str]:  # noqa: ANN001
-    return [e.line for e in reply.events if isinstance(e, Output)]
+    # One output event may hold several lines (streams are coalesced).
+    text = "\n".join(e.line for e in reply.events if isinstance(e, Output))
+    return text.split("\n") if text else []
 
 
 def cli(sup, *args: str) -> subprocess.CompletedProcess[str]:  # noqa: ANN001
