@@ -191,6 +191,39 @@ def test_preload_refuses_a_home_with_files_and_hermes_imported_before(tmp_path: 
         hermes_seal.preload(paths)
 
 
+# Hermes imported in the zygote under its own home (an operator's --preload
+# of run_agent before the sealed preload), then a worker's replay.
+IMPORTED_ELSEWHERE = r"""
+import os, sys
+from pathlib import Path
+from types import SimpleNamespace
+base = Path(sys.argv[1])
+os.environ["HERMES_HOME"] = str(base / "zygote-own-home")
+import run_agent
+from hermes_sup.worker import hermes_seal
+paths = SimpleNamespace(home=base / "home", workspace=base / "w", user=base / "u")
+os.environ["HERMES_HOME"] = str(paths.home)
+try:
+    hermes_seal.replay(paths)
+    print("replayed")
+except hermes_seal.SealError as exc:
+    print(f"refused: {exc}")
+"""
+
+
+def test_replay_refuses_hermes_imported_outside_the_sealed_preload(tmp_path: Path) -> None:
+    """Its paths are the zygote's own home, which no mount makes the
+    session's: the worker must not run (fail closed)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORTED_ELSEWHERE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: " in proc.stdout and "outside the sealed preload" in proc.stdout
+
+
 def test_the_recorded_module_list_is_there_and_names_hermes() -> None:
     names = hermes_seal.recorded_modules()
     assert len(names) > 500

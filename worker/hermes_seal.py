@@ -122,6 +122,8 @@ class Preloaded:
 
 
 _PRELOADED: Preloaded | None = None
+# The fixed paths this process put itself under before importing hermes.
+_ENTERED: tuple[str, str, str] | None = None
 
 
 def preloaded() -> Preloaded | None:
@@ -172,9 +174,12 @@ def preload(paths: SealedPathsLike) -> Preloaded:
     hermes and the modules a first turn loads, and run the warm-ups. Raises
     SealError if hermes itself cannot be imported; a recorded module that
     is missing is only noted."""
-    global _PRELOADED
+    global _PRELOADED, _ENTERED
     started = time.perf_counter()
     done = Preloaded(paths=_enter_paths(paths))
+    # From here hermes is imported under the fixed paths, even if the
+    # preload stops half way: a worker may replay what got imported.
+    _ENTERED = done.paths
     before = dict(os.environ)
     for name in BASE_MODULES:
         try:
@@ -366,8 +371,18 @@ def replay(paths: SealedPathsLike, template: str | os.PathLike[str] | None = Non
     home = Path(paths.home)
     if os.environ.get("HERMES_HOME") != str(home):
         raise SealError(f"replay needs HERMES_HOME={home}, found {os.environ.get('HERMES_HOME')!r}")
-    if "run_agent" not in sys.modules:
+    imported = [name for name in HERMES_PACKAGES if name in sys.modules]
+    if not imported:
         return  # hermes was not preloaded: its own import does all of this
+    wanted = (str(paths.home), str(paths.workspace), str(paths.user))
+    if _ENTERED != wanted:
+        # Imported in the zygote some other way (an operator's --preload of
+        # run_agent before the sealed preload): what it captured is the
+        # zygote's own home, which no mount makes the session's.
+        raise SealError(
+            f"{', '.join(imported)} were imported in the zygote outside the sealed preload "
+            f"under {wanted[0]}: their paths are not this session's"
+        )
     if template and not (home / "config.yaml").exists():
         # As the Hermes runtime does it (worker/hermes.py), which then finds
         # config.yaml there and copies nothing more.
