@@ -245,7 +245,14 @@ class SessionTable:
             meta = None if fresh else read_session_meta(path)
             stored = None if fresh else stored_options(meta, key, path)
             defaults = parse_options(settings.session_defaults or None)
-            session = Session(key=key, dir=path, options=options or stored or defaults)
+            base = stored or defaults
+            if options is not None and _label_only(options):
+                # A label alone (as the HTTP endpoint gives a conversation
+                # whose id it had to hash) names the session; it does not
+                # replace what the operator's defaults or its stored
+                # options say.
+                options = replace(base, label=options.label)
+            session = Session(key=key, dir=path, options=options or base)
             if fresh:
                 self._choose_repo(session)
             else:
@@ -268,7 +275,7 @@ class SessionTable:
             log.info(kv("session_new", session=key, dir=path.name))
         elif options is not None and options != session.options:
             _check_same_repo(session, options)
-            if _same_but_label(options, session.options):
+            if _label_only(options) or _same_but_label(options, session.options):
                 # A label is for people: a new one applies at once, even to
                 # a running worker (which never sees it).
                 session.options = replace(
@@ -448,6 +455,11 @@ def _check_same_repo(session: Session, options: SessionOptions | None) -> None:
             + "; a session's repository is fixed when it is created "
             "(kill --purge it to start over on another)",
         )
+
+
+def _label_only(options: SessionOptions) -> bool:
+    """Whether `options` set a label and nothing else."""
+    return options.label is not None and replace(options, label=None) == SessionOptions()
 
 
 def _same_but_label(a: SessionOptions, b: SessionOptions) -> bool:

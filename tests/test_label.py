@@ -125,3 +125,27 @@ def test_a_label_is_stored_listed_inspected_and_survives_a_restart(supervisor_fa
     assert any(row.startswith("h:3f9a") and row.endswith(" renamed") for row in rows)
     with again.client() as client:
         assert client.inspect("h:3f9a")["label"] == "renamed"  # loaded from disk
+
+
+def test_a_label_alone_names_a_session_without_replacing_its_options(
+    supervisor_factory, workdir
+) -> None:
+    """The HTTP endpoint labels a session whose id it hashed, with nothing
+    else: the operator's session_defaults, or what the session was opened
+    with, still apply."""
+    config = workdir / "hs.toml"
+    config.write_text('[session_defaults]\nsession_env = { PLATFORM = "api" }\n')
+    sup = supervisor_factory("--config", str(config))
+    with sup.client(timeout=60) as client:
+        client.open("fresh", options={"label": "conversation 1"})
+        seen = client.inspect("fresh")
+        assert seen["options"]["label"] == "conversation 1"
+        assert seen["options"]["session_env"] == {"PLATFORM": "api"}
+        assert client.run("fresh", "env HERMES_SESSION_PLATFORM").text == "api"
+
+        client.open("opened", options={"env": {"OWN": "yes"}})
+        client.run("opened", "env OWN")  # running, with its own options
+        client.open("opened", options={"label": "renamed"})  # no conflict
+        seen = client.inspect("opened")
+        assert seen["options"]["label"] == "renamed" and seen["options"]["env"] == ["OWN"]
+        assert client.run("opened", "env OWN").text == "yes"
