@@ -21,6 +21,7 @@ list after the turn: that list is what sealed mode preloads.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,7 @@ def record_modules() -> int:
         sup.close()
         model.close()
     names = [n for n in out.read_text().split() if keep_module(n)]
+    shutil.rmtree(scratch, ignore_errors=True)
     MODULES_FILE.write_text(
         "# Modules a Hermes worker had loaded after its first turn (a terminal tool call),\n"
         "# recorded by `python bench/sealed.py --record-modules`; sealed mode's zygote\n"
@@ -186,7 +188,11 @@ def hermes_sessions(
     # moved by the machine's load, unlike the wall times.
     cpu_ready: list[float] = []
     cpu_first: list[float] = []
-    sup = Sup("--agent", "hermes", "--agent-config", str(config), *args, python=python)
+    try:
+        sup = Sup("--agent", "hermes", "--agent-config", str(config), *args, python=python)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     try:
         with sup.client() as c:
             for i in range(count):
@@ -215,6 +221,7 @@ def hermes_sessions(
         zygote_rss = zygote[0].memory_info().rss / 2**20 if zygote else None
     finally:
         sup.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     return {
         "ready": summary(ready),
         "first_reply": summary(first),
