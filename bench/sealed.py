@@ -161,7 +161,9 @@ def _sup_class() -> Any:
                     time.sleep(0.1)
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(60)
-            raise RuntimeError((self.root / "log").read_text())
+            log = (self.root / "log").read_text()
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise RuntimeError(log)
 
     return SlowStartSup
 
