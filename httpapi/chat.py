@@ -25,7 +25,6 @@ do the same by answering `deny` at once. Use the runs API to approve.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -34,7 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from hermes_sup.client import (
     ApprovalRequest,
@@ -57,7 +56,17 @@ from .sessions import (
     parse_chat,
     turn_context,
 )
-from .turns import END, IDLE, OpenTurn, Pump, QueueSink, next_item
+from .turns import (
+    END,
+    IDLE,
+    EventStream,
+    OpenTurn,
+    Pump,
+    QueueSink,
+    next_item,
+    read_turn,
+    unless_hung_up,
+)
 
 if TYPE_CHECKING:
     from .app import Api
@@ -173,9 +182,7 @@ async def chat_completions(api: Api, request: Request) -> Response:
     sink = QueueSink(api.settings.stream_queue, api.settings.stall_timeout, f"chat {ref.key}")
     pump = Pump(opened, sink, api.tasks, on_event=deny_approvals)
     chunks = _chunks(api, pump, sink, completion_id, created, model)
-    return StreamingResponse(
-        chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
-    )
+    return EventStream(chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
 
 def approval_denier(opened: OpenTurn) -> Callable[[Event], Awaitable[None]]:
@@ -211,15 +218,8 @@ async def collect(
             items.append(item)
         return True
 
-    pump = Pump(opened, keep, api.tasks, on_event=on_event)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({pump.task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not pump.task.done():
-        pump.abandon()
-        await asyncio.gather(pump.task, return_exceptions=True)
+    # Read inline: a list never blocks, so no pump task is needed here.
+    if not await unless_hung_up(request.receive, read_turn(opened, keep, on_event)):
         return None
     return items
 
@@ -271,14 +271,6 @@ async def _complete(
     )
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (its body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 def incomplete(dropped: int) -> dict[str, Any]:
     """The `error` and `hermes` fields of a last chunk whose stream lost
     `dropped` events: the turn completed, what was streamed is partial."""
@@ -312,7 +304,8 @@ def failure_of(item: Any) -> tuple[str, str]:
 async def _chunks(
     api: Api, pump: Pump, sink: QueueSink, completion_id: str, created: int, model: str
 ) -> AsyncIterator[bytes]:
-    """The SSE body. Ends the turn (through its pump) if the client leaves."""
+    """The SSE body. Ends the turn (through its pump) if the client leaves.
+    Whatever has arrived by the time it is written goes out as one write."""
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {
@@ -327,51 +320,60 @@ async def _chunks(
     streamed: list[str] = []
     dropped = 0  # events of this stream the supervisor dropped (we lagged)
     finished = False
+
+    def render(item: Any) -> bytes:
+        """The SSE lines for one item (none for most events); sets
+        `finished` at the stream's end."""
+        nonlocal dropped, finished
+        if isinstance(item, Token):
+            if item.text:
+                streamed.append(item.text)
+                return sse_data(chunk({"content": item.text}))
+        elif isinstance(item, (ToolStart, ToolComplete)):
+            progress = tools.payload(item)
+            if progress is not None:
+                return f"event: hermes.tool.progress\ndata: {json.dumps(progress)}\n\n".encode()
+        elif isinstance(item, Dropped):
+            dropped += item.count
+            log.warning(kv("http_stream_dropped", stream=sink.what, count=item.count))
+        elif isinstance(item, Reply):
+            said = "".join(streamed)
+            rest = rest_of_reply(said, item)
+            # With events dropped, the client has the reply only if what
+            # it was sent adds up to it (the gap was at the end).
+            partial = bool(dropped) and said + rest != item.text
+            last = chunk({}, "stop" if item.ok and not partial else "error")
+            last["usage"] = usage_of(item)
+            if not item.ok:
+                last["error"] = {"message": item.text, "type": "agent_error"}
+            elif partial:
+                last.update(incomplete(dropped))
+            finished = True
+            head = sse_data(chunk({"content": rest})) if rest else b""
+            return head + sse_data(last) + b"data: [DONE]\n\n"
+        elif isinstance(item, ClientError) or item is END:
+            message, code = failure_of(item)
+            last = chunk({}, "error")
+            last["usage"] = usage_of(None)
+            last["error"] = {"message": message, "type": code}
+            finished = True
+            return sse_data(last) + b"data: [DONE]\n\n"
+        return b""
+
+    queue = sink.queue
     try:
         yield sse_data(chunk({"role": "assistant"}))
-        while True:
-            item = await next_item(sink.queue, api.settings.keepalive)
+        while not finished:
+            item = await next_item(queue, api.settings.keepalive)
             if item is IDLE:
                 yield b": keepalive\n\n"
                 continue
-            if isinstance(item, Token):
-                if item.text:
-                    streamed.append(item.text)
-                    yield sse_data(chunk({"content": item.text}))
-            elif isinstance(item, (ToolStart, ToolComplete)):
-                progress = tools.payload(item)
-                if progress is not None:
-                    yield f"event: hermes.tool.progress\ndata: {json.dumps(progress)}\n\n".encode()
-            elif isinstance(item, Dropped):
-                dropped += item.count
-                log.warning(kv("http_stream_dropped", stream=sink.what, count=item.count))
-            elif isinstance(item, Reply):
-                said = "".join(streamed)
-                rest = rest_of_reply(said, item)
-                if rest:
-                    yield sse_data(chunk({"content": rest}))
-                # With events dropped, the client has the reply only if what
-                # it was sent adds up to it (the gap was at the end).
-                partial = bool(dropped) and said + rest != item.text
-                last = chunk({}, "stop" if item.ok and not partial else "error")
-                last["usage"] = usage_of(item)
-                if not item.ok:
-                    last["error"] = {"message": item.text, "type": "agent_error"}
-                elif partial:
-                    last.update(incomplete(dropped))
-                finished = True
-                yield sse_data(last)
-                yield b"data: [DONE]\n\n"
-                return
-            elif isinstance(item, ClientError) or item is END:
-                message, code = failure_of(item)
-                last = chunk({}, "error")
-                last["usage"] = usage_of(None)
-                last["error"] = {"message": message, "type": code}
-                finished = True
-                yield sse_data(last)
-                yield b"data: [DONE]\n\n"
-                return
+            out = [render(item)]
+            while not finished and not queue.empty():
+                out.append(render(queue.get_nowait()))
+            data = b"".join(out)
+            if data:
+                yield data
     finally:
         if not finished:
             pump.abandon()  # the client went away mid-stream: cancel its turn

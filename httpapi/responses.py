@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from hermes_sup.client import ClientError, Dropped, Reply, Token, ToolComplete, ToolStart
 
@@ -62,7 +62,7 @@ from .chat import (
 from .errors import ApiError
 from .runs import history_of
 from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
-from .turns import END, IDLE, OpenTurn, Pump, QueueSink, next_item
+from .turns import END, IDLE, EventStream, OpenTurn, Pump, QueueSink, next_item
 
 if TYPE_CHECKING:
     from .app import Api
@@ -379,7 +379,7 @@ class Responses:
             )
             pump = Pump(opened, sink, api.tasks, on_event=approval_denier(opened))
             events = self._events(pump, sink, kept, keep)
-            return StreamingResponse(
+            return EventStream(
                 events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
             )
         return await self._complete(request, opened, kept, keep, headers)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from hermes_sup.client import (
     ApprovalRequest,
@@ -56,7 +56,7 @@ from hermes_sup.local.logfmt import kv
 from .chat import SSE_HEADERS, usage_of
 from .errors import ApiError
 from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
-from .turns import IDLE, Pump, next_item
+from .turns import IDLE, EventStream, Pump, next_item
 
 if TYPE_CHECKING:
     from .app import Api
@@ -388,7 +388,7 @@ class Runs:
     async def events(self, request: Request) -> Response:
         run = self.get(request.path_params["run_id"])
         queue = run.subscribe(self.api.settings.stream_queue)
-        return StreamingResponse(
+        return EventStream(
             self._stream(run, queue), media_type="text/event-stream", headers=SSE_HEADERS
         )
 

@@ -8,6 +8,12 @@ reading blocks only its own pump (its events wait in a bounded queue, see
 other session's events come through. A pump that cannot hand on an event
 for `stall_timeout` seconds, or whose reader went away (`abandon`), cancels
 its turn in the supervisor: a turn is never left running for nobody.
+
+A non-streaming answer reads its turn inline instead (`read_turn`, into a
+list that never blocks), and every response notices a client that hangs
+up with one watcher task (`unless_hung_up`, `EventStream`) rather than a
+pump task, a disconnect task and Starlette's anyio task group: each is a
+task and wake-ups per request, which the endpoint's latency is made of.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from hermes_sup.client import AsyncClient, AsyncTurn, ClientError, Event, Reply
 from hermes_sup.local.logfmt import kv
@@ -93,34 +102,93 @@ class Pump:
         await asyncio.shield(self.task)
 
     async def _run(self) -> None:
-        o = self.opened
-        try:
-            event: Event = o.first
-            while True:
-                if self.on_event is not None:
-                    await self.on_event(event)
-                if isinstance(event, Reply):
-                    self.ended = True
-                if not await self.sink(event) or self.ended:
-                    return
-                event = await o.events.__anext__()
-        except ClientError as exc:
-            self.ended = True
-            await self.sink(exc)
-        except StopAsyncIteration:
-            self.ended = True  # cannot happen: a turn ends with its Reply or an error
-        finally:
-            if not self.ended:
-                await self._cancel_turn()
-            await o.events.aclose()
+        self.ended = await read_turn(self.opened, self.sink, self.on_event)
 
-    async def _cancel_turn(self) -> None:
-        o = self.opened
-        try:
-            await o.client.cancel(o.key, o.id, timeout=5.0)
-            log.info(kv("http_turn_cancelled", session=o.key, turn=o.id))
-        except ClientError as exc:
-            log.warning(kv("http_turn_cancel_failed", session=o.key, turn=o.id, error=exc))
+
+async def read_turn(
+    o: OpenTurn, sink: Sink, on_event: Callable[[Event], Awaitable[None]] | None = None
+) -> bool:
+    """Hand every item of the turn to `sink`, to its end; whether it ended.
+    If it did not (the sink gave up, or this was cancelled), the turn is
+    cancelled in the supervisor."""
+    ended = False
+    try:
+        event: Event = o.first
+        while True:
+            if on_event is not None:
+                await on_event(event)
+            if isinstance(event, Reply):
+                ended = True
+            if not await sink(event) or ended:
+                return ended
+            event = await o.events.__anext__()
+    except ClientError as exc:
+        ended = True
+        await sink(exc)
+        return ended
+    except StopAsyncIteration:
+        ended = True  # cannot happen: a turn ends with its Reply or an error
+        return ended
+    finally:
+        if not ended:
+            await _cancel_turn(o)
+        await o.events.aclose()
+
+
+async def _cancel_turn(o: OpenTurn) -> None:
+    try:
+        await o.client.cancel(o.key, o.id, timeout=5.0)
+        log.info(kv("http_turn_cancelled", session=o.key, turn=o.id))
+    except ClientError as exc:
+        log.warning(kv("http_turn_cancel_failed", session=o.key, turn=o.id, error=exc))
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (its body was read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_hung_up(receive: Receive, work: Awaitable[Any]) -> bool:
+    """Await `work` in this task; if the client hangs up first, cancel it
+    (its `finally` runs) and return False. True: it finished."""
+    task = asyncio.current_task()
+    assert task is not None
+    over = hung_up = False
+
+    def hang_up(gone: asyncio.Future[None]) -> None:
+        nonlocal hung_up
+        # `over`: the callback may run after `work` finished; never cancel then.
+        if not over and not gone.cancelled() and gone.exception() is None:
+            hung_up = True
+            task.cancel()
+
+    gone = asyncio.ensure_future(_disconnected(receive))
+    gone.add_done_callback(hang_up)
+    try:
+        await work
+        return True
+    except asyncio.CancelledError:
+        if not hung_up:
+            raise
+        task.uncancel()
+        return False
+    finally:
+        over = True
+        gone.cancel()
+
+
+class EventStream(StreamingResponse):
+    """A StreamingResponse that watches for a hang-up with one task (see
+    the module docstring); the body's generator is cancelled then, and its
+    `finally` ends the turn."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await unless_hung_up(receive, self.stream_response(send))
+        if self.background is not None:
+            await self.background()
 
 
 END = object()  # closes a QueueSink's reader when the sink gives up

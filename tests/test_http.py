@@ -384,6 +384,28 @@ def test_overloaded_is_503_with_retry_after(endpoint_factory) -> None:
 # ------------------------------------------------------------------ streams
 
 
+def test_a_client_that_hangs_up_on_a_whole_answer_cancels_its_turn(endpoint) -> None:
+    """Not streaming, the turn is read in the request's own task; a hang-up
+    still cancels it at once."""
+    chat = endpoint.url + "/v1/chat/completions"
+    headers = endpoint.headers(**{"X-Hermes-Session-Id": "quitter"})
+    with httpx.Client(timeout=30) as http, endpoint.sup.client() as hs:
+        first = {"messages": [{"role": "user", "content": "pid"}]}
+        assert http.post(chat, json=first, headers=headers).status_code == 200
+        watched = hs.watch("quitter", replay=1)
+        next(watched)  # watching from now on: the cancelled reply is seen live
+        long = {"messages": [{"role": "user", "content": "sleep 60"}]}
+        with pytest.raises(httpx.ReadTimeout):  # and httpx closes the connection
+            http.post(chat, json=long, headers=headers, timeout=httpx.Timeout(30, read=2))
+        for event in watched:
+            if isinstance(event, Reply):
+                assert event.data == {"cancelled": True}
+                break
+        again = http.post(chat, json=first, headers=headers)
+    assert again.status_code == 200
+    assert "http_turn_cancelled" in endpoint.log()
+
+
 def test_a_client_that_disconnects_mid_stream_cancels_its_turn(endpoint) -> None:
     chat = endpoint.url + "/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "sleep 60"}], "stream": True}
