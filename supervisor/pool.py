@@ -59,6 +59,9 @@ from .spawner import Zygote, ZygoteError
 from .watchers import Watchers
 
 log = logging.getLogger("hermes_sup.supervisor")
+# How long a zygote that preloads Hermes for sealed sessions may take to be
+# ready (seen: 3 - 5 s quiet, over 30 s at a load of 28 on 2 cores).
+ZYGOTE_HERMES_TIMEOUT = 300.0
 
 MAX_UNCLAIMED_EXITS = 4096
 
@@ -127,7 +130,12 @@ class WorkerPool:
             data_dir=str(settings.data_dir.absolute()),
             hermes=hermes,
         )
-        ready = self.zygote.start()
+        # Hermes preloaded (sealed) is some 1,800 modules: seconds on a quiet
+        # machine, minutes on a loaded one; anything else is quick.
+        sealed_hermes = mode is not None and hermes
+        if sealed_hermes:
+            log.info(kv("zygote_preloading", what="hermes", sealed=mode))
+        ready = self.zygote.start(timeout=ZYGOTE_HERMES_TIMEOUT if sealed_hermes else 30.0)
         if ready.get("failed"):
             for mod, why in ready["failed"].items():
                 log.error(kv("preload_failed", module=mod, error=why))

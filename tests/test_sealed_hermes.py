@@ -628,3 +628,22 @@ def test_a_sealed_session_finds_nothing_of_another_in_its_workers_memory(
         assert int(counts[0]) > 0 and int(counts[1]) == 0, out
     finally:
         model.close()
+
+
+@pytest.mark.e2e
+def test_an_operators_preload_of_hermes_is_imported_sealed_not_before(
+    supervisor_factory: Any, workdir: Path
+) -> None:
+    """`--preload run_agent` is allowed when sealed: the zygote must import it
+    with the rest of Hermes under the fixed paths, not first under its own
+    home (where every session would then fail closed)."""
+    from .fake_model import FakeModel
+
+    model = FakeModel()
+    try:
+        sup = _sealed_supervisor(supervisor_factory, model, workdir, ["--preload", "run_agent"])
+        with sup.client(timeout=120) as client:
+            reply = client.run("solo", "hello")
+            assert "echo: hello" in reply.text, reply.text
+    finally:
+        model.close()

@@ -290,10 +290,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sock = socket.socket(fileno=args.fd)
     started = time.perf_counter()
-    loaded, failed = _preload(list(BASE_PRELOAD) + list(args.preload))
+    failed: dict[str, str] = {}
     sealed_preload: dict[str, Any] | None = None
     if paths is not None and args.hermes:
+        # First: an operator's preload list may name Hermes's own modules
+        # (allowed when sealed), which must be imported under P, W and U
+        # with everything else of Hermes, never before.
         sealed_preload = _preload_hermes(paths, failed)
+    loaded, failed_too = _preload(list(BASE_PRELOAD) + list(args.preload))
+    failed.update(failed_too)
     from hermes_sup.worker.main import prepare
 
     try:
