@@ -17,6 +17,8 @@ on one supervisor.
 - `list`, `status`, `reload` and `watch` of every session fan out to every
   live node and are merged (merge.py); `unwatch` goes where its watch went.
 - `ping` and `shutdown` (local socket only) are the router's own.
+- `drain` (local socket only) names its node, and goes to that node, which
+  takes it from the router's key (enrolled as `router-*`, remote.py).
 - A node's connection is watched (ZMTP heartbeats and a socket monitor):
   when it drops, every request in flight there ends with `node_lost` at
   once, and its keys are placed on the live nodes from then on.
@@ -501,6 +503,14 @@ class Router:
             self.guard.check(msg.id, msg.ts, time.time())
             self._unwatch(index, client, msg, payload)
         elif kind.value == DRAIN:
+            # The nodes take a drain from the router's key: only the router's
+            # own operator (its local socket) may ask for one, never a front
+            # end on its TCP socket, which nodes would take for the router.
+            if not self.fronts[index].local:
+                raise RemoteProtocolError(
+                    ErrorCode.UNKNOWN_KIND,
+                    "drain is not accepted from remote front ends; run it on the router's host",
+                )
             node = msg.body.get("node")
             if not isinstance(node, str) or node not in self.links:
                 raise RemoteProtocolError(

@@ -15,6 +15,13 @@ A client socket's channel can be given a screen (`screen`): while the
 client gate has refused connections waiting for an answer, each message's
 source descriptor is read, and one from a refused connection goes to the
 screen instead of the handler. With none waiting, it costs one check.
+
+A channel made with `keep_last` (the TCP socket's) keeps the last frame of
+the message its handler is given, as zmq received it: its metadata names
+the CURVE key the connection authenticated with (`peer_user_id`), which a
+handler asks for only for the rare request that needs it (`drain`). The
+frames are received without copying (copy=False) on every channel alike;
+keeping the last one is one reference, not a property read per message.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from hermes_sup.local.frames import (
     EVENTS,
     NOBLOCK,
     POLLIN,
+    SRCFD,
     recv_frames,
     recv_frames_from,
     send_frames,
@@ -38,6 +46,10 @@ from hermes_sup.local.frames import (
 log = logging.getLogger("hermes_sup.supervisor")
 
 BATCH = 256
+# The metadata property libzmq sets from the ZAP handler's reply (the
+# supervisor's authenticator answers with the client's Z85 public key).
+USER_ID = "User-Id"
+_recv = zmq.backend.Socket.recv
 
 
 class Channel:
@@ -48,6 +60,7 @@ class Channel:
         sock: zmq.Socket[bytes],
         handler: Callable[[list[bytes]], None],
         loop: asyncio.AbstractEventLoop,
+        keep_last: bool = False,
     ) -> None:
         self.sock = sock
         self.handler = handler
@@ -55,6 +68,9 @@ class Channel:
         self._scheduled = False
         self._refused: Mapping[int, object] = {}
         self._on_refused: Callable[[int, list[bytes]], bool] | None = None
+        self._keep_last = keep_last
+        # The last frame of the message being handled (keep_last only).
+        self.last: zmq.Frame | None = None
         self._fd: int = int(sock.getsockopt(zmq.FD))
         loop.add_reader(self._fd, self._drain)
         self._schedule()  # input may have arrived before we were watching
@@ -80,7 +96,10 @@ class Channel:
             if not int(self.sock.getsockopt(EVENTS)) & POLLIN:
                 return
             try:
-                if self._refused:
+                if self._keep_last:
+                    frames, self.last = _recv_keeping_last(self.sock)
+                    fd = _source_fd(self.last) if self._refused else -1
+                elif self._refused:
                     frames, fd = recv_frames_from(self.sock, NOBLOCK)
                 else:
                     frames, fd = recv_frames(self.sock, NOBLOCK), -1
@@ -94,7 +113,22 @@ class Channel:
             except Exception:
                 # A bug in a handler must not stop the socket being served.
                 log.exception("handler failed for a message; continuing")
+            finally:
+                self.last = None  # it names this message's sender only
         self._schedule()  # more waiting: let other work run, then continue
+
+    def peer_user_id(self) -> str | None:
+        """The User-Id of the connection the message being handled came in
+        on (its CURVE key, Z85), or None: not a keep_last channel, or zmq
+        says none (no ZAP handler: no CURVE on this socket)."""
+        frame = self.last
+        if frame is None:
+            return None
+        try:
+            value = frame.get(USER_ID)
+        except zmq.ZMQError:
+            return None
+        return value if isinstance(value, str) and value else None
 
     def send(self, frames: list[bytes]) -> None:
         """Send without blocking; raises zmq.Again (queue full) or zmq.ZMQError."""
@@ -109,3 +143,21 @@ class Channel:
         """Stop watching and close the socket at once (linger 0)."""
         self.loop.remove_reader(self._fd)
         self.sock.close(0)
+
+
+def _recv_keeping_last(sock: zmq.Socket[bytes]) -> tuple[list[bytes], zmq.Frame]:
+    """recv_frames (local/frames.py), and the last frame as zmq received it."""
+    frames = []
+    while True:
+        frame = _recv(sock, NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+        if not frame.more:
+            return frames, frame
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection a frame came in on (-1: zmq does not say)."""
+    try:
+        return int(frame.get(SRCFD))
+    except zmq.ZMQError:
+        return -1

@@ -224,7 +224,8 @@ class Endpoints:
     ) -> Channel:
         """A client socket's channel: requests go to `on_client`, but one
         from a connection the gate refused gets the refusal instead."""
-        channel = Channel(sock, partial(on_client, index), loop)
+        # The TCP socket's channel keeps what names a request's CURVE key.
+        channel = Channel(sock, partial(on_client, index), loop, keep_last=index != 0)
         channel.screen(self.gate.refusing, partial(self._refuse, index))
         return channel
 
@@ -348,6 +349,19 @@ class Endpoints:
     def client_key(self, index: int) -> bytes:
         """The key that signs frames on front socket `index`."""
         return self.fronts[index][1]
+
+    def peer_name(self, client: bytes) -> str | None:
+        """The allowlist name of the CURVE key the request being handled came
+        with (TCP only; None for the local socket, or a key no longer
+        allowed). Looked up in the allowlist as it is now, so a revoked key
+        loses what its name allowed at once, on a connection made before.
+        Valid only while that request's handler runs (channel.py)."""
+        if client[0] == 0:
+            return None
+        key = self.fronts[client[0]][0].peer_user_id()
+        if key is None:
+            return None
+        return remote.name_of(self.settings.data_dir, key.encode())
 
     def to_client(self, client: bytes, msg: Message, payload: bytes | None = None) -> bool:
         """Send to a client without blocking; False if it is gone. A client

@@ -39,6 +39,7 @@ from hermes_sup.protocol import (
     error_message,
 )
 
+from . import remote
 from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
@@ -458,12 +459,20 @@ class Front:
     def drain(self, client: bytes, msg: Message) -> None:
         """Drain this node (`on`, the default) or end a drain (`on: false`):
         no new sessions (`moved`), running turns finish, idle sessions stop.
-        Local clients only, as `shutdown`."""
+        Local clients, and a router (a TCP client whose key is enrolled as
+        `router` or `router-*`: `hermes-sup route` passes on its operator's
+        drain); no other remote front end, which may stop sessions but not
+        take the node out of service."""
         if client[0] != LOCAL_FRONT:
-            raise RemoteProtocolError(
-                ErrorCode.UNKNOWN_KIND,
-                "drain is not accepted from remote front ends; run it on the supervisor's host",
-            )
+            name = self.endpoints.peer_name(client)
+            if not remote.is_router(name):
+                raise RemoteProtocolError(
+                    ErrorCode.UNKNOWN_KIND,
+                    f"drain is not accepted from remote front ends other than a router's key "
+                    f"(this one is {name or 'unknown'!r}; router keys are named router or "
+                    "router-*); run it on the supervisor's host or through its router",
+                )
+            log.info(kv("drain_by_router", client=name, on=bool(msg.body.get("on", True))))
         named = msg.body.get("node")
         if named is not None and named != self.ctx.node:
             raise RemoteProtocolError(

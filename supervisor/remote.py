@@ -8,7 +8,9 @@ reboots (the state directory may not):
     hmac.key                        the signing key of remote clients; it is
                                     not the local key, so a connection file
                                     never grants the local control socket
-    clients/<name>.key              allowed client public keys, one per file
+    clients/<name>.key              allowed client public keys, one per file;
+                                    a name `router` or `router-*` is a
+                                    router's, whose key may also drain
 
 The allowlist is read at every handshake: `hermes-sup keys allow/revoke`
 take effect for the next connection, without a restart.
@@ -44,6 +46,8 @@ CLIENTS_DIR = "clients"
 SERVER_NAME = "server"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 ZAP_DOMAIN = "hermes-sup"
+# Client names of routers (is_router): their keys may drain the node.
+ROUTER_NAME = "router"
 
 
 class RemoteError(Exception):
@@ -132,6 +136,19 @@ def allowed(data_dir: Path) -> dict[str, bytes]:
             continue
         out[path.stem] = public
     return out
+
+
+def name_of(data_dir: Path, public: bytes) -> str | None:
+    """The name an allowed client key (Z85) is enrolled under, or None."""
+    return next((name for name, key in allowed(data_dir).items() if key == public), None)
+
+
+def is_router(name: str | None) -> bool:
+    """Whether a client name is a router's: `router`, or `router-<anything>`
+    (as `hermes-sup ray up` enrolls `router-<node>`). A router's key may
+    also drain the node (`drain` through `hermes-sup route`); no other
+    remote front end may."""
+    return name is not None and (name == ROUTER_NAME or name.startswith(ROUTER_NAME + "-"))
 
 
 class Allowlist:

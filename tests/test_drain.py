@@ -164,3 +164,52 @@ def test_metrics_name_the_node_and_its_drain(supervisor_factory, workdir):
         client.request(Kind.DRAIN, {})  # `on` defaults to true
         assert client.status()["node"]["draining"] is True
     assert "hermes_sup_node_draining 1.0" in scrape()
+
+
+def test_only_a_routers_key_drains_over_tcp_and_loses_that_when_revoked(
+    supervisor_factory, workdir
+):
+    """Over TCP, the supervisor tells a request's CURVE key by its ZAP
+    User-Id: a key enrolled as `router-*` may drain the node, another
+    front end's may not, and a router key revoked after it connected loses
+    that right on the connection it already has."""
+    import subprocess
+    import sys
+
+    from hermes_sup.client import Client
+
+    from .test_clients import free_port
+
+    port = free_port()
+    root = workdir / "t"
+    root.mkdir()
+    (root / "c.toml").write_text('node = "node-t"\n')
+    sup = supervisor_factory("--tcp", str(port), "--config", str(root / "c.toml"), root=root)
+
+    def keys(*args: str) -> None:
+        made = subprocess.run(
+            [sys.executable, "-m", "hermes_sup.cli", "keys", *args,
+             "--data-dir", str(sup.data_dir)],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert made.returncode == 0, made.stderr
+
+    for name in ("web", "router-r1"):
+        keys("generate", name, "--endpoint", f"127.0.0.1:{port}", "-o", str(workdir / name))
+    with Client.from_connection_file(workdir / "web", timeout=30.0) as web:
+        assert web.run("w1", "pid").ok  # an ordinary front end, served as ever
+        with pytest.raises(SupervisorError) as refused:
+            web.request(Kind.DRAIN, {"on": True})
+        assert refused.value.code == "unknown_kind" and "'web'" in refused.value.message
+    with sup.client() as local:
+        assert local.status()["node"]["draining"] is False
+        with Client.from_connection_file(workdir / "router-r1", timeout=30.0) as router:
+            node = router.request(Kind.DRAIN, {"on": True, "node": "node-t"}).body["node"]
+            assert (node["name"], node["draining"]) == ("node-t", True)
+            assert local.status()["node"]["draining"] is True
+            assert router.request(Kind.DRAIN, {"on": False}).body["node"]["draining"] is False
+            keys("revoke", "router-r1")
+            with pytest.raises(SupervisorError) as revoked:
+                router.request(Kind.DRAIN, {"on": True})
+            assert revoked.value.code == "unknown_kind"
+        assert local.status()["node"]["draining"] is False

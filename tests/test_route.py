@@ -191,6 +191,7 @@ def shared_cluster(supervisor_factory, workdir):
         sup = supervisor_factory(
             "--tcp", str(port), "--config", str(config), "--data-dir", str(shared), root=root
         )
+        sup.tcp_port = port
         conn = workdir / f"router-{name}.json"
         made = hs("keys", "generate", f"router-{name}", "--endpoint", f"127.0.0.1:{port}",
                   "-o", str(conn), "--data-dir", str(shared))  # fmt: skip
@@ -213,8 +214,14 @@ def note(c: Client, key: str) -> str:
     return "".join(str(e.data) for e in reply.events if e.type == "output").strip()
 
 
-def test_drain_and_node_loss_on_a_shared_data_dir_keep_each_sessions_files(
-    shared_cluster,
+def node_row(c: Client, name: str) -> dict:
+    """What a node says of itself (its `node` map) in `status` through the router."""
+    row = next(n for n in c.status()["nodes"] if n["name"] == name)
+    return row["status"]["node"] if row["answered"] else {}
+
+
+def test_drain_through_the_router_and_node_loss_on_a_shared_data_dir_keep_each_sessions_files(
+    shared_cluster, workdir
 ) -> None:
     pytest.importorskip("hermes_sup.supervisor.leases", reason="needs session leases")
 
@@ -225,28 +232,53 @@ def test_drain_and_node_loss_on_a_shared_data_dir_keep_each_sessions_files(
         for key in keys:
             assert c.run(key, f"write note.txt of-{key}").text.startswith("wrote")
 
-        # b drains (on its host): its idle sessions stop, and their next
-        # messages are answered on a, whose worker finds their files.
-        with sups["b"].client() as direct:
-            direct.request(Kind.DRAIN, {"on": True})
-
-            def b_idle_gone() -> bool:
-                return not [r for r in direct.sessions() if r["state"] != "exited"]
-
-            deadline = time.monotonic() + 30
-            while not b_idle_gone():
-                assert time.monotonic() < deadline, direct.sessions()
-                time.sleep(0.1)
+        # A turn is running on b when b is drained through the router (its
+        # operator's local socket): the router passes the drain to b, which
+        # takes it from the router's key (enrolled as router-b).
+        running = c.send(on_b[0], "sleep 2")
+        next(iter(running))
+        node = c.request(Kind.DRAIN, {"on": True, "node": "b"}).body["node"]
+        assert (node["name"], node["draining"]) == ("b", True)
+        # The running turn finishes on b, with its answer.
+        assert running.collect().ok
+        # b stops its sessions as they go idle and lets their leases go.
+        deadline = time.monotonic() + 30
+        while (held := node_row(c, "b")).get("sessions") != 0:
+            assert time.monotonic() < deadline, held
+            time.sleep(0.1)
+        assert held["draining"] is True
+        # Their next messages are answered on a, whose worker finds their files.
         for key in on_b:
             assert note(c, key) == f"of-{key}"
+        # New keys that hash to b go to a.
+        fresh = [k for k in (f"new:{i}" for i in range(40)) if owner(k) == "b"][:3]
+        for key in fresh:
+            assert c.run(key, "env HERMES_SESSION_KEY").text == key
         rows = {row["key"]: row for row in c.sessions()}
-        assert {rows[k]["node"] for k in on_b} == {"a"}
+        assert {rows[k]["node"] for k in on_b + fresh} == {"a"}
         assert {rows[k]["state"] for k in keys} == {"idle"}
 
-        # a dies with a turn running: node_lost; b (drain ended) takes every
-        # key over at its next message, files and all.
-        with sups["b"].client() as direct:
-            direct.request(Kind.DRAIN, {"on": False})
+        # Nobody else may drain: a front end of b's TCP socket whose key is
+        # not a router's, or any front end of the router's TCP socket.
+        web_b = workdir / "web-b.json"
+        made = hs("keys", "generate", "web", "--endpoint", f"127.0.0.1:{sups['b'].tcp_port}", "-o",
+                  str(web_b), "--data-dir", str(workdir / "shared"))  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        web_r = workdir / "web-r.json"
+        made = hs("keys", "generate", "router-web", "--endpoint", f"127.0.0.1:{router.port}",
+                  "-o", str(web_r), "--data-dir", str(router.data_dir))  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        for conn in (web_b, web_r):
+            with Client.from_connection_file(conn, timeout=30.0) as far:
+                with pytest.raises(SupervisorError) as refused:
+                    far.request(Kind.DRAIN, {"on": False, "node": "b"})
+                assert refused.value.code == "unknown_kind", refused.value
+        assert node_row(c, "b")["draining"] is True
+
+        # a dies with a turn running: node_lost; b (drain ended through the
+        # router) takes every key over at its next message, files and all.
+        node = c.request(Kind.DRAIN, {"on": False, "node": "b"}).body["node"]
+        assert (node["name"], node["draining"]) == ("b", False)
         turn = c.send(keys[0], "sleep 60")
         next(iter(turn))
         os.kill(sups["a"].pid, signal.SIGKILL)
