@@ -1,0 +1,46 @@
+"""bench/route.py's scale and failover modes, run tiny, so that they cannot
+rot between the runs that record BENCHMARKS.md ("Routed turns"). They
+assert what each measurement returns, never how fast anything is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "route.py"
+
+
+def bench(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), *args, "--out", str(workdir / "route.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_scale_measures_spawns_turns_and_what_each_node_holds(workdir) -> None:
+    bench(workdir, "--scale", "2", "--scale-nodes", "1,2", "--in-flight", "2")
+    result = json.loads((workdir / "route_scale.json").read_text())
+    assert [run["nodes"] for run in result["runs"]] == [1, 2]
+    for run in result["runs"]:
+        assert run["sessions"] == 2 * run["nodes"]
+        assert run["spawns_per_s"] > 0 and run["turns_per_s"] > 0
+        # Every node answered, and together they hold every session.
+        assert len(run["held"]) == run["nodes"]
+        assert sum(node["sessions"] for node in run["held"].values()) == run["sessions"]
+
+
+def test_failover_measures_a_dead_nodes_keys_served_again(workdir) -> None:
+    bench(workdir, "--failover", "6")
+    result = json.loads((workdir / "route_failover.json").read_text())
+    assert result["sessions"] == 6 and result["last_ms"] >= result["p50_ms"] > 0
