@@ -40,7 +40,7 @@ TUNABLES: list[tuple[str, str, Any, str]] = [
         "--spare-workers",
         "spare_workers",
         int,
-        "Workers forked ahead, waiting for new sessions [0].",
+        "Workers forked ahead, waiting for new sessions; 0: none [one per CPU, at most 8].",
     ),
     (
         "--idle-timeout",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "SYSTEM_STATE_DIR",
     "Settings",
     "default_data_dir",
+    "default_spare_workers",
     "default_state_dir",
 ]
 
@@ -45,6 +47,25 @@ DEFAULT_PASS_ENV: tuple[str, ...] = (
     "TMPDIR",
     "TERM",
 )
+
+
+# A burst of new sessions beyond the spares waits for forks anyway; more
+# spares than this only hold memory and fds.
+MAX_DEFAULT_SPARES = 8
+
+
+def default_spare_workers() -> int:
+    """Spare workers by default: one per CPU this process may run on (its
+    affinity, which a container or cgroup cpuset narrows, not the host's
+    count), between 1 and MAX_DEFAULT_SPARES. Each spare is a forked, idle
+    worker (a few MiB, a handful of fds); with them a new session's first
+    reply comes about twice as fast (BENCHMARKS.md), and as many can be
+    refilled at once as there are CPUs to run their starts."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_DEFAULT_SPARES))
 
 
 @dataclass
@@ -116,7 +137,9 @@ class Settings:
     max_clients: int | None = None
     # Workers forked ahead of need, connected and waiting: a new session
     # takes one instead of waiting for a fork (see supervisor/spare_workers.py).
-    spare_workers: int = 0
+    # By default one per CPU this process may run on, at most
+    # MAX_DEFAULT_SPARES; 0 is none.
+    spare_workers: int = field(default_factory=default_spare_workers)
     # Stop sessions idle this long (None: never). Busy sessions never are.
     idle_timeout: float | None = None
     # Session logs rotate at this size, keeping this many old files.

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+from hermes_sup.supervisor.config import MAX_DEFAULT_SPARES, Settings, default_spare_workers
 from hermes_sup.supervisor.spare_workers import Spare, SparePool
 
 pytestmark = pytest.mark.e2e
@@ -142,3 +144,36 @@ def test_a_reload_resizes_the_pool_and_spares_take_the_new_settings(
         client.reload()
         wait_for(lambda: not spare_pids(sup) and client.status()["spare_workers"] == 0)
         assert client.run("forked", "env FLAVOUR").text == "new"
+
+
+def test_spares_are_on_by_default_one_per_cpu_and_zero_turns_them_off(
+    supervisor_factory, workdir
+) -> None:
+    wanted = default_spare_workers()
+    assert wanted >= 1
+    sup = supervisor_factory()
+    with sup.client() as client:
+        wait_for(lambda: client.status()["spare_workers"] == wanted, timeout=30)
+        assert len(spare_pids(sup)) == wanted
+    # Off on the command line, and in a file; a reload back to the default.
+    (workdir / "off").mkdir()
+    (workdir / "filed").mkdir()
+    off = supervisor_factory("--spare-workers", "0", root=workdir / "off")
+    path = workdir / "hermes-sup.toml"
+    path.write_text("spare_workers = 0\n")
+    filed = supervisor_factory("--config", str(path), root=workdir / "filed")
+    for quiet in (off, filed):
+        with quiet.client() as client:
+            client.run("a", "pid")  # a turn's end is when the pool refills
+            assert client.status()["spare_workers"] == 0 and not spare_pids(quiet)
+    path.write_text("")
+    with filed.client() as client:
+        assert "spare_workers" in client.reload()["changed"]
+        wait_for(lambda: client.status()["spare_workers"] == wanted, timeout=30)
+
+
+def test_the_default_spare_count_follows_the_cpus_this_process_may_use(monkeypatch) -> None:
+    for cpus, spares in ((1, 1), (2, 2), (6, 6), (64, MAX_DEFAULT_SPARES)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert default_spare_workers() == spares
+        assert Settings(state_dir=Path("s"), data_dir=Path("d")).spare_workers == spares
