@@ -1,13 +1,16 @@
 """The asyncio client: the same calls as `Client`, awaited.
 
-One socket per client; one reader task hands each incoming message to the
+One socket per client; a reader hands each incoming message to the
 request it answers, so any number of tasks may use one client at once.
 
 A front end (the HTTP endpoint) runs every request through here, so the
-path of one message is kept short: the reader takes every message already
-queued at each wake-up (a plain non-blocking read, not one trip through
-pyzmq's asyncio layer each), and wakes the one request waiting for it by
-resolving that request's future (no task or `wait_for` per message). The
+path of one message is kept short. The socket is a plain zmq socket whose
+descriptor the event loop watches (`add_reader`): at each wake-up the
+callback takes every message queued, without blocking, and wakes the one
+request waiting for each by resolving that request's future. There is no
+reader task, no pyzmq future per message and no `wait_for` task per wait
+(pyzmq's asyncio layer and those were a fifth of the endpoint's time).
+Sends are non-blocking too; a full queue is retried briefly. The
 supervisor's lock file is checked before a request only when nothing was
 heard from it for a while; a waiting request checks it every
 `LIVENESS_SLICE`, so a supervisor gone is noticed either way.
@@ -25,7 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from hermes_sup.local.frames import EVENTS, NOBLOCK, POLLIN, recv_frames
+from hermes_sup.local.frames import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
 from hermes_sup.protocol import Kind, Message
 
 from . import core
@@ -38,6 +41,7 @@ from .sockets import LIVENESS_SLICE, close_socket, make_socket, refused
 # A supervisor that sent us something this recently is not checked for
 # (its lock file) before a request.
 RECENTLY = 1.0
+SEND_RETRY = 0.005  # seconds between tries to send while the queue is full
 
 
 class AsyncClient:
@@ -54,10 +58,11 @@ class AsyncClient:
         self.state_dir = self.connection.state_dir
         self.timeout = timeout
         self.ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._fd = -1  # its descriptor, which the event loop watches
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: Any = None
         self._core: ClientCore | None = None
-        self._reader: asyncio.Task[None] | None = None
         # The future of each request now waiting: True when an answer came,
         # False when its wait ran out (see `_wait`).
         self._wakers: dict[str, asyncio.Future[bool]] = {}
@@ -82,15 +87,11 @@ class AsyncClient:
 
     # ------------------------------------------------------------ connection
 
-    def _connect(self) -> tuple[zmq.asyncio.Socket, ClientCore]:
-        reader = self._reader
-        if reader is not None and (
-            reader.done() or reader.get_loop() is not asyncio.get_running_loop()
-        ):
+    def _connect(self) -> tuple[zmq.Socket[bytes], ClientCore]:
+        loop = asyncio.get_running_loop()
+        if self._sock is not None and self._loop is not loop:
             # Its event loop ended (a second asyncio.run, say): start afresh here.
-            if self._sock is not None:
-                close_socket(self._sock, self._monitor)
-            self._sock = self._core = self._reader = self._monitor = None
+            self._forget()
         if self._sock is not None and self._core is not None:
             return self._sock, self._core
         if self.connection.alive() is False:
@@ -99,54 +100,89 @@ class AsyncClient:
             self.connection = self.connection.refreshed()  # a restart may bring a new key
         self._fresh = False
         conn = self.connection
-        # Handshake failures are read without waiting, from a plain socket.
-        made, self._monitor = make_socket(self.ctx, conn, zmq.Context.shadow(self.ctx.underlying))
-        assert isinstance(made, zmq.asyncio.Socket)  # an asyncio context makes asyncio sockets
-        sock = made
-        self._sock, self._core = sock, ClientCore(conn.key)
-        self._reader = asyncio.create_task(self._read(sock, self._core))
+        # A plain socket, read and written without blocking from the loop's
+        # own reader callback (see the module docstring).
+        sock, self._monitor = make_socket(zmq.Context.shadow(self.ctx.underlying), conn)
+        self._fd = int(sock.getsockopt(zmq.FD))
+        self._sock, self._core, self._loop = sock, ClientCore(conn.key), loop
+        loop.add_reader(self._fd, self._on_readable)
         return sock, self._core
 
-    async def _read(self, sock: zmq.asyncio.Socket, core_: ClientCore) -> None:
-        # The same socket, read without pyzmq's futures: every message queued
-        # at a wake-up is taken in one go (after a read, EVENTS says whether
-        # more wait, and pyzmq re-arms its own wait on the next await).
-        plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        wakers = self._wakers
-        while True:
-            frames = await sock.recv_multipart()
+    def _on_readable(self) -> None:
+        """Take every message waiting on the socket, each to its request.
+        zmq's descriptor only says that something changed: the loop goes on
+        until EVENTS says nothing is left (after a send too, which may take
+        the wake-up of a message already here)."""
+        sock, core_, wakers = self._sock, self._core, self._wakers
+        if sock is None or core_ is None:
+            return
+        heard = False
+        try:
             while True:
-                pending = core_.receive(frames)
-                if pending is not None:
-                    waker = wakers.pop(pending.id, None)
-                    if waker is not None and not waker.done():
-                        waker.set_result(True)
-                if not int(plain.getsockopt(EVENTS)) & POLLIN:
+                while int(sock.getsockopt(EVENTS)) & POLLIN:
+                    pending = core_.receive(recv_frames(sock, NOBLOCK))
+                    heard = True
+                    if pending is not None:
+                        waker = wakers.pop(pending.id, None)
+                        if waker is not None and not waker.done():
+                            waker.set_result(True)
+                resends = core_.take_outbox()
+                if not resends:
                     break
-                frames = recv_frames(plain, NOBLOCK)
+                for frames in resends:  # a turn's send again, after `dropped`
+                    try:
+                        send_frames(sock, frames, NOBLOCK)
+                    except zmq.Again:
+                        self._loop_now().create_task(self._send(frames))
+        except zmq.ZMQError:
+            self._forget()  # the socket broke: waiting requests see it gone
+        if heard:
             self._heard = time.monotonic()
-            for resend in core_.take_outbox():
-                await sock.send_multipart(resend)  # a turn's send again, after `dropped`
 
-    async def _drop(self) -> None:
-        """Forget the connection; waiting requests fail, the next one reconnects."""
-        if self._reader is not None:
-            self._reader.cancel()
+    def _loop_now(self) -> asyncio.AbstractEventLoop:
+        return self._loop or asyncio.get_running_loop()
+
+    async def _send(self, frames: list[bytes]) -> None:
+        """Send without blocking the loop; a full queue (the supervisor not
+        reading) is waited on for at most `timeout`."""
+        sock, _ = self._connect()
+        deadline = time.monotonic() + self.timeout
+        while True:
             try:
-                await self._reader
-            except (asyncio.CancelledError, zmq.ZMQError):
-                pass
+                send_frames(sock, frames, NOBLOCK)
+                break
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise Timeout(
+                        f"could not send to the supervisor within {self.timeout:g}s: "
+                        "its queue for this client is full"
+                    ) from None
+                await asyncio.sleep(SEND_RETRY)
+        if int(sock.getsockopt(EVENTS)) & POLLIN:
+            self._on_readable()
+
+    def _forget(self) -> None:
+        """Close the socket; every waiting request wakes and finds it gone."""
         if self._sock is not None:
+            if self._loop is not None:
+                try:
+                    self._loop.remove_reader(self._fd)
+                except (RuntimeError, ValueError, OSError):
+                    pass  # its loop is closed already
             close_socket(self._sock, self._monitor)
-        self._sock = self._core = self._reader = self._monitor = None
+        self._sock = self._core = self._monitor = self._loop = None
         wakers = list(self._wakers.values())
         self._wakers.clear()
         for waker in wakers:
             if not waker.done():
                 waker.set_result(True)  # they see the connection gone
 
+    async def _drop(self) -> None:
+        """Forget the connection; waiting requests fail, the next one reconnects."""
+        self._forget()
+
     def _lost(self, why: str) -> ClientError:
-        asyncio.get_running_loop().create_task(self._drop())
+        self._forget()
         return NotRunning(why)
 
     # ------------------------------------------------------------- the calls
@@ -159,9 +195,13 @@ class AsyncClient:
         if time.monotonic() - self._heard > RECENTLY and self.connection.alive() is False:
             await self._drop()
             raise NotRunning(f"no hermes-sup supervisor is running on {self.state_dir}")
-        sock, core_ = self._connect()
+        _, core_ = self._connect()
         pending, frames = core_.request(kind, body, session, ttl=ttl)
-        await sock.send_multipart(frames)
+        try:
+            await self._send(frames)
+        except BaseException:
+            self._end(pending)
+            raise
         return pending
 
     def _end(self, pending: Pending) -> None:
@@ -338,9 +378,7 @@ class AsyncClient:
         finally:
             self._end(pending)
             if self._sock is not None and self._core is not None:
-                await self._sock.send_multipart(
-                    self._core.notice(Kind.UNWATCH, {"watch": pending.id})
-                )
+                await self._send(self._core.notice(Kind.UNWATCH, {"watch": pending.id}))
 
 
 def _expire(waker: asyncio.Future[bool]) -> None:
