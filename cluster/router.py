@@ -47,7 +47,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from hermes_sup.local import statedir as local_statedir
-from hermes_sup.local.frames import HANDSHAKE_FAILURES
+from hermes_sup.local.frames import (
+    EVENTS,
+    HANDSHAKE_FAILURES,
+    NOBLOCK,
+    POLLIN,
+    recv_frames,
+    send_frames,
+)
 from hermes_sup.protocol import (
     MAGIC,
     PROTOCOL_VERSION,
@@ -70,6 +77,8 @@ from .nodes import NodeSpec
 from .placement import Candidate, Placement
 
 log = logging.getLogger("hermes_sup.router")
+# The backend's getsockopt, called unbound: an int for EVENTS, no enum.
+_get = zmq.backend.Socket.get
 
 NODE_LOST = "node_lost"
 MOVED = "moved"
@@ -327,17 +336,20 @@ class Router:
         """Call `handle` for every message on `sock`, straight from the event
         loop's readiness callback: no future per message (a routed turn is
         a handful of messages, and each future cost more than its handling).
+        Frames are read with the backend's own calls and plain-int flags
+        (local/frames.py): pyzmq's wrappers convert flags and options to
+        enums per frame, which cost more than the routing.
 
         zmq's FD is edge-triggered and a send on the socket may consume the
-        edge, so every send re-checks its socket (`_kick`)."""
+        edge, so every send looks at its socket again (`_sent`)."""
         fd = int(sock.getsockopt(zmq.FD))
 
         def read() -> None:
             if sock.closed:
                 return
-            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            while _get(sock, EVENTS) & POLLIN:
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = recv_frames(sock, NOBLOCK)
                 except zmq.Again:
                     break
                 try:
@@ -355,9 +367,10 @@ class Router:
         if read is not None and id(read) in self._fds:
             asyncio.get_running_loop().remove_reader(self._fds.pop(id(read)))
 
-    def _kick(self, read: Callable[[], None] | None) -> None:
-        """After a send: read what the send's own processing may have hidden."""
-        if read is None or read in self._kicked:
+    def _sent(self, sock: zmq.Socket[bytes], read: Callable[[], None] | None) -> None:
+        """After a send on `sock`: if input is waiting there now, read it
+        soon (the send may have taken the FD's edge that announced it)."""
+        if read is None or read in self._kicked or sock.closed or not _get(sock, EVENTS) & POLLIN:
             return
         if not self._kicked:
             asyncio.get_running_loop().call_soon(self._run_kicked)
@@ -770,12 +783,11 @@ class Router:
         if link is None or not link.live:
             return False
         try:
-            link.sync.send_multipart(
-                [MAGIC, sign(link.spec.hmac_key, payload), payload], flags=zmq.NOBLOCK
-            )
+            send_frames(link.sync, [MAGIC, sign(link.spec.hmac_key, payload), payload], NOBLOCK)
         except zmq.Again:
             return False  # no connection up (IMMEDIATE), or its queue is full
-        self._kick(link.reader)
+        finally:
+            self._sent(link.sync, link.reader)
         return True
 
     def _to_node(self, name: str, msg: Message) -> None:
@@ -789,10 +801,8 @@ class Router:
         front = self.fronts[index]
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
             # A client over its queue loses this message, as zmq would drop it.
-            front.sync.send_multipart(
-                [client, MAGIC, sign(front.key, payload), payload], flags=zmq.NOBLOCK
-            )
-        self._kick(front.reader)
+            send_frames(front.sync, [client, MAGIC, sign(front.key, payload), payload], NOBLOCK)
+        self._sent(front.sync, front.reader)
 
     def _to_client(self, index: int, client: bytes, msg: Message) -> None:
         self._to_client_raw(index, client, encode(msg, self.fronts[index].key, self.limits)[2])
