@@ -3,19 +3,27 @@
 Front ends connect to it as to one supervisor: its state directory (ipc
 socket and key) for local ones, `--tcp` with CURVE for remote ones (keys in
 its `--data-dir`, made with `hermes-sup keys generate --data-dir`).
+
+`hermes-sup route drain NODE` asks a running router (its state directory)
+to drain one of its nodes: the node takes it from the router's key.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 from hermes_sup.local.statedir import STATE_DIR_ENV, default_state_dir
 
+from .common import connect
+from .options import client_options
 
-@click.command()
+
+@click.group(invoke_without_command=True)
 @click.option(
     "--nodes",
     "nodes_file",
@@ -75,7 +83,16 @@ def route(
     Placement: rendezvous hashing over the live, non-draining nodes,
     weighted by capacity; only the keys of a node that leaves move.
     list, status and watch of all sessions fan out and merge.
+
+    \b
+    With a subcommand, a client of a running router:
+      hermes-sup route --state-dir /run/hsr drain b --wait
     """
+    if ctx.invoked_subcommand is not None:
+        if state_dir is not None:  # the router's state directory, to connect to
+            obj = ctx.ensure_object(dict)
+            obj["state_dir"], obj["state_dir_given"] = state_dir, True
+        return
     from hermes_sup.cluster.nodes import NodeConfigError
     from hermes_sup.cluster.router import serve_router, static_source
     from hermes_sup.supervisor.remote import RemoteError
@@ -105,6 +122,59 @@ def route(
         serve_router(state_dir, source, tcp=tcp, data_dir=data_dir, poll_interval=poll)
     except (StateDirError, RemoteError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@client_options
+@route.command(name="drain")
+@click.argument("node")
+@click.option("--off", is_flag=True, help="End the drain: the node takes new sessions again.")
+@click.option(
+    "--wait", is_flag=True, help="Return once the node holds no session (each finished and moved)."
+)
+@click.pass_context
+def route_drain(ctx: click.Context, node: str, off: bool, wait: bool) -> None:
+    """Drain NODE through the router (its local socket): the node takes no
+    new sessions, lets running turns finish and stops each session once it
+    is idle; the router sends their next messages, and new keys, to the
+    other nodes. The node takes the drain from the router's key (enrolled
+    as router-*).
+
+    \b
+    Examples:
+      hermes-sup route --state-dir /run/hsr drain b --wait
+      hermes-sup route --state-dir /run/hsr drain b --off
+    """
+    from hermes_sup.protocol import Kind
+
+    with connect(ctx) as client:
+        answer = client.request(Kind.DRAIN, {"on": not off, "node": node}).body["node"]
+        if off:
+            click.echo(f"node {answer['name']}: taking new sessions again")
+            return
+        click.echo(
+            f"node {answer['name']} draining: no new sessions; {answer['sessions']} session(s) "
+            "still held, each stopped once idle"
+        )
+        started = time.monotonic()
+        said = 0.0
+        held: Any = answer.get("sessions")
+        while wait and held != 0:
+            waited = time.monotonic() - started
+            if waited - said >= 5:
+                said = waited
+                click.echo(f"{held} session(s) still held ({waited:.0f}s)...", err=True)
+            time.sleep(0.2)
+            row = next((n for n in client.status().get("nodes", []) if n["name"] == node), None)
+            if row is None:
+                raise click.ClickException(f"node {node} left the router's node list while waiting")
+            if not row.get("answered"):
+                continue  # not answering now: ask again
+            own = row["status"].get("node") or {}
+            if own.get("draining") is False:
+                raise click.ClickException("the drain was ended (drain --off) while waiting")
+            held = own.get("sessions")
+        if wait:
+            click.echo("drained: no session left")
 
 
 if __name__ == "__main__":

@@ -234,19 +234,18 @@ def test_drain_through_the_router_and_node_loss_on_a_shared_data_dir_keep_each_s
 
         # A turn is running on b when b is drained through the router (its
         # operator's local socket): the router passes the drain to b, which
-        # takes it from the router's key (enrolled as router-b).
+        # takes it from the router's key (enrolled as router-b). The command
+        # returns once b stopped its sessions as they went idle.
         running = c.send(on_b[0], "sleep 2")
         next(iter(running))
-        node = c.request(Kind.DRAIN, {"on": True, "node": "b"}).body["node"]
-        assert (node["name"], node["draining"]) == ("b", True)
-        # The running turn finishes on b, with its answer.
+        drained = hs("route", "--state-dir", str(router.state_dir), "drain", "b", "--wait")
+        assert drained.returncode == 0, drained.stderr
+        assert "node b draining" in drained.stdout, drained.stdout
+        assert "drained: no session left" in drained.stdout
+        # The running turn finished on b, with its answer.
         assert running.collect().ok
-        # b stops its sessions as they go idle and lets their leases go.
-        deadline = time.monotonic() + 30
-        while (held := node_row(c, "b")).get("sessions") != 0:
-            assert time.monotonic() < deadline, held
-            time.sleep(0.1)
-        assert held["draining"] is True
+        held = node_row(c, "b")
+        assert (held["draining"], held["sessions"]) == (True, 0)
         # Their next messages are answered on a, whose worker finds their files.
         for key in on_b:
             assert note(c, key) == f"of-{key}"
