@@ -8,6 +8,7 @@ import pytest
 from hermes_sup.client import (
     ApprovalRequest,
     Backoff,
+    Dropped,
     Event,
     Output,
     Overloaded,
@@ -56,6 +57,26 @@ def test_frames_not_ours_are_dropped_and_counted() -> None:
     )
     assert core.receive([b"garbage"]) is None
     assert core.dropped == 3 and not ping.done
+
+
+def test_a_dropped_notice_on_a_turn_queues_its_send_again_and_on_a_watch_does_not() -> None:
+    """The supervisor may have dropped the turn's reply too (beyond what it
+    keeps for a lagging client): the very same frames go again, so the
+    turn gets its final answer (or an error) instead of waiting for ever."""
+    core = ClientCore(KEY)
+    turn, frames = core.request(Kind.SEND, {"text": "hi"}, "s")
+    watch, _ = core.request(Kind.WATCH, {}, "s")
+    notice = {"type": "dropped", "data": {"count": 4, "reason": "slow_consumer"}}
+    assert core.receive(answer(turn.id, Kind.EVENT, notice)) is turn
+    assert core.receive(answer(watch.id, Kind.EVENT, notice)) is watch
+    assert core.take_outbox() == [frames] and core.take_outbox() == []
+    event = to_event(turn.inbox[0])
+    assert isinstance(event, Dropped) and event.count == 4 and event.reason == "slow_consumer"
+    # Its reply (kept, or the answer to the resend) ends it; a second one is
+    # an answer to a request no longer pending, and is dropped.
+    reply = answer(turn.id, Kind.REPLY, {"text": "hi", "ok": True})
+    assert core.receive(reply) is turn and turn.done
+    assert core.receive(reply) is None and core.take_outbox() == []
 
 
 def test_watch_ends_only_when_unwatched_or_on_error() -> None:
