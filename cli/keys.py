@@ -26,6 +26,8 @@ def keys() -> None:
     """CURVE keys of remote front ends (serve --tcp).
 
     The allowlist is read at every connection: changes need no restart.
+    A front end named `router` or `router-*` is a router (hermes-sup
+    route): besides what every front end may do, it may drain the node.
     """
 
 
@@ -79,7 +81,8 @@ def keys_generate(name: str, endpoint: str, output: Path | None, data_dir: Path 
         )
     except (remote.RemoteError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"allowed {name} ({public.decode()})\nwrote {output}")
+    role = " as a router: it may also drain this node" if remote.is_router(name) else ""
+    click.echo(f"allowed {name} ({public.decode()}){role}\nwrote {output}")
 
 
 @keys.command(name="list")
@@ -92,14 +95,16 @@ def keys_list(data_dir: Path | None) -> None:
     if not clients:
         click.echo("no remote front ends are allowed")
     for name, public in clients.items():
-        click.echo(f"{name}  {public.decode()}")
+        role = "  (router: may drain)" if remote.is_router(name) else ""
+        click.echo(f"{name}  {public.decode()}{role}")
 
 
 @keys.command(name="revoke")
 @click.argument("name")
 @DATA_DIR
 def keys_revoke(name: str, data_dir: Path | None) -> None:
-    """Refuse the front end NAME from its next connection on."""
+    """Refuse the front end NAME from its next connection on (a router's
+    drain at once, on the connection it has too)."""
     from hermes_sup.supervisor import remote
 
     try:
