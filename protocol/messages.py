@@ -80,7 +80,12 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
         "state": ((str,), True),
         "created": ((bool,), True),
     },
-    Kind.SEND: {"text": ((str,), True), "options": ((dict,), False), "context": ((dict,), False)},
+    Kind.SEND: {
+        "text": ((str,), True),
+        "options": ((dict,), False),
+        "context": ((dict,), False),
+        "ack": ((bool,), False),  # false: no `running` event when the turn starts
+    },
     Kind.EVENT: {
         "type": ((str,), True),
         "data": ((object,), False),

@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 A `send` becomes a `Turn` in its session's queue. When the session's worker
 is idle, `pump` takes the next turn and `begin` hands it to the worker, then
-tells the client it runs (`running`, with the worker's pid) and records it
-in the session's history. The worker's events for the turn go to its client
+tells the client it runs (`running`, with the worker's pid, unless its
+`send` said `ack: false`) and records it in the session's history. The worker's events for the turn go to its client
 as they come; its reply (or error) is the turn's final answer, given once by
 `finish`, which also remembers it for a client that resends the same id.
 
@@ -123,6 +123,9 @@ class Turns:
         self.kept: OrderedDict[str, int] = OrderedDict()
         self.kept_bytes = 0
         self.queued_total = 0
+        # Turns whose client asked for no `running` acknowledgement (a `send`
+        # with `ack: false`), by id, until they begin or end.
+        self.unacked: set[str] = set()
         # End a worker that will not stop a cancelled turn: the lifecycle's.
         self.terminate = terminate
 
@@ -249,6 +252,16 @@ class Turns:
 
     # -------------------------------------------------------------- queues
 
+    def note_send(self, msg: Message) -> None:
+        """What a `send` asks of its turn besides running it: `ack: false`
+        is no `running` event when it starts (PROTOCOL.md). A client that
+        needs no proof of life between its send and the turn's first event
+        saves a message and a signature a turn; by default (`ack` absent or
+        true) every turn gets one. Called for each new `send` as it is
+        enqueued."""
+        if msg.body.get("ack") is False:
+            self.unacked.add(msg.id)
+
     def enqueue(self, session: Session, turn: Turn) -> None:
         session.queue.append(turn)
         self.queued_total += 1
@@ -324,15 +337,18 @@ class Turns:
                 session, Message(Kind.CANCEL, {"turn": turn.id}, session=session.key)
             )
         session.cancel_on_hello = None
-        self.endpoints.to_client(
-            turn.client,
-            Message(
-                Kind.EVENT,
-                {"type": "status", "data": {"state": "running", "pid": session.pid}},
-                session=session.key,
-                re=turn.id,
-            ),
-        )
+        if turn.id in self.unacked:
+            self.unacked.discard(turn.id)
+        else:
+            self.endpoints.to_client(
+                turn.client,
+                Message(
+                    Kind.EVENT,
+                    {"type": "status", "data": {"state": "running", "pid": session.pid}},
+                    session=session.key,
+                    re=turn.id,
+                ),
+            )
         self.watchers.publish(
             session, "turn", {"text": turn.text}, turn=turn.id, bound=16 + 4 * len(turn.text)
         )
@@ -391,6 +407,7 @@ class Turns:
         self, turn: Turn, session: Session, final: Message, payload: bytes | None = None
     ) -> None:
         """Give a turn its one final answer (and remember it for resends)."""
+        self.unacked.discard(turn.id)  # one that ended before it began
         record = self.sent.get(turn.id)
         if record is not None:
             size = len(payload) if payload is not None else approx_size(final.body)
