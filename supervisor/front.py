@@ -218,6 +218,7 @@ class Front:
         turn = Turn(
             id=msg.id, client=client, text=msg.body["text"], context=msg.body.get("context")
         )
+        turns.note_send(msg)  # `ack: false`: no `running` event when it starts
         turns.enqueue(session, turn)
         turns.remember(msg.id, SentTurn(session=key, turn=turn, client=client))
         session.touch()

@@ -176,6 +176,30 @@ def test_turns_list_and_node_loss_through_the_router(cluster) -> None:
                 break
 
 
+def test_a_send_with_ack_false_gets_no_running_event_through_the_router(cluster) -> None:
+    """The router forwards a send's payload unchanged, so a node sees its
+    `ack: false` and leaves out the `running` event (one message fewer a
+    turn, both hops); a send without it still gets one."""
+    _, router = cluster
+    with Client(router.state_dir, timeout=30.0) as c:
+        assert c.run("ack:1", "hello").ok  # the worker is up: the next turn runs at once
+
+        def events(body: dict) -> list[str]:
+            sent = c.submit(Kind.SEND, body, "ack:1")
+            seen = []
+            while True:
+                msg = c.next()
+                assert msg.re == sent, msg
+                if msg.kind is not Kind.EVENT:
+                    return seen
+                data = msg.body.get("data")
+                state = data.get("state") if isinstance(data, dict) else None
+                seen.append(state or msg.body["type"])
+
+        assert events({"text": "hello"})[0] == "running"
+        assert "running" not in events({"text": "hello", "ack": False})
+
+
 @pytest.fixture
 def shared_cluster(supervisor_factory, workdir):
     """Two supervisors (a, b) on ONE shared data directory (session leases)."""
