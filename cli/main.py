@@ -20,6 +20,7 @@ import json
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -219,19 +220,32 @@ def reload(ctx: click.Context) -> None:
     is_flag=True,
     help="Return once the node holds no session (every one finished and stopped).",
 )
+@click.option(
+    "--node",
+    "name",
+    default=None,
+    metavar="NAME",
+    help="The node to drain: through a router (hermes-sup route), which one; "
+    "on a supervisor, it must be its own name.",
+)
 @click.pass_context
-def drain(ctx: click.Context, off: bool, wait: bool) -> None:
-    """Drain this node: take no new sessions (they get `moved`, which a
+def drain(ctx: click.Context, off: bool, wait: bool, name: str | None) -> None:
+    """Drain a node: take no new sessions (they get `moved`, which a
     router sends elsewhere), let running turns finish, and stop each
-    session as it goes idle. Local only, as shutdown.
+    session as it goes idle. From a supervisor's own host, or through a
+    router's local socket with --node (the router drains with its key).
 
     \b
     Examples:
       hermes-sup drain --wait
       hermes-sup drain --off
+      hermes-sup --state-dir /run/hermes-route drain --node b --wait
     """
+    body: dict[str, object] = {"on": not off}
+    if name is not None:
+        body["node"] = name
     with connect(ctx) as client:
-        node = client.request(Kind.DRAIN, {"on": not off}).body["node"]
+        node = client.request(Kind.DRAIN, body).body["node"]
         if off:
             click.echo(f"node {node['name']}: taking new sessions again")
             return
@@ -247,11 +261,23 @@ def drain(ctx: click.Context, off: bool, wait: bool) -> None:
                 said = waited
                 click.echo(f"{node['sessions']} session(s) still held ({waited:.0f}s)...", err=True)
             time.sleep(0.2)
-            node = client.status()["node"]
+            node = _node_status(client.status(), node["name"])
             if not node["draining"]:
                 raise click.ClickException("the drain was ended (drain --off) while waiting")
         if wait:
             click.echo("drained: no session left")
+
+
+def _node_status(status: dict[str, Any], name: str) -> dict[str, Any]:
+    """A node's `node` map in a status answer: a supervisor's own, or, from
+    a router, the named node's among its merged `nodes`."""
+    for entry in status.get("nodes") or []:
+        node = (entry.get("status") or {}).get("node") or {}
+        if node.get("name") == name:
+            return dict(node)
+    if "node" in status and status["node"].get("name") == name:
+        return dict(status["node"])
+    raise click.ClickException(f"node {name!r} is no longer in the status answer")
 
 
 @client_options
