@@ -2,6 +2,8 @@
 
     make bench                   # everything (a few minutes)
     python bench/run.py --quick  # smaller counts, for a smoke run
+    python bench/run.py --only spawn       # just spawns (no peers) next to the bare fork
+    python bench/run.py --only round_trip  # just round trips next to the bare proxy
 
 Prints a table and writes bench/results/latest.json. Machines here are
 shared and noisy: repeat, report p50 and p99, and judge by ratios to a floor
@@ -127,6 +129,16 @@ def spawn_hermes_sup(sup: Sup, count: int, prefix: str, gap: float = 0.0) -> lis
             times.append(time.perf_counter() - started)
             assert reply.ok
     return times
+
+
+def spawn_without_spares(count: int) -> dict[str, Any]:
+    """The same from a supervisor told `--spare-workers 0`: every new
+    session's worker forked on its way (the default before spares were)."""
+    sup = Sup("--spare-workers", "0")
+    try:
+        return summary(spawn_hermes_sup(sup, count, "nospare"))
+    finally:
+        sup.close()
 
 
 def spawn_with_spares(count: int) -> dict[str, Any]:
@@ -346,8 +358,16 @@ def proxy_floor(sessions: int, count: int, window: int) -> dict[str, Any]:
     s.connect(front_ep)
     try:
         time.sleep(0.5 + sessions * 0.02)  # let the echo workers connect
-        for n in names:  # one warm-up each
-            s.send_multipart([n.encode(), b"x"])
+        # One warm-up each, resent until it is answered: the proxy drops a
+        # message to an echo worker that has not connected yet (under load
+        # the sleep above is not enough), and a recv for it never returned.
+        for n in names:
+            while True:
+                s.send_multipart([n.encode(), b"x"])
+                if s.poll(1000):
+                    s.recv_multipart()
+                    break
+        while s.poll(300):  # a late second answer to a resent warm-up
             s.recv_multipart()
         return _drive(
             lambda i: s.send_multipart([names[i % sessions].encode(), b"x"]),
@@ -366,15 +386,17 @@ def proxy_floor(sessions: int, count: int, window: int) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def routed(sup: Sup, sessions: int, count: int, window: int) -> dict[str, Any]:
-    """hermes-sup: client -> supervisor -> probe worker (echo) -> client."""
-    keys = [f"rt{sessions}-{i}" for i in range(sessions)]
+def routed(sup: Sup, sessions: int, count: int, window: int, ack: bool = True) -> dict[str, Any]:
+    """hermes-sup: client -> supervisor -> probe worker (echo) -> client.
+    `ack=False` sends `ack: false`: no `running` event a turn."""
+    keys = [f"rt{sessions}{'' if ack else 'q'}-{i}" for i in range(sessions)]
+    body: dict[str, Any] = {"text": "x"} if ack else {"text": "x", "ack": False}
     with sup.client() as c:
         for k in keys:
             c.run(k, "x")
 
         def send(i: int) -> None:
-            c.submit(Kind.SEND, {"text": "x"}, session=keys[i % sessions])
+            c.submit(Kind.SEND, body, session=keys[i % sessions])
 
         def recv() -> None:
             while c.next().kind is Kind.EVENT:
@@ -389,6 +411,34 @@ def routed(sup: Sup, sessions: int, count: int, window: int) -> dict[str, Any]:
             router=[sup.proc.pid],
             workers=[rows[k] for k in keys],
         )
+
+
+def ack_paired(sup: Sup, count: int) -> dict[str, Any]:
+    """Round trips of one session, one in flight, alternating a `send` with
+    the `running` acknowledgement and one with `ack: false`, so that each
+    pair ran under the same load; and the messages a turn cost each way."""
+    key = "ack-1"
+    times: dict[bool, list[float]] = {True: [], False: []}
+    messages: dict[bool, int] = {True: 0, False: 0}
+    with sup.client() as c:
+        c.run(key, "x")
+        for i in range(count * 2):
+            ack = i % 2 == 0
+            body: dict[str, Any] = {"text": "x"} if ack else {"text": "x", "ack": False}
+            started = time.perf_counter()
+            c.submit(Kind.SEND, body, session=key)
+            got = 1
+            while c.next().kind is Kind.EVENT:
+                got += 1
+            times[ack].append(time.perf_counter() - started)
+            messages[ack] = got
+    diffs = [a - b for a, b in zip(times[True], times[False], strict=True)]
+    return {
+        "ack": summary(times[True]),
+        "no_ack": summary(times[False]),
+        "median_paired_saving_ms": statistics.median(diffs) * 1e3,
+        "messages_to_client": {"ack": messages[True], "no_ack": messages[False]},
+    }
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -500,6 +550,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small counts (smoke run)")
     parser.add_argument("--skip-scale", action="store_true")
+    parser.add_argument(
+        "--only",
+        choices=("spawn", "round_trip"),
+        help="just this figure and its floor (spawn: without peers), for a quick check",
+    )
     args = parser.parse_args()
     q = args.quick
     n_spawn = 50 if q else 200
@@ -515,87 +570,115 @@ def main() -> int:
     }
     gc.collect()
 
-    print("spawn ...", flush=True)
-    ticks = cpu_ticks()
-    floor = spawn_bare_fork(n_spawn)
     sup = Sup()
     try:
-        ours = spawn_hermes_sup(sup, n_spawn, "sp")
-        out["spawn"] = {
-            "bare_fork_floor": summary(floor),
-            "hermes_sup": summary(ours),
-            "forkserver_warm": summary(spawn_multiprocessing("forkserver", n_spawn)),
-            "mp_spawn": summary(spawn_multiprocessing("spawn", max(10, n_spawn // 4))),
-        }
-        # Peers from the `bench` extra, when it is installed.
-        for name, measure in (("circus", spawn_circus), ("jupyter", spawn_jupyter)):
-            times = measure(max(5, n_spawn // 10))
-            if times is not None:
-                out["spawn"][name] = summary(times)
-        out["spawn"]["ratio_p50_to_floor"] = (
-            out["spawn"]["hermes_sup"]["p50_ms"] / out["spawn"]["bare_fork_floor"]["p50_ms"]
-        )
-        out["spawn"]["hermes_sup_2_spares"] = spawn_with_spares(n_spawn)
-        out["spawn"]["cpu_stolen_pct"] = stolen_pct(ticks)
-
-        print("round trips ...", flush=True)
-        rt = {}
-        for sessions in (1, 64):
-            rt[f"floor_{sessions}"] = proxy_floor(sessions, n_rt, 256)
-            rt[f"hermes_sup_{sessions}"] = routed(sup, sessions, n_rt, 256)
-            rt[f"ratio_p50_{sessions}"] = (
-                rt[f"hermes_sup_{sessions}"]["latency"]["p50_ms"]
-                / rt[f"floor_{sessions}"]["latency"]["p50_ms"]
-            )
-            rt[f"ratio_throughput_{sessions}"] = (
-                rt[f"hermes_sup_{sessions}"]["throughput_per_s"]
-                / rt[f"floor_{sessions}"]["throughput_per_s"]
-            )
-        out["round_trip"] = rt
-
-        print("memory ...", flush=True)
-        time.sleep(1)
-        pids = sup.worker_pids()[:50]
-        out["memory"] = {"probe_idle_50": memory_of(pids)}
+        if args.only in (None, "spawn"):
+            out["spawn"] = measure_spawns(sup, n_spawn, peers=args.only is None)
+        if args.only in (None, "round_trip"):
+            out["round_trip"] = measure_round_trips(sup, n_rt)
+        if args.only is None:
+            print("memory ...", flush=True)
+            time.sleep(1)
+            pids = sup.worker_pids()[:50]
+            out["memory"] = {"probe_idle_50": memory_of(pids)}
     finally:
         sup.close()
 
-    if not args.skip_scale:
+    if args.only is None and not args.skip_scale:
         print("scale ...", flush=True)
         out["scale"] = scale(200 if q else 2000, n_rt // 10)
         out["memory"]["probe_idle_1000"] = out["scale"].pop("memory_at_1000", None)
 
-    print("hermes ...", flush=True)
-    out["hermes"] = hermes_bench(5 if q else 20)
+    if args.only is None:
+        print("hermes ...", flush=True)
+        out["hermes"] = hermes_bench(5 if q else 20)
 
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(out, indent=2))
+    name = "latest.json" if args.only is None else f"latest-{args.only}.json"
+    (RESULTS / name).write_text(json.dumps(out, indent=2))
     print_table(out)
-    print(f"\nfull results: {RESULTS / 'latest.json'}")
+    print(f"\nfull results: {RESULTS / name}")
     return 0
 
 
-def print_table(out: dict[str, Any]) -> None:
-    """The figures that matter, with their floors and the ratio between."""
-    rows: list[tuple[str, str, str, str]] = [("figure", "hermes-sup", "floor/peer", "ratio")]
-    s = out["spawn"]
-    rows.append(
+def measure_spawns(sup: Sup, n_spawn: int, peers: bool) -> dict[str, Any]:
+    """Spawns of `sup` (default settings: spare workers on), of one with
+    none and one with 2, next to the bare fork floor (and the peers)."""
+    print("spawn ...", flush=True)
+    ticks = cpu_ticks()
+    floor = spawn_bare_fork(n_spawn)
+    with sup.client() as c:  # the default spares, ready, as on a serving machine
+        deadline = time.monotonic() + 10
+        while c.status()["spare_workers"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    ours = spawn_hermes_sup(sup, n_spawn, "sp")
+    out: dict[str, Any] = {"bare_fork_floor": summary(floor), "hermes_sup": summary(ours)}
+    if peers:
+        out["forkserver_warm"] = summary(spawn_multiprocessing("forkserver", n_spawn))
+        out["mp_spawn"] = summary(spawn_multiprocessing("spawn", max(10, n_spawn // 4)))
+        # Peers from the `bench` extra, when it is installed.
+        for name, measure in (("circus", spawn_circus), ("jupyter", spawn_jupyter)):
+            times = measure(max(5, n_spawn // 10))
+            if times is not None:
+                out[name] = summary(times)
+    out["ratio_p50_to_floor"] = out["hermes_sup"]["p50_ms"] / out["bare_fork_floor"]["p50_ms"]
+    out["ratio_p99_to_floor"] = out["hermes_sup"]["p99_ms"] / out["bare_fork_floor"]["p99_ms"]
+    out["hermes_sup_no_spares"] = spawn_without_spares(n_spawn)
+    out["hermes_sup_2_spares"] = spawn_with_spares(n_spawn)
+    out["cpu_stolen_pct"] = stolen_pct(ticks)
+    return out
+
+
+def measure_round_trips(sup: Sup, n_rt: int) -> dict[str, Any]:
+    """Round trips and throughput with 1 and 64 sessions next to the bare
+    proxy, and what the `running` acknowledgement costs one session."""
+    print("round trips ...", flush=True)
+    rt: dict[str, Any] = {}
+    for sessions in (1, 64):
+        rt[f"floor_{sessions}"] = proxy_floor(sessions, n_rt, 256)
+        rt[f"hermes_sup_{sessions}"] = routed(sup, sessions, n_rt, 256)
+        rt[f"ratio_p50_{sessions}"] = (
+            rt[f"hermes_sup_{sessions}"]["latency"]["p50_ms"]
+            / rt[f"floor_{sessions}"]["latency"]["p50_ms"]
+        )
+        rt[f"ratio_throughput_{sessions}"] = (
+            rt[f"hermes_sup_{sessions}"]["throughput_per_s"]
+            / rt[f"floor_{sessions}"]["throughput_per_s"]
+        )
+    rt["hermes_sup_1_no_ack"] = routed(sup, 1, n_rt, 256, ack=False)
+    rt["ratio_p50_1_no_ack"] = (
+        rt["hermes_sup_1_no_ack"]["latency"]["p50_ms"] / rt["floor_1"]["latency"]["p50_ms"]
+    )
+    rt["ack_paired"] = ack_paired(sup, n_rt // 2)
+    return rt
+
+
+def spawn_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = [
         (
-            "spawn p50 ms",
+            "spawn p50 ms (default spares)",
             f"{s['hermes_sup']['p50_ms']:.2f}",
             f"{s['bare_fork_floor']['p50_ms']:.2f} bare fork",
             f"{s['ratio_p50_to_floor']:.2f}x",
-        )
-    )
-    rows.append(
+        ),
         (
-            "spawn p99 ms",
+            "spawn p99 ms (default spares)",
             f"{s['hermes_sup']['p99_ms']:.2f}",
             f"{s['bare_fork_floor']['p99_ms']:.2f} bare fork",
-            "",
-        )
-    )
+            f"{s['ratio_p99_to_floor']:.2f}x" if "ratio_p99_to_floor" in s else "",
+        ),
+    ]
     floor_p50 = s["bare_fork_floor"]["p50_ms"]
+    none = s.get("hermes_sup_no_spares")
+    if none:
+        rows.append(
+            (
+                "  with --spare-workers 0: p50 (p99)",
+                f"{none['p50_ms']:.2f} ({none['p99_ms']:.1f})",
+                "",
+                f"{none['p50_ms'] / floor_p50:.2f}x",
+            )
+        )
     for mode, label in (("spaced", "20 ms apart"), ("back_to_back", "back to back")):
         spared = s.get("hermes_sup_2_spares", {}).get(mode)
         if spared:
@@ -609,12 +692,19 @@ def print_table(out: dict[str, Any]) -> None:
             )
     if "cpu_stolen_pct" in s:
         rows.append(("  CPU stolen by the host, %", f"{s['cpu_stolen_pct']:.1f}", "", ""))
-    rows.append(("", "", f"{s['forkserver_warm']['p50_ms']:.2f} warm forkserver", ""))
-    rows.append(("", "", f"{s['mp_spawn']['p50_ms']:.2f} mp spawn", ""))
-    for name, label in (("circus", "circus watcher"), ("jupyter", "Jupyter kernel")):
+    for name, label in (
+        ("forkserver_warm", "warm forkserver"),
+        ("mp_spawn", "mp spawn"),
+        ("circus", "circus watcher"),
+        ("jupyter", "Jupyter kernel"),
+    ):
         if name in s:
             rows.append(("", "", f"{s[name]['p50_ms']:.2f} {label}", ""))
-    r = out["round_trip"]
+    return rows
+
+
+def round_trip_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = []
     for n in (1, 64):
         ours, floor = r[f"hermes_sup_{n}"], r[f"floor_{n}"]
         rows.append(
@@ -625,6 +715,15 @@ def print_table(out: dict[str, Any]) -> None:
                 f"{r[f'ratio_p50_{n}']:.2f}x",
             )
         )
+        if n == 1 and "hermes_sup_1_no_ack" in r:
+            rows.append(
+                (
+                    "  with ack: false",
+                    f"{r['hermes_sup_1_no_ack']['latency']['p50_ms']:.3f}",
+                    "",
+                    f"{r['ratio_p50_1_no_ack']:.2f}x",
+                )
+            )
         rows.append(
             (
                 f"throughput msg/s, {n} sess",
@@ -643,6 +742,26 @@ def print_table(out: dict[str, Any]) -> None:
                     f"{mine / base:.1f}x" if base > 0 else "",
                 )
             )
+    paired = r.get("ack_paired")
+    if paired:
+        rows.append(
+            (
+                "  paired: ack / ack: false p50 ms",
+                f"{paired['ack']['p50_ms']:.3f} / {paired['no_ack']['p50_ms']:.3f}",
+                f"saving {paired['median_paired_saving_ms'] * 1e3:.0f} us",
+                "",
+            )
+        )
+    return rows
+
+
+def print_table(out: dict[str, Any]) -> None:
+    """The figures that matter, with their floors and the ratio between."""
+    rows: list[tuple[str, str, str, str]] = [("figure", "hermes-sup", "floor/peer", "ratio")]
+    if "spawn" in out:
+        rows += spawn_rows(out["spawn"])
+    if "round_trip" in out:
+        rows += round_trip_rows(out["round_trip"])
     for name, mem in out.get("memory", {}).items():
         if mem:
             rows.append(
