@@ -394,8 +394,9 @@ def wait_for_spares(client, count: int) -> None:  # noqa: ANN001
         time.sleep(0.02)
 
 
+# Spares are on by default: the forked case turns them off.
 FORKED_OR_SPARE = pytest.mark.parametrize(
-    "spares", [[], ["--spare-workers", "2"]], ids=["forked", "spare"]
+    "spares", [["--spare-workers", "0"], ["--spare-workers", "2"]], ids=["forked", "spare"]
 )
 
 
@@ -411,7 +412,7 @@ def test_a_first_turn_handed_to_a_starting_worker_can_be_cancelled(
     sup = supervisor_factory("--agent", "hs_picky:make", *spares, env=env)
     with sup.client() as client:
         assert client.run("warm", "hi").text == "hi"
-        wait_for_spares(client, len(spares) and 2)
+        wait_for_spares(client, int(spares[-1]))
         req = client.submit(Kind.SEND, {"text": "sleep 30"}, session="slow-1")
         started = time.monotonic()
         assert client.cancel("slow-1") == req  # its worker is still in make()
@@ -436,7 +437,7 @@ def test_a_handed_first_turn_whose_worker_cannot_start_is_not_lost(
     )
     with sup.client() as client:
         assert client.run("warm", "hi").text == "hi"
-        wait_for_spares(client, len(spares) and 2)
+        wait_for_spares(client, int(spares[-1]))
         with pytest.raises(SupervisorError) as err:
             client.run("bad-1", "hi")
         assert err.value.code == "session_failed"
