@@ -1,9 +1,7 @@
 """`send` with `ack: false`: no `running` event when the turn starts.
 
 The real Turns and Front with a fake pool and fake endpoints (no process,
-no socket). Front.send does not yet pass the flag on (supervisor/front.py
-is another helper's file): `sent` below does what it is to do, calling
-`Turns.note_send` with the request as it is enqueued."""
+no socket), and once end to end with a real supervisor."""
 
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ def rig(tmp_path, monkeypatch) -> Callable[..., Rig]:
 def sent(h: Rig, key: str, text: str, **flags: Any) -> str:
     """A `send` of `text` to `key` with body `flags` (e.g. ack=False)."""
     msg = Message(Kind.SEND, {"text": text, **flags}, session=key)
-    h.turns.note_send(msg)  # what Front.send is to do with each new send
     h.front.on_frames(ALICE[0], [ALICE[1:], *encode(msg, CLIENT_KEY)])
     return msg.id
 
@@ -101,3 +98,23 @@ def test_ack_must_be_a_boolean() -> None:
     with pytest.raises(RemoteProtocolError) as err:
         decode(frames, CLIENT_KEY)
     assert err.value.code is ErrorCode.BAD_FIELD and "'ack'" in err.value.message
+
+
+@pytest.mark.e2e
+def test_a_real_supervisor_sends_no_running_event_to_a_turn_that_asked_for_none(
+    supervisor,
+) -> None:
+    with supervisor.client() as client:
+        client.run("a", "x")  # a worker, idle: the next turn starts at once
+
+        def messages(body: dict[str, Any]) -> list[Message]:
+            req = client.submit(Kind.SEND, body, session="a")
+            got = [client.answer(req)]
+            while got[-1].kind is Kind.EVENT:
+                got.append(client.answer(req))
+            return got
+
+        loud = messages({"text": "x"})
+        assert [m.body.get("data", {}).get("state") for m in loud[:-1]] == ["running"]
+        quiet = messages({"text": "x", "ack": False})
+        assert [m.kind for m in quiet] == [Kind.REPLY] and quiet[0].body["text"] == "x"
