@@ -556,6 +556,9 @@ def main() -> int:
         help="just this figure and its floor (spawn: without peers), for a quick check",
     )
     args = parser.parse_args()
+    # Killed (a timeout's SIGTERM), still stop the supervisors and the floor's
+    # processes in the `finally`s: they would outlive us otherwise.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     q = args.quick
     n_spawn = 50 if q else 200
     n_rt = 500 if q else 2000
