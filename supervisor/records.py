@@ -59,9 +59,14 @@ class WorkerRecords:
                 path.unlink(missing_ok=True)
                 continue
             key, created = record.get("key"), record.get("create_time")
+            tree: list[psutil.Process] = []
             try:
                 proc = psutil.Process(pid)
                 same = created is not None and proc.create_time() == created
+                if same:
+                    # A worker may die as we look (its zygote, killed with
+                    # the old supervisor, is killing it too): then it is gone.
+                    tree = proc.children(recursive=True)
             except psutil.Error:
                 same = False
             if not same:
@@ -69,7 +74,6 @@ class WorkerRecords:
                     f"record of session {key!r} pid {pid}: process gone or pid reused; ignored"
                 )
             else:
-                tree = proc.children(recursive=True)
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except OSError:
