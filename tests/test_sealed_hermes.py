@@ -450,7 +450,7 @@ def _memory_context(pid: int, needles: set[bytes]) -> list[bytes]:
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("extra", "as_user"),
-    [([], False), (["--spare-workers", "2"], False), ([], True)],
+    [(["--spare-workers", "0"], False), (["--spare-workers", "2"], False), ([], True)],
     ids=["forked", "spares", "unprivileged"],
 )
 def test_sealed_hermes_sessions_see_only_their_own(
@@ -605,7 +605,9 @@ def test_a_sealed_session_finds_nothing_of_another_in_its_workers_memory(
 
     model = FakeModel()
     try:
-        sup = _sealed_supervisor(supervisor_factory, model, workdir, [])
+        # Forked, not from spares: each worker a fork of the zygote after the
+        # other session's request went through it.
+        sup = _sealed_supervisor(supervisor_factory, model, workdir, ["--spare-workers", "0"])
         # Values no other text holds: each session's key and env token.
         alpha, beta = f"sa-{workdir.name}", f"sb-{workdir.name}"
         tokens = {k: f"tok-{k}-{os.getpid()}" for k in (alpha, beta)}
