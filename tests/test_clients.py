@@ -44,7 +44,8 @@ def test_a_turn_streams_typed_events_then_its_reply(supervisor) -> None:
     running = [e for e in events if isinstance(e, Running)]
     assert len(running) == 1 and running[0].pid and running[0].turn == turn.id
     tokens = [e.text for e in events if isinstance(e, Token)]
-    assert len(tokens) == 4 and "".join(tokens) == "the quick brown fox"
+    # Four words 20 ms apart; a worker may merge two that come closer under load.
+    assert 2 <= len(tokens) <= 4 and "".join(tokens) == "the quick brown fox"
     assert isinstance(events[-1], Reply) and turn.reply is events[-1]
     assert turn.reply.text == "the quick brown fox" and turn.reply.session == "s1"
 

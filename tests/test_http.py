@@ -121,7 +121,8 @@ def test_the_openai_sdk_chats_streaming_and_not(endpoint) -> None:
     pieces = [
         c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
     ]
-    assert pieces == ["jumps", " over", " the", " dog"]  # token by token, in order
+    # Token by token, in order; a worker may merge two that come close together.
+    assert "".join(pieces) == "jumps over the dog" and len(pieces) >= 2, pieces
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage is not None
 
