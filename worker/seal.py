@@ -36,67 +36,45 @@ Any failing step raises SealError and the worker exits with
 WorkerExit.SEAL_FAILED before any runtime code runs: it never runs against
 the zygote's paths or with other sessions' files in view (fail closed).
 
-libc's unshare, mount and capset are called through ctypes, as
-hermes_sup.local.prctl does for prctl.
+The system calls themselves (unshare, mount, capset, Landlock) and their
+constants are hermes_sup.local.syscalls; this module is the plan of what a
+sealed worker mounts, hides and drops.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import os
 import stat
-import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hermes_sup.local import syscalls
 from hermes_sup.local.prctl import prctl
-
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-MS_RDONLY = 0x1
-MS_NOSUID = 0x2
-MS_NODEV = 0x4
-MS_NOEXEC = 0x8
-MS_REMOUNT = 0x20
-MS_NOATIME = 0x400
-MS_NODIRATIME = 0x800
-MS_BIND = 0x1000
-MS_REC = 0x4000
-MS_PRIVATE = 0x40000
-MS_RELATIME = 0x200000
-# statvfs f_flag bits and the mount flags they stand for: a read-only
-# remount of a bind inside a user namespace must keep the flags the parent
-# namespace set (they are locked), or the kernel refuses it.
-_STATVFS_TO_MS = {
-    os.ST_NOSUID: MS_NOSUID,
-    os.ST_NODEV: MS_NODEV,
-    os.ST_NOEXEC: MS_NOEXEC,
-    os.ST_NOATIME: MS_NOATIME,
-    os.ST_NODIRATIME: MS_NODIRATIME,
-    os.ST_RELATIME: MS_RELATIME,
-}
-
-PR_SET_DUMPABLE = 4
-PR_CAPBSET_DROP = 24
-PR_SET_NO_NEW_PRIVS = 38
-PR_CAP_AMBIENT = 47
-PR_CAP_AMBIENT_CLEAR_ALL = 4
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
-
-# Landlock (Linux 6.12+, ABI 6): scopes that keep a sandboxed process from
-# signalling, or connecting to the abstract unix sockets of, processes
-# outside its domain. What closes signals between workers of one uid.
-_SYS_LANDLOCK_CREATE_RULESET = 444  # the same number on every architecture
-_SYS_LANDLOCK_RESTRICT_SELF = 446
-_LANDLOCK_CREATE_RULESET_VERSION = 1
-_LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET = 0x1
-_LANDLOCK_SCOPE_SIGNAL = 0x2
-LANDLOCK_SCOPE_ABI = 6
+from hermes_sup.local.syscalls import (
+    CLONE_NEWNS,
+    CLONE_NEWUSER,
+    LANDLOCK_SCOPE_ABI,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    PR_CAP_AMBIENT,
+    PR_CAP_AMBIENT_CLEAR_ALL,
+    PR_CAPBSET_DROP,
+    PR_SET_DUMPABLE,
+    PR_SET_NO_NEW_PRIVS,
+    STATVFS_TO_MS,
+    landlock_abi,
+)
 
 # For tests: make one step fail as if the kernel had refused it (EPERM).
 # The supervisor reads it from its own environment and passes it on.
@@ -111,15 +89,6 @@ MOUNTPOINT_MODE = 0o711
 TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
 TMPFS_DATA = f"mode={MOUNTPOINT_MODE:o},size=64k"
 MODES = ("root", "user")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_char_p,
-]
 
 
 class SealError(Exception):
@@ -166,8 +135,8 @@ class SessionDirs:
 # ------------------------------------------------------------------ syscalls
 
 
-def _fail(step: str, what: str, err: int | None = None) -> SealError:
-    err = ctypes.get_errno() if err is None else err
+def _fail(step: str, what: str, err: int | None) -> SealError:
+    err = errno.EIO if err is None else err  # never None from hermes_sup.local.syscalls
     return SealError(step, f"{what}: {os.strerror(err)} (errno {errno.errorcode.get(err, err)})")
 
 
@@ -179,27 +148,19 @@ def _check_fault(step: str, fault: str | None) -> None:
 def _mount(
     step: str, source: str | None, target: str, fstype: str | None, flags: int, data: str = ""
 ) -> None:
-    rc = _libc.mount(
-        source.encode() if source is not None else None,
-        target.encode(),
-        fstype.encode() if fstype is not None else None,
-        flags,
-        data.encode() if data else None,
-    )
-    if rc != 0:
-        raise _fail(step, f"mount {source or fstype or '(remount)'} on {target}")
+    try:
+        syscalls.mount(source, target, fstype, flags, data)
+    except OSError as exc:
+        raise _fail(
+            step, f"mount {source or fstype or '(remount)'} on {target}", exc.errno
+        ) from None
 
 
 def _unshare(step: str, flags: int) -> None:
-    if _libc.unshare(flags) != 0:
-        raise _fail(step, f"unshare({_flag_names(flags)})")
-
-
-def _flag_names(flags: int) -> str:
-    names = [
-        n for n, v in (("CLONE_NEWUSER", CLONE_NEWUSER), ("CLONE_NEWNS", CLONE_NEWNS)) if flags & v
-    ]
-    return "|".join(names)
+    try:
+        syscalls.unshare(flags)
+    except OSError as exc:
+        raise _fail(step, f"unshare({syscalls.clone_flag_names(flags)})", exc.errno) from None
 
 
 def _write(step: str, path: str, text: str) -> None:
@@ -212,38 +173,18 @@ def _write(step: str, path: str, text: str) -> None:
 
 def _capset_zero(step: str) -> None:
     """Clear this thread's effective, permitted and inheritable capabilities."""
-    header = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
-    data = bytes(24)  # two {effective, permitted, inheritable} u32 triples
-    hdr_buf = ctypes.create_string_buffer(header, len(header))
-    data_buf = ctypes.create_string_buffer(data, len(data))
-    if _libc.capset(hdr_buf, data_buf) != 0:
-        raise _fail(step, "capset(0, 0, 0)")
-
-
-@functools.cache
-def _last_cap() -> int:
     try:
-        return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
-    except (OSError, ValueError):
-        return 40
-
-
-@functools.cache
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version, 0 if it has none (or it is off)."""
-    syscall = _libc.syscall
-    abi = syscall(_SYS_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
-    return max(0, int(abi))
+        syscalls.capset_zero()
+    except OSError as exc:
+        raise _fail(step, "capset(0, 0, 0)", exc.errno) from None
 
 
 def _signal_ruleset(step: str) -> int:
     """A Landlock ruleset that scopes signals and abstract unix sockets."""
-    attr = struct.pack("QQQ", 0, 0, _LANDLOCK_SCOPE_SIGNAL | _LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET)
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    fd = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, buf, len(attr), 0)
-    if fd < 0:
-        raise _fail(step, "landlock_create_ruleset(scoped signals)")
-    return int(fd)
+    try:
+        return syscalls.signal_ruleset()
+    except OSError as exc:
+        raise _fail(step, "landlock_create_ruleset(scoped signals)", exc.errno) from None
 
 
 # Made once by the zygote (`prepare`), inherited by every worker it forks
@@ -262,8 +203,9 @@ def _scope_signals(step: str) -> bool:
     if fd is None:
         fd = _signal_ruleset(step)
     try:
-        if _libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
-            raise _fail(step, "landlock_restrict_self")
+        syscalls.landlock_restrict_self(fd)
+    except OSError as exc:
+        raise _fail(step, "landlock_restrict_self", exc.errno) from None
     finally:
         os.close(fd)
     return True
@@ -303,7 +245,7 @@ def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
     # The bounding set first: once our uid is not 0 we could not drop it.
     # It and no_new_privs only limit what an exec may gain; our effective
     # capabilities (mount, chown, setuid) stay until `drop`.
-    for cap in range(_last_cap() + 1):
+    for cap in range(syscalls.last_cap() + 1):
         try:
             prctl(PR_CAPBSET_DROP, cap)
         except OSError as exc:
@@ -364,7 +306,7 @@ def _remount_readonly(step: str, target: Path) -> None:
     except OSError as exc:
         raise SealError(step, f"statvfs {target}: {exc.strerror}") from None
     flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-    for st, ms in _STATVFS_TO_MS.items():
+    for st, ms in STATVFS_TO_MS.items():
         if f_flag & st:
             flags |= ms
     _mount(step, None, str(target), None, flags)
@@ -403,7 +345,7 @@ def prepare() -> None:
     global _RULESET_FD
     code_paths()
     _closed_code_ancestors()
-    _last_cap()
+    syscalls.last_cap()
     if landlock_abi() >= LANDLOCK_SCOPE_ABI and _RULESET_FD is None:
         try:
             _RULESET_FD = _signal_ruleset("harden")
