@@ -4,7 +4,7 @@ read with the supervisor down (after a crash, say).
 A session's directory is named by a digest of its key (PROTOCOL.md), so the
 key alone finds it; the worker's stdout and stderr are in `worker.log`
 there, with the older lines in `worker.log.1`, `.2`, ... (rotated by size,
-newest first), each line after its timestamp (supervisor/logs.py).
+newest first), each line after its timestamp (supervisor/logread.py).
 Following polls the file as `tail -F` does: across rotation, and across the
 file appearing.
 """
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hermes_sup.protocol import session_dir_name
-from hermes_sup.supervisor import logs
+from hermes_sup.supervisor import logread
 
 LOG_FILE = "worker.log"  # as the supervisor writes it (supervisor/session.py)
 POLL = 0.25
@@ -47,7 +47,7 @@ def tail(
 ) -> list[str]:
     """The last `count` lines of the log and its rotated files, chosen and
     shown as the supervisor does for `logs` (by the same code)."""
-    return logs.tail(
+    return logread.tail(
         path, count, backups=len(rotated(path)), since=since, until=until, timestamps=timestamps
     )
 

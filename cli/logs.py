@@ -23,7 +23,7 @@ import click
 from hermes_sup.client import Timeout
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.config import DATA_DIR_ENV, default_data_dir
-from hermes_sup.supervisor.logs import MAX_LOG_TAIL, format_stamp, split_stamp, stamp_seconds
+from hermes_sup.supervisor.logread import MAX_LOG_TAIL, format_stamp, split_stamp, stamp_seconds
 
 from .common import RAW, SESSION, connect, parse_duration
 from .options import client_options

@@ -45,7 +45,7 @@ from .endpoints import Endpoints
 from .environment import worker_env
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
-from .logs import requested_lines
+from .logread import requested_lines
 from .pool import WorkerPool
 from .session import LOG_FILE, Session, StoredSession, Turn
 from .states import State

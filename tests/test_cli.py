@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from hermes_sup.cli.common import parse_duration
 from hermes_sup.cli.main import cli
 from hermes_sup.protocol import Kind, session_dir_name
-from hermes_sup.supervisor.logs import split_stamp
+from hermes_sup.supervisor.logread import split_stamp
 
 from .test_faults import RUNTIMES, until
 

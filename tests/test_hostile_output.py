@@ -48,7 +48,7 @@ def log_bytes(sup, key: str) -> int:
 
 def unstamped(data: bytes) -> bytes:
     """A stored log without the stamp each line begins with."""
-    from hermes_sup.supervisor.logs import PREFIX_WIDTH
+    from hermes_sup.supervisor.logread import PREFIX_WIDTH
 
     return b"".join(line[PREFIX_WIDTH:] for line in data.splitlines(keepends=True))
 
@@ -113,7 +113,8 @@ def test_one_wake_up_reads_at_most_its_budget(tmp_path: Path) -> None:
     """The loop gets control back after READ_BUDGET bytes (read and stored
     as stamps), however much the pipe still holds; the rest is read on the
     next wake-ups, line by line."""
-    from hermes_sup.supervisor.logs import PREFIX_WIDTH, READ_BUDGET, PipeReader, SessionLog
+    from hermes_sup.supervisor.logread import PREFIX_WIDTH
+    from hermes_sup.supervisor.logs import READ_BUDGET, PipeReader, SessionLog
 
     r, w = os.pipe()
     try:
@@ -181,7 +182,8 @@ def test_over_its_rate_a_pipe_is_held_and_nothing_is_lost(tmp_path: Path) -> Non
     than the rate allows."""
     import asyncio
 
-    from hermes_sup.supervisor.logs import PREFIX_WIDTH, READ_SIZE, PipeReader, SessionLog
+    from hermes_sup.supervisor.logread import PREFIX_WIDTH
+    from hermes_sup.supervisor.logs import READ_SIZE, PipeReader, SessionLog
 
     r, w = os.pipe()
     fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1024 * 1024)

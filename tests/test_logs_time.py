@@ -25,15 +25,15 @@ from hermes_sup.cli.logs import Window, parse_time
 from hermes_sup.cli.main import cli
 from hermes_sup.client import SupervisorError
 from hermes_sup.protocol import ErrorCode, Kind, RemoteProtocolError, session_dir_name
-from hermes_sup.supervisor.logs import (
+from hermes_sup.supervisor.logread import (
     PREFIX_WIDTH,
-    SessionLog,
     format_stamp,
     requested_lines,
     split_stamp,
     stamp_seconds,
     tail,
 )
+from hermes_sup.supervisor.logs import SessionLog
 
 from .test_faults import RUNTIMES, until
 
