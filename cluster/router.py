@@ -4,8 +4,8 @@ Theory of operation. Front ends connect to the router exactly as to a
 supervisor (PROTOCOL.md unchanged): an ipc control socket and key in the
 router's own state directory, and optionally a TCP endpoint with CURVE
 (keys in the router's data directory, `hermes-sup keys generate --data-dir`).
-The router holds one DEALER per node, as a remote front end of that node
-(TCP + CURVE, the node's remote HMAC key). Every request is verified with
+The router holds one DEALER per node (links.py), as a remote front end of
+that node (TCP + CURVE, the node's remote HMAC key). Every request is verified with
 the front end's key; its payload is then forwarded unchanged, signed with
 the node's key, and every answer comes back the same way. The payload is
 never rewritten, so ids, `ttl`, resends and streams mean what they mean
@@ -49,7 +49,6 @@ from zmq.utils.monitor import parse_monitor_message
 from hermes_sup.local import statedir as local_statedir
 from hermes_sup.local.frames import (
     EVENTS,
-    HANDSHAKE_FAILURES,
     NOBLOCK,
     POLLIN,
     recv_frames,
@@ -72,6 +71,7 @@ from hermes_sup.protocol import (
 )
 from hermes_sup.supervisor import statedir
 
+from .links import SNDHWM, NodeLink, reach
 from .merge import merge_sessions, merge_status
 from .nodes import NodeSpec
 from .placement import Candidate, Placement
@@ -85,12 +85,7 @@ MOVED = "moved"
 # How long a fanned-out request waits for slow nodes before it answers
 # with those that did (they are shown as not answered).
 FANOUT_TIMEOUT = 10.0
-# ZMTP heartbeats on node links: a node silent this long is lost, even
-# when its host vanished without closing the TCP connection.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 4000
 MAX_MOVES = 3
-SNDHWM = 100_000
 # Kinds the router answers itself or fans out; the rest name a session.
 FANOUT_KINDS = frozenset({Kind.LIST, Kind.STATUS, Kind.RELOAD})
 DRAIN = "drain"
@@ -145,47 +140,6 @@ class Pending:
     answered: bool = False  # FORWARD: the client has had an answer from a node
     watch: str | None = None  # UNWATCH: the watch it ends
     timer: asyncio.TimerHandle | None = None
-
-
-class NodeLink:
-    """The router's DEALER to one node, and whether its handshake succeeded."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, spec: NodeSpec) -> None:
-        self.spec = spec
-        self.live = False
-        # What the node last said of its draining (drain answers, status,
-        # `moved` for draining); the node list's `draining` counts too.
-        self.draining = False
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Queue only to a connection that is up: a request never waits in a
-        # pipe for a node that may not come back (it gets node_lost instead).
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        sock.setsockopt(zmq.RCVHWM, SNDHWM)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.curve_serverkey = spec.server_key.encode()
-        sock.curve_publickey = spec.public.encode()
-        sock.curve_secretkey = spec.secret.encode()
-        self.monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
-        )
-        sock.connect(spec.endpoint)
-        self.sock = sock
-        self.sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        self.reader: Callable[[], None] | None = None
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        with contextlib.suppress(zmq.ZMQError):
-            self.sock.disable_monitor()
-        self.monitor.close(0)
-        self.sock.close(0)
 
 
 NodeSource = Callable[[], list[NodeSpec]]
@@ -401,7 +355,7 @@ class Router:
         for name in list(self.links):
             spec = wanted.get(name)
             link = self.links[name]
-            if spec is None or _reach(spec) != _reach(link.spec):
+            if spec is None or reach(spec) != reach(link.spec):
                 log.info("router_node_removed node=%s", name)
                 self._drop_link(name, "it left the cluster")
         for name, spec in wanted.items():
@@ -815,11 +769,6 @@ class Router:
             del self.pending[p.id]
         if p.timer is not None:
             p.timer.cancel()
-
-
-def _reach(spec: NodeSpec) -> tuple[str, str, bytes, str, str]:
-    """What a link is made with: a change of any of it makes a new link."""
-    return (spec.endpoint, spec.server_key, spec.hmac_key, spec.public, spec.secret)
 
 
 def static_source(path: Path) -> NodeSource:
