@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -25,16 +26,9 @@ from hypothesis import strategies as st
 from hermes_sup.client import Overloaded, SupervisorError, Timeout
 from hermes_sup.protocol import Kind, Message
 
+from . import waiting
 
-def wait_for(predicate, timeout: float = 15.0):  # noqa: ANN001, ANN201
-    """Poll until `predicate` returns something truthy, with a deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("timed out")
+wait_for = partial(waiting.wait_for, timeout=15.0)
 
 
 # ------------------------------------------------------- options at the limit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,8 @@ import zmq
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import Kind, Message, decode, encode, session_dir_name
 from hermes_sup.supervisor import leases, statedir
+
+from . import waiting
 
 pytestmark = pytest.mark.e2e
 
@@ -36,14 +38,7 @@ def two_nodes(supervisor_factory, workdir: Path, *names: str):  # noqa: ANN001, 
     return made
 
 
-def wait_for(check, timeout: float = 30.0, what: str = "condition"):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+wait_for = partial(waiting.wait_for, timeout=30.0, every=0.05)
 
 
 def raw_request(sup, msg: Message) -> Message:  # noqa: ANN001

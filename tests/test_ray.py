@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -18,6 +18,8 @@ import pytest
 
 from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
 from hermes_sup.cluster.placement import Candidate, rendezvous
+
+from . import waiting
 
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
@@ -58,14 +60,7 @@ def note(c: Client, key: str) -> str:
     return "".join(str(e.data) for e in reply.events if e.type == "output").strip()
 
 
-def wait_until(what: str, check, timeout: float = 60.0):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+wait_until = partial(waiting.wait_for, timeout=60.0, every=0.2)
 
 
 @pytest.fixture
@@ -123,7 +118,7 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
             except (NotRunning, Timeout):
                 return set()
 
-        wait_until("both nodes through the router", lambda: answered() == names)
+        wait_until(lambda: answered() == names, what="both nodes through the router")
         owner = {
             f"ray:{i}": rendezvous(f"ray:{i}", [Candidate(n) for n in names])
             for i in range(SESSIONS)
@@ -143,8 +138,8 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
             old = tree(head["pid"]) | {head["agent_pid"]}
             assert len(old) >= 3
             os.kill(head["agent_pid"], signal.SIGKILL)
-            wait_until("the killed agent's processes gone", lambda: not alive(old))
-            wait_until("the restarted agent through the router", lambda: answered() == names)
+            wait_until(lambda: not alive(old), what="the killed agent's processes gone")
+            wait_until(lambda: answered() == names, what="the restarted agent through the router")
             for key in owner:
                 assert note(c, key) == f"of-{key}"
 
@@ -158,7 +153,7 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
             with pytest.raises(SupervisorError) as gone:
                 turn.collect()
             assert gone.value.code == "node_lost"
-            wait_until("no process of ours on the lost node", lambda: not alive(ours))
+            wait_until(lambda: not alive(ours), what="no process of ours on the lost node")
             for key in doomed:
                 assert note(c, key) == f"of-{key}"  # its files, on the other node
             survivor = (names - {lost["name"]}).pop()

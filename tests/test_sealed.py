@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -18,6 +18,8 @@ import pytest
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import WorkerExit, session_dir_name
 from hermes_sup.worker import seal
+
+from . import waiting
 
 pytestmark = [
     pytest.mark.e2e,
@@ -35,14 +37,7 @@ def sh(client, key: str, command: str) -> tuple[str, list[str]]:  # noqa: ANN001
     return reply.text, text.split("\n") if text else []
 
 
-def wait_for(predicate, timeout: float = 20.0):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("timed out")
+wait_for = partial(waiting.wait_for, timeout=20.0)
 
 
 def spare_pids(sup) -> set[int]:  # noqa: ANN001

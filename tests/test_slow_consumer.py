@@ -5,13 +5,15 @@ gives it every answer. Real supervisor, real clients, real sockets."""
 
 from __future__ import annotations
 
-import time
+from functools import partial
 from pathlib import Path
 
 import psutil
 
 from hermes_sup.client import Client
 from hermes_sup.protocol import Kind, Message
+
+from . import waiting
 
 LINES = 40_000
 WIDTH = 1000  # bytes a line: LINES of them are 40 MB through the supervisor
@@ -34,11 +36,7 @@ def rss(pid: int) -> int:
     return int(psutil.Process(pid).memory_info().rss)
 
 
-def wait_for(what: str, check, timeout: float = 120.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+wait_for = partial(waiting.wait_for, timeout=120.0, every=0.05)
 
 
 def turn_over(client: Client, key: str) -> bool:
@@ -78,11 +76,11 @@ def test_a_client_that_stops_reading_costs_its_queue_and_learns_what_it_missed(
         before = rss(sup.pid)
 
         req = slow.submit(Kind.SEND, {"text": FLOOD}, session="slow")  # and never read
-        wait_for("the slow client to lag", lambda: "slow_consumer" in sup.log())
+        wait_for(lambda: "slow_consumer" in sup.log(), what="the slow client to lag")
         # Meanwhile another client's session is served whole.
         other = fast.run("other", "sh seq 1 3000")
         assert other.text == "exit 0" and accounted(other.events) == 3000
-        wait_for("the unread turn to end", lambda: turn_over(fast, "slow"))
+        wait_for(lambda: turn_over(fast, "slow"), what="the unread turn to end")
         held = rss(sup.pid) - before
         assert held < RSS_BOUND, f"the supervisor grew {held} bytes for a client that reads nothing"
 
@@ -112,7 +110,7 @@ def test_a_watcher_that_stops_reading_is_told_what_it_missed_and_keeps_watching(
         # The watcher stops reading while the session streams 20,000 lines.
         done = client.run("w", "sh seq 1 20000")
         assert done.text == "exit 0" and accounted(done.events) == 20_000
-        wait_for("the watcher to lag", lambda: "slow_consumer" in sup.log())
+        wait_for(lambda: "slow_consumer" in sup.log(), what="the watcher to lag")
         # A later turn, while it still lags: counted too, never lost.
         assert client.run("w", "env HERMES_SESSION_KEY").text == "w"
         # It reads again: what it got, then how many it missed (told once it
@@ -153,12 +151,12 @@ def test_a_lagging_client_gets_an_answer_to_every_request(supervisor_factory, wo
         }
         # Not read until every turn is over, and everyone else is served meanwhile.
         wait_for(
-            "every turn to end",
             lambda: (
                 sum(r["turns"] for r in watcher.sessions()) >= sessions * per_session
                 and all(r["state"] == "idle" for r in watcher.sessions())
             ),
             timeout=300,
+            what="every turn to end",
         )
         answered = {}
         while len(answered) < len(asked):

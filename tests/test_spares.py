@@ -14,6 +14,8 @@ import pytest
 from hermes_sup.supervisor.config import MAX_DEFAULT_SPARES, Settings, default_spare_workers
 from hermes_sup.supervisor.spare_workers import Spare, SparePool
 
+from .waiting import wait_for
+
 pytestmark = pytest.mark.e2e
 
 
@@ -27,16 +29,6 @@ def spare_pids(sup) -> set[int]:  # noqa: ANN001
         except psutil.Error:
             pass
     return found
-
-
-def wait_for(predicate, timeout: float = 10.0):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("timed out")
 
 
 def test_a_new_session_gets_a_spare_which_becomes_only_its_own(supervisor_factory) -> None:
