@@ -5,11 +5,13 @@ the router's state directory (issue 20)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,20 +20,11 @@ from hermes_sup.client import AsyncClient, Client, NotRunning, SupervisorError, 
 from hermes_sup.cluster.placement import Candidate, rendezvous
 from hermes_sup.protocol import Kind
 
+from .test_cli_remote import hs
 from .test_clients import free_port
 
 NODES = ("a", "b")
 SESSIONS = 60
-
-
-def hs(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 class RouterProcess:
@@ -81,6 +74,19 @@ class RouterProcess:
         self._log.close()
 
 
+@contextlib.contextmanager
+def router_over(workdir: Path, lines: list[str]) -> Iterator[RouterProcess]:
+    """A router over the nodes in `lines` (nodes.toml entries), once it sees every one of NODES."""
+    nodes_file = workdir / "nodes.toml"
+    nodes_file.write_text("\n".join(lines))
+    router = RouterProcess(workdir, nodes_file)
+    try:
+        router.wait_nodes(set(NODES))
+        yield router
+    finally:
+        router.stop()
+
+
 @pytest.fixture
 def cluster(supervisor_factory, workdir):
     """Two supervisors (a, b) on TCP, each with a key enrolled for the router."""
@@ -99,14 +105,8 @@ def cluster(supervisor_factory, workdir):
         assert made.returncode == 0, made.stderr
         lines.append(f'[[node]]\nname = "{name}"\nconnection = "{conn}"\n')
         sups[name] = sup
-    nodes_file = workdir / "nodes.toml"
-    nodes_file.write_text("\n".join(lines))
-    router = RouterProcess(workdir, nodes_file)
-    try:
-        router.wait_nodes(set(NODES))
+    with router_over(workdir, lines) as router:
         yield sups, router
-    finally:
-        router.stop()
 
 
 def owner(key: str, live: tuple[str, ...] = NODES) -> str | None:
@@ -222,14 +222,8 @@ def shared_cluster(supervisor_factory, workdir):
         assert made.returncode == 0, made.stderr
         lines.append(f'[[node]]\nname = "{name}"\nconnection = "{conn}"\n')
         sups[name] = sup
-    nodes_file = workdir / "nodes.toml"
-    nodes_file.write_text("\n".join(lines))
-    router = RouterProcess(workdir, nodes_file)
-    try:
-        router.wait_nodes(set(NODES))
+    with router_over(workdir, lines) as router:
         yield sups, router
-    finally:
-        router.stop()
 
 
 def note(c: Client, key: str) -> str:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -402,6 +403,17 @@ def _foreign_fds(pid: int, own: set[tuple[int, int]], allowed: list[str]) -> lis
     return foreign
 
 
+def _readable_regions(maps: Iterable[str]) -> Iterator[tuple[int, int, str]]:
+    """(start, end, name) of each readable mapping in a /proc/<pid>/maps listing, less the
+    kernel's [vvar] and [vsyscall] pages, which /proc/<pid>/mem will not read."""
+    for line in maps:
+        fields = line.split()
+        if not fields[1].startswith("r") or fields[-1] in ("[vvar]", "[vsyscall]"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        yield start, end, fields[-1]
+
+
 def _memory_mentions(pid: int, needles: list[bytes]) -> set[bytes]:
     """Which of needles appear anywhere in the process's readable memory
     (its module globals, heap, stacks): a worker must hold nothing that
@@ -409,11 +421,7 @@ def _memory_mentions(pid: int, needles: list[bytes]) -> set[bytes]:
     found: set[bytes] = set()
     longest = max(len(n) for n in needles)
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
-        for line in maps:
-            fields = line.split()
-            if not fields[1].startswith("r") or fields[-1] in ("[vvar]", "[vsyscall]"):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
+        for start, end, _name in _readable_regions(maps):
             tail = b""
             for offset in range(start, end, 1 << 22):
                 try:
@@ -430,11 +438,7 @@ def _memory_context(pid: int, needles: set[bytes]) -> list[bytes]:
     """Where in the process's memory the needles are (for a failure's message)."""
     out: list[bytes] = []
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
-        for line in maps:
-            fields = line.split()
-            if not fields[1].startswith("r") or fields[-1] in ("[vvar]", "[vsyscall]"):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
+        for start, end, name in _readable_regions(maps):
             try:
                 mem.seek(start)
                 chunk = mem.read(end - start)
@@ -443,7 +447,7 @@ def _memory_context(pid: int, needles: set[bytes]) -> list[bytes]:
             for needle in needles:
                 at = chunk.find(needle)
                 if at >= 0:
-                    out.append(fields[-1].encode() + b": " + chunk[max(0, at - 200) : at + 100])
+                    out.append(name.encode() + b": " + chunk[max(0, at - 200) : at + 100])
     return out[:6]
 
 
