@@ -14,6 +14,8 @@ import click
 
 from hermes_sup.supervisor.config import DATA_DIR_ENV, default_data_dir
 
+from .options import LOG_LEVEL, web_dir_option
+
 DATA_DIR = click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -94,21 +96,8 @@ def start_http_beside(settings: Any, listen: str, web_dir: Path | None = None) -
     show_default=True,
     help="Seconds a stream may go unread before its turn is cancelled.",
 )
-@click.option(
-    "--web",
-    "web_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    metavar="DIR",
-    help="Also serve this directory's static files at / (a page such as examples/web; "
-    "they need no key, the API still does).",
-)
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-)
+@web_dir_option("--web", "web_dir", "Also")
+@LOG_LEVEL
 @click.pass_context
 def http(
     ctx: click.Context,

@@ -10,6 +10,7 @@ by the group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ import click
 from hermes_sup.supervisor.config import STATE_DIR_ENV, default_state_dir
 
 C = TypeVar("C", bound=click.Command)
+F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_TIMEOUT = 10.0
 CONNECTION_ENV = "HERMES_SUP_CONNECTION"
 
@@ -132,3 +134,30 @@ def client_options(command: C) -> C:
     (a decorator above `@cli.command()`)."""
     command.params.extend([state_dir_option(), timeout_option(), connection_option()])
     return command
+
+
+# Options two commands declare alike: `serve` and `http` (which `serve
+# --http` starts in a process of its own, passing these on).
+LOG_LEVEL = click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+WEB_DIR_HELP = (
+    "serve this directory's static files at / (a page such as "
+    "examples/web; they need no key, the API still does)."
+)
+
+
+def web_dir_option(flag: str, dest: str, help_prefix: str) -> Callable[[F], F]:
+    """A directory of static files served beside the HTTP API (`http
+    --web`, `serve --http-web`): it must exist when the command starts."""
+    return click.option(
+        flag,
+        dest,
+        type=click.Path(file_okay=False, exists=True, path_type=Path),
+        default=None,
+        metavar="DIR",
+        help=f"{help_prefix} {WEB_DIR_HELP}",
+    )

@@ -20,6 +20,8 @@ from hermes_sup.supervisor.config import (
 )
 from hermes_sup.supervisor.configfile import OPTIONAL_FIELDS
 
+from .options import LOG_LEVEL, web_dir_option
+
 
 def parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
     """NAME=VALUE option values as a dict; a usage error names the option `what`."""
@@ -154,15 +156,7 @@ def tunables(func: Any) -> Any:
     help="Also serve Hermes's HTTP API (chat completions, runs) on 127.0.0.1:PORT or HOST:PORT, "
     "in a process of its own; needs `hermes-sup keys http generate` and the http extra.",
 )
-@click.option(
-    "--http-web",
-    "http_web",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    metavar="DIR",
-    help="With --http, also serve this directory's static files at / (a page such as "
-    "examples/web; they need no key, the API still does).",
-)
+@web_dir_option("--http-web", "http_web", "With --http, also")
 @click.option(
     "--workspace-root",
     "workspace_roots",
@@ -229,12 +223,7 @@ def tunables(func: Any) -> Any:
     show_default=True,
     help="Turns one session may have waiting before senders get a busy error.",
 )
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-)
+@LOG_LEVEL
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
