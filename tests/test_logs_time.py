@@ -35,6 +35,7 @@ from hermes_sup.supervisor.logread import (
 )
 from hermes_sup.supervisor.logs import SessionLog
 
+from .test_cli_commands import hs
 from .test_faults import RUNTIMES, until
 
 STAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z (.*)$")
@@ -250,17 +251,6 @@ def test_requested_lines_reads_the_new_fields(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------ a real supervisor
-
-
-def hs(sup, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(sup.state_dir), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        env=dict(os.environ, NO_COLOR="1"),
-    )
 
 
 def printed(text: str) -> list[str]:
