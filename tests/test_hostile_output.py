@@ -41,9 +41,19 @@ def pings_within(client, seconds: float) -> int:
 
 
 def log_bytes(sup, key: str) -> int:
-    """Bytes in a session's log and its rotated files."""
+    """Bytes in a session's log and its rotated files.
+
+    The supervisor rotates while the flood runs, so a file the listing named
+    may be renamed before it is measured: it counts as empty this time round.
+    """
     folder = sup.data_dir / "sessions" / session_dir_name(key)
-    return sum(p.stat().st_size for p in folder.glob("worker.log*"))
+    total = 0
+    for path in folder.glob("worker.log*"):
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def unstamped(data: bytes) -> bytes:
