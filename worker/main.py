@@ -281,6 +281,8 @@ def _make_dir(path: Path) -> None:
     directory into place meanwhile: a rename may replace the (empty) parent
     we just made, and a mkdir inside the replaced one fails with ENOENT.
     Trying again finds the renamed directory."""
+    if path.is_dir():
+        return
     for attempt in range(3):
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
