@@ -116,8 +116,12 @@ class Back:
             self._turn_ended()
 
     def _turn_ended(self) -> None:
+        # Spares are made after a turn, not on a new session's way to its reply.
         if len(self.pool.spares) < self.ctx.settings.spare_workers:
-            self.pool.fill_spares()  # after a turn, not on a new session's way to its reply
+            self.pool.fill_spares()
+        table = self.lifecycle.table
+        if table.spare_dirs.wanted():
+            table.refill_spare_dirs()
 
     def _too_large(self, session: Session, signature: bytes, payload: bytes) -> bool:
         """A message of `session`'s worker over the frame limit: said in a

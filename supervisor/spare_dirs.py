@@ -166,6 +166,10 @@ class SpareDirs:
                 pass
         return spare
 
+    def wanted(self) -> bool:
+        """Whether there are fewer spares than the target."""
+        return len(self.free) < self.target
+
     def refill(self, most: int = 1) -> None:
         """Make up to `most` spares, stopping at the target."""
         for _ in range(most):

@@ -22,6 +22,7 @@ off, nothing is written, and the session is given up (`on_lease_lost`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -57,6 +58,9 @@ from .worktrees import Peer, branch_for, peers_text, repository_problem, write_p
 log = logging.getLogger("hermes_sup.supervisor")
 
 RUNNING_STATES = LIVE_STATES - {State.STOPPING}
+# Spare session directories taken by sessions started without a turn are
+# made again this long after (those with a turn: when it ends).
+REFILL_LATER = 0.25
 
 
 class SessionTable:
@@ -66,6 +70,7 @@ class SessionTable:
         self.ctx = ctx
         self.watchers = watchers
         self.spare_dirs = spare_dirs
+        self._refill_timer: asyncio.TimerHandle | None = None
         self.sessions: dict[str, Session] = {}
         self.running = 0  # sessions with a worker that is not being stopped
         # Sessions on disk from an earlier run, not loaded yet (never also in `sessions`).
@@ -374,7 +379,21 @@ class SessionTable:
             return
         session.unsaved = False
         self._save_meta(session)
-        self.spare_dirs.refill()  # one behind each new session
+        # The spare directory it took is made again after a turn ends
+        # (refill_spare_dirs), not now: four mkdirs and a lease, about half
+        # a millisecond, would stand between this worker's hello and the
+        # supervisor reading it. A session started without a turn gets it
+        # from the timer.
+        if self._refill_timer is None and self.spare_dirs.wanted():
+            loop = asyncio.get_running_loop()
+            self._refill_timer = loop.call_later(REFILL_LATER, self.refill_spare_dirs)
+
+    def refill_spare_dirs(self) -> None:
+        """Make the spare session directories taken since the last time."""
+        if self._refill_timer is not None:
+            self._refill_timer.cancel()
+            self._refill_timer = None
+        self.spare_dirs.refill(self.spare_dirs.target)
 
     def transition(self, session: Session, event: Event, reason: str | None = None) -> None:
         """Apply `event` to the session (InvalidTransition if the table has
