@@ -119,6 +119,12 @@ def decode(
 ) -> Message:
     """Verify and parse signed frames. Raises RemoteProtocolError, and nothing
     else, for anything a peer could have got wrong."""
+    return message_of(unpack(verify(frames, key, limits)), guard, now)
+
+
+def verify(frames: Sequence[bytes], key: bytes, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The payload of signed frames, once their shape, size and signature
+    check out (decode's first step). Raises RemoteProtocolError."""
     if len(frames) != FRAME_COUNT:
         raise RemoteProtocolError(
             ErrorCode.BAD_FRAMES, f"expected {FRAME_COUNT} frames, got {len(frames)}"
@@ -139,12 +145,26 @@ def decode(
     # Verify before parsing: an unsigned peer never reaches the msgpack parser.
     if len(signature) != SIGNATURE_SIZE or not hmac.compare_digest(signature, sign(key, payload)):
         raise RemoteProtocolError(ErrorCode.BAD_SIGNATURE, "signature does not match the payload")
+    return payload
+
+
+def unpack(payload: bytes) -> dict[Any, Any]:
+    """The envelope in a verified payload: a msgpack map, not yet checked
+    (decode's second step). Raises RemoteProtocolError."""
     try:
         envelope = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises a zoo of types for bad input
         raise RemoteProtocolError(ErrorCode.MALFORMED, f"payload is not msgpack: {exc}") from None
     if not isinstance(envelope, dict):
         raise RemoteProtocolError(ErrorCode.MALFORMED, "payload must be a msgpack map")
+    return envelope
+
+
+def message_of(
+    envelope: dict[Any, Any], guard: ReplayGuard | None = None, now: float | None = None
+) -> Message:
+    """The message an unpacked envelope holds, its fields and body checked
+    against the kind's schema (decode's last step). Raises RemoteProtocolError."""
     msg_id = envelope.get("id")
     try:
         kind = _check_envelope(

@@ -11,10 +11,11 @@ lifecycle's); everything else belongs to the running turn (the turns').
 A turn's end is also when the spare pool is refilled: after a reply, not on
 a new session's way to its first one.
 
-A turn's events are most of what workers say, and each one is checked as
-`decode` checks it, by a shorter path (`event_of`) that accepts only
-well-formed events of the worker's own session and leaves everything else
-to `decode`, whose errors say what is wrong.
+A worker's frames are verified and unpacked once. A turn's events are most
+of what workers say, and each one is then checked as `message_of` checks
+it, by a shorter path (`event_of`) that accepts only well-formed events of
+the worker's own session and leaves everything else to `message_of`, whose
+errors say what is wrong.
 
 A worker's message over the frame limit (`max_frame_size`) is not dropped in
 silence, which would leave its turn waiting until the worker is taken for
@@ -36,18 +37,16 @@ import msgpack
 
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
-    MAGIC,
     ErrorCode,
     Kind,
     Message,
     RemoteProtocolError,
-    decode,
     encode,
     error_message,
     sign,
 )
 from hermes_sup.protocol.messages import MAX_ID_LENGTH
-from hermes_sup.protocol.wire import SIGNATURE_SIZE
+from hermes_sup.protocol.wire import message_of, unpack, verify
 
 from .context import Context
 from .endpoints import Endpoints
@@ -88,19 +87,25 @@ class Back:
         if session is None or session.token is None:
             log.debug(kv("unknown_worker", id=frames[0].hex()[:16]))
             return
-        event = event_of(frames, session.token, session.key, self.endpoints.limits.max_frame_size)
+        limits = self.endpoints.limits
+        try:
+            envelope = unpack(verify(frames[1:], session.token, limits))
+        except RemoteProtocolError as exc:
+            if exc.code is not ErrorCode.TOO_LARGE:
+                log.warning(kv("bad_worker_message", session=session.key, error=exc))
+            elif self._too_large(session, frames[2], frames[3]):
+                self._turn_ended()
+            return
+        event = event_of(envelope, session.key)
         if event is not None:
             session.last_heartbeat = time.monotonic()
             session.touch()
             self.turns.on_answer(session, event, frames[3])  # an event never ends a turn
             return
         try:
-            msg = decode(frames[1:], session.token, self.endpoints.limits)
+            msg = message_of(envelope)
         except RemoteProtocolError as exc:
-            if exc.code is not ErrorCode.TOO_LARGE:
-                log.warning(kv("bad_worker_message", session=session.key, error=exc))
-            elif self._too_large(session, frames[2], frames[3]):
-                self._turn_ended()
+            log.warning(kv("bad_worker_message", session=session.key, error=exc))
             return
         if msg.session != session.key:
             log.warning(kv("worker_wrong_session", session=session.key, claimed=msg.session))
@@ -175,21 +180,13 @@ class Back:
         return self.turns.on_answer(session, stand_in, encode(stand_in, token)[2])
 
 
-def event_of(frames: list[bytes], token: bytes, key: str, limit: int) -> Message | None:
-    """A worker's `event` for session `key`, checked as `decode` would check
-    it (signature, envelope, body), in fewer steps; None if it is anything
-    else, or not quite well formed: `decode` then says what is wrong.
-    Accepts a subset of what `decode` accepts (tests/test_hostile_transport.py)."""
-    magic, signature, payload = frames[1], frames[2], frames[3]
-    if magic != MAGIC or len(payload) > limit or len(signature) != SIGNATURE_SIZE:
-        return None
-    if not hmac.compare_digest(signature, sign(token, payload)):
-        return None
-    try:
-        envelope = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception:  # msgpack raises many types for bad input
-        return None
-    if type(envelope) is not dict or envelope.get("kind") != "event" or "ttl" in envelope:
+def event_of(envelope: dict[Any, Any], key: str) -> Message | None:
+    """A worker's `event` for session `key`, from its verified and unpacked
+    envelope, checked as `message_of` would check it, in fewer steps; None
+    if it is anything else, or not quite well formed: `message_of` then says
+    what is wrong. Accepts a subset of what `message_of` accepts
+    (tests/test_hostile_transport.py)."""
+    if envelope.get("kind") != "event" or "ttl" in envelope:
         return None
     msg_id, re, body = envelope.get("id"), envelope.get("re"), envelope.get("body")
     ts: Any = envelope.get("ts")
