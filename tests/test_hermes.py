@@ -17,6 +17,7 @@ from hermes_sup.protocol import Kind, session_dir_name
 
 from .fake_model import FakeModel
 from .test_faults import final, until, wait_running
+from .test_isolation import _text
 
 pytest.importorskip("run_agent", reason="hermes-agent is not installed")
 pytestmark = pytest.mark.e2e
@@ -157,11 +158,8 @@ def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> 
         # environment) into the session's own tmp/, not the shared /tmp.
         snaps = list((d / "tmp").glob("hermes-snap-*.sh"))
         assert snaps and f"HERMES_SESSION_KEY={key}" in snaps[0].read_text().replace('"', "")
-    shared = [
-        p
-        for p in Path("/tmp").glob("hermes-*")
-        if p.is_file() and str(hermes.data_dir) in p.read_text(errors="replace")
-    ]
+    # /tmp is everyone's: a file listed may be gone before it is read.
+    shared = [p for p in Path("/tmp").glob("hermes-*") if str(hermes.data_dir) in _text(p)]
     assert shared == []
     known = ("sessions", "zygote-home", ".spare-sessions")
     leftovers = [p for p in hermes.data_dir.iterdir() if p.name not in known]
