@@ -393,7 +393,8 @@ class SessionTable:
         if self._refill_timer is not None:
             self._refill_timer.cancel()
             self._refill_timer = None
-        self.spare_dirs.refill(self.spare_dirs.target)
+        if self.ctx.accepting:  # not while shutting down: the next start sweeps them
+            self.spare_dirs.refill(self.spare_dirs.target)
 
     def transition(self, session: Session, event: Event, reason: str | None = None) -> None:
         """Apply `event` to the session (InvalidTransition if the table has

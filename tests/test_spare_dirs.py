@@ -101,3 +101,32 @@ def test_a_worker_making_its_dirs_survives_a_spare_renamed_over_them(tmp_path, m
     monkeypatch.setattr(os, "mkdir", mkdir_losing_the_race)
     worker_main._make_dir(session / "workspace")
     assert raced and (session / "workspace").is_dir() and not spare.exists()
+
+
+def test_a_supervisor_makes_spares_again_after_turns_and_after_sessions_without_one(
+    supervisor_factory,
+) -> None:
+    """Spare session directories taken by new sessions are made again: after
+    a turn ends for those that came with one, and a moment later for those
+    opened without a turn. More new sessions than there are spares, so each
+    batch would run them dry otherwise."""
+    from hermes_sup.supervisor.spare_dirs import SPARE_DIR
+
+    from .waiting import wait_for
+
+    sup = supervisor_factory()
+    base = sup.data_dir / SPARE_DIR
+
+    def spares() -> int:
+        return sum(1 for p in base.glob("*/*") if p.is_dir())
+
+    full = wait_for(spares, what="the first spares")
+    with sup.client(timeout=30) as client:
+        for i in range(full + 2):
+            assert client.run(f"turned{i}", "pid").ok
+        wait_for(lambda: spares() == full, what="spares after turns")
+        for i in range(full + 2):
+            client.open(f"opened{i}")
+        wait_for(lambda: spares() == full, what="spares after sessions without a turn")
+        made = sorted(p.name for p in (sup.data_dir / "sessions").iterdir())
+    assert len(made) == 2 * (full + 2)
