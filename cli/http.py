@@ -96,6 +96,15 @@ def start_http_beside(settings: Any, listen: str, web_dir: Path | None = None) -
     show_default=True,
     help="Seconds a stream may go unread before its turn is cancelled.",
 )
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="A browser origin (https://app.example.com) whose pages may call the API; repeat "
+    "for more, * for any. Other origins get 403; the page of --web needs none "
+    "[default: env HERMES_SUP_HTTP_CORS_ORIGINS, else API_SERVER_CORS_ORIGINS, comma-separated].",
+)
 @web_dir_option("--web", "web_dir", "Also")
 @LOG_LEVEL
 @click.pass_context
@@ -107,6 +116,7 @@ def http(
     model: str,
     max_body: int,
     stall_timeout: float,
+    cors_origins: tuple[str, ...],
     web_dir: Path | None,
     log_level: str,
 ) -> None:
@@ -123,6 +133,7 @@ def http(
       hermes-sup http --listen 8642
       hermes-sup http --connection web-eu.json --listen 0.0.0.0:8642 --data-dir /etc/hs-http
       hermes-sup http --listen 8642 --web examples/web   # the chat page at http://127.0.0.1:8642/
+      hermes-sup http --listen 8642 --cors-origin https://chat.example.com
     """
     _need_http_extra()
     argv = ["--data-dir", str(data_dir or default_data_dir()), "--listen", listen]
@@ -131,6 +142,8 @@ def http(
     else:
         argv += ["--state-dir", str(ctx.obj["state_dir"])]
     argv += ["--model", model, "--max-body", str(max_body), "--stall-timeout", str(stall_timeout)]
+    for origin in cors_origins:  # none given: the endpoint reads the environment's
+        argv += ["--cors-origin", origin]
     from hermes_sup.httpapi.serve import HttpSetupError, check_web_dir, parse_listen, require_keys
     from hermes_sup.httpapi.serve import main as serve_main
 

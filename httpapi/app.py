@@ -4,6 +4,7 @@
 `AsyncClient` (made by `connect`, on first use and again after it failed,
 so the endpoint may start before its supervisor). Every route but the
 health checks needs a bearer key from `keys`, compared in constant time.
+Browser origins are checked before anything else (origins.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hermes_sup.client import AsyncClient, ClientError, SessionConflict
 from hermes_sup.local.logfmt import kv
 
-from . import chat
+from . import chat, origins
 from .errors import ApiError, from_client_error
 from .keys import KeyStore
 from .responses import Responses
@@ -58,6 +59,7 @@ class ApiSettings:
     max_runs: int = 1000  # ended runs kept at most
     max_responses: int = 1000  # stored responses kept at most (in memory)
     web_dir: Path | None = None  # static files served at / (no key needed for them)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed besides our own; "*" for any
 
 
 @functools.cache
@@ -246,7 +248,7 @@ def _capabilities(api: Api) -> dict[str, Any]:
             "realtime_voice": False,
             "session_continuity_header": "X-Hermes-Session-Id",
             "session_key_header": "X-Hermes-Session-Key",
-            "cors": False,
+            "cors": bool(api.settings.cors_origins),
         },
         "endpoints": {
             name: {"method": method, "path": path} for name, (method, path) in endpoints.items()
@@ -377,6 +379,7 @@ def create_app(
         routes.append(Mount("/", app=web_app(settings.web_dir), name="web"))
     app = Starlette(
         routes=routes,
+        middleware=origins.middleware(settings.cors_origins),
         lifespan=lifespan,
         exception_handlers={
             ApiError: on_api_error,

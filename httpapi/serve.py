@@ -26,7 +26,10 @@ Two ways, one code path (`run`):
 
 Either way the bearer keys are read from a data directory's
 `http/keys/` (`hermes-sup keys http generate NAME`), and with none there
-the endpoint does not start.
+the endpoint does not start. The browser origins it allows are its
+`--cors-origin` flags, else read from the environment here, in the
+endpoint's own process (origins.py), which `serve --http` starts with
+serve's environment: the setting reaches it without a flag of serve's.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from hermes_sup.local.logfmt import kv
 
 from .app import ApiSettings, create_app
 from .keys import KeyStore
+from .origins import origins_from_env, parse_origins
 
 log = logging.getLogger("hermes_sup.httpapi")
 
@@ -140,8 +144,15 @@ def run(
                 server.should_exit = True
 
             loop.add_reader(watch_fd, parent_gone)
+        settings = app.state.api.settings
         log.info(
-            kv("http_ready", url=url_of(sock), pid=os.getpid(), model=app.state.api.settings.model)
+            kv(
+                "http_ready",
+                url=url_of(sock),
+                pid=os.getpid(),
+                model=settings.model,
+                cors_origins=",".join(settings.cors_origins) or "none",
+            )
         )
         await server.serve(sockets=[sock])
 
@@ -231,6 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--web", type=Path, help="a directory of static files to serve at /")
     parser.add_argument(
+        "--cors-origin",
+        action="append",
+        help="a browser origin allowed to call the API (repeat; * for any); "
+        "default: HERMES_SUP_HTTP_CORS_ORIGINS, else API_SERVER_CORS_ORIGINS",
+    )
+    parser.add_argument(
         "--keep", action="store_true", help="run the endpoint as a child, restarted if it dies"
     )
     given = sys.argv[1:] if argv is None else argv
@@ -273,7 +290,14 @@ def main(argv: list[str] | None = None) -> None:
         def connect() -> AsyncClient:
             return AsyncClient(state_dir)
 
+    cors_origins = (
+        parse_origins(args.cors_origin) if args.cors_origin else origins_from_env(os.environ)
+    )
     settings = ApiSettings(
-        model=args.model, max_body=args.max_body, stall_timeout=args.stall_timeout, web_dir=web_dir
+        model=args.model,
+        max_body=args.max_body,
+        stall_timeout=args.stall_timeout,
+        web_dir=web_dir,
+        cors_origins=cors_origins,
     )
     run(sock, keys, connect, settings, args.watch_fd, args.log_level)
