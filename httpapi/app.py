@@ -34,6 +34,7 @@ from hermes_sup.local.logfmt import kv
 
 from . import chat, origins
 from .errors import ApiError, from_client_error
+from .idempotency import IdempotencyCache
 from .keys import KeyStore
 from .responses import Responses
 from .runs import Runs
@@ -84,6 +85,7 @@ class Api:
         self.tasks: set[asyncio.Task[Any]] = set()  # turn pumps
         self.runs = Runs(self)
         self.responses = Responses(self)
+        self.idempotency = IdempotencyCache()
         self._mapped: set[str] = set()
         self._labelled: set[str] = set()  # sessions given their label by this process
 

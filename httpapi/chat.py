@@ -7,7 +7,9 @@ hermes.tool.progress` lines (`tool`, `emoji`, `label`, `toolCallId`,
 chunk with `finish_reason` and `usage`, then `data: [DONE]`. A failure
 after the stream has started ends it with `finish_reason: "error"`, an
 `error` object and `data: [DONE]`, as Hermes does. Not streaming: one
-`chat.completion` object; an agent failure is a 502 error.
+`chat.completion` object; an agent failure is a 502 error. Not streaming,
+a repeat with the same `Idempotency-Key` gets the first answer again
+instead of a second turn (idempotency.py).
 
 If the endpoint fell behind the supervisor and some of a stream's events
 were dropped (a `dropped` notice, PROTOCOL.md "Slow consumers"), the
@@ -49,6 +51,7 @@ from hermes_sup.client import (
 from hermes_sup.local.logfmt import kv
 
 from .errors import ApiError, from_client_error
+from .idempotency import CHAT_FIELDS, HUNG_UP
 from .sessions import (
     SESSION_ID_HEADER,
     SESSION_KEY_HEADER,
@@ -156,8 +159,17 @@ class ToolProgress:
 
 async def chat_completions(api: Api, request: Request) -> Response:
     body = await api.read_json(request)
-    chat = parse_chat(body)
     stream = body.get("stream") in (True, "true", "True", "1", 1)
+    if stream:
+        return await _answer(api, request, body, stream)
+    # A whole answer: a repeat with its Idempotency-Key gets it again (idempotency.py).
+    return await api.idempotency.run(
+        request, body, CHAT_FIELDS, lambda: _answer(api, request, body, stream)
+    )
+
+
+async def _answer(api: Api, request: Request, body: dict[str, Any], stream: bool) -> Response:
+    chat = parse_chat(body)
     named = api.header_ref(request)
     derived = derive_chat_session_id(chat.system, chat.first_user)
     ref = named or api.ref(derived)
@@ -250,7 +262,7 @@ async def _complete(
     """The non-streaming answer; a client that hangs up cancels the turn."""
     items = await collect(api, request, opened, on_event)
     if items is None:
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        return Response(status_code=HUNG_UP)  # nobody reads it
     end = reply_of(items)
     return JSONResponse(
         {

@@ -31,8 +31,10 @@ pieces, each tool call as a `function_call` item (added, then done with its
 disconnects cancels the turn; the response is kept as `incomplete`.
 
 As on chat completions, an approval cannot be answered here: the command
-is denied at once (use the runs API to approve). Client-side `tools`,
-`truncation` and `Idempotency-Key` are not honoured.
+is denied at once (use the runs API to approve). Client-side `tools` and
+`truncation` are not honoured. Not streaming, a repeat with the same
+`Idempotency-Key` gets the first response again instead of a second turn
+(idempotency.py).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from .chat import (
     usage_of,
 )
 from .errors import ApiError
+from .idempotency import HUNG_UP, RESPONSES_FIELDS
 from .runs import history_of
 from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
 from .turns import END, IDLE, EventStream, OpenTurn, Pump, QueueSink, next_item
@@ -328,6 +331,17 @@ class Responses:
         api = self.api
         body = await api.read_json(request)
         asked = parse_request(body)
+        if asked.stream:
+            return await self._start(request, body, asked)
+        # A whole answer: a repeat with its Idempotency-Key gets it again.
+        return await api.idempotency.run(
+            request, body, RESPONSES_FIELDS, lambda: self._start(request, body, asked)
+        )
+
+    async def _start(
+        self, request: Request, body: dict[str, Any], asked: ResponseRequest
+    ) -> Response:
+        api = self.api
         response_id = f"resp_{uuid.uuid4().hex[:28]}"
         instructions = asked.instructions
         previous = None
@@ -398,7 +412,7 @@ class Responses:
         if items is None:  # the client hung up: the turn was cancelled
             response["status"] = "incomplete"
             keep()
-            return Response(status_code=499)
+            return Response(status_code=HUNG_UP)
         tools = ToolItems()
         for item in items:
             if isinstance(item, ToolStart):
