@@ -16,6 +16,8 @@ so its own worker process, environment, working directory and HERMES_HOME.
     sessions.py  which session a request is, and its turn's text
     turns.py     reading one turn in its own task, bounded per stream
     keys.py      bearer keys (`hermes-sup keys http ...`)
+    origins.py   which browser origins may call it (403 for others), CORS
+    idempotency.py  Idempotency-Key: a repeated request gets its first answer
     errors.py    OpenAI-style errors and statuses
     serve.py     running it with uvicorn: beside `serve`, or on its own
 
