@@ -71,6 +71,7 @@ class SessionTable:
         self.watchers = watchers
         self.spare_dirs = spare_dirs
         self._refill_timer: asyncio.TimerHandle | None = None
+        self._refilling = False
         self.sessions: dict[str, Session] = {}
         self.running = 0  # sessions with a worker that is not being stopped
         # Sessions on disk from an earlier run, not loaded yet (never also in `sessions`).
@@ -389,12 +390,26 @@ class SessionTable:
             self._refill_timer = loop.call_later(REFILL_LATER, self.refill_spare_dirs)
 
     def refill_spare_dirs(self) -> None:
-        """Make the spare session directories taken since the last time."""
+        """Make the spare session directories taken since the last time, in
+        a thread: making them is system calls (mkdir, open, fcntl, write),
+        which let go of the interpreter, so the loop serves meanwhile. One
+        refill at a time; the spares list is only appended to there and
+        only popped from here, each atomic under the GIL."""
         if self._refill_timer is not None:
             self._refill_timer.cancel()
             self._refill_timer = None
-        if self.ctx.accepting:  # not while shutting down: the next start sweeps them
-            self.spare_dirs.refill(self.spare_dirs.target)
+        # Not while shutting down: the next start sweeps what is left.
+        if self._refilling or not self.ctx.accepting or not self.spare_dirs.wanted():
+            return
+        self._refilling = True
+        loop = asyncio.get_running_loop()
+        done = loop.run_in_executor(None, self.spare_dirs.refill, self.spare_dirs.target)
+        done.add_done_callback(self._refilled)
+
+    def _refilled(self, done: asyncio.Future[None]) -> None:
+        self._refilling = False
+        if not done.cancelled() and done.exception() is not None:
+            log.error("making spare session directories failed", exc_info=done.exception())
 
     def transition(self, session: Session, event: Event, reason: str | None = None) -> None:
         """Apply `event` to the session (InvalidTransition if the table has
