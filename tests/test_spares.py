@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hermes_sup.protocol import session_dir_name
 from hermes_sup.supervisor.config import MAX_DEFAULT_SPARES, Settings, default_spare_workers
 from hermes_sup.supervisor.spare_workers import Spare, SparePool
 
@@ -56,6 +57,11 @@ def test_a_new_session_gets_a_spare_which_becomes_only_its_own(supervisor_factor
         wait_for(lambda: client.status()["spare_workers"] == 2)
         refilled = spare_pids(sup)
         assert len(refilled) == 2 and not refilled & spares
+    # A spare warms up its logging before it has a session (worker/main.py
+    # _warm_up): nothing of that reaches the log of the session it becomes.
+    log = (sup.data_dir / "sessions" / session_dir_name("alice") / "worker.log").read_text()
+    starts = [line for line in log.splitlines() if "worker start" in line]
+    assert len(starts) == 1 and "session=alice " in starts[0], starts
 
 
 def test_a_spare_that_dies_is_replaced_and_spares_die_with_the_supervisor(

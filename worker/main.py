@@ -25,6 +25,7 @@ From there the session is served by worker/loop.py's main loop.
 from __future__ import annotations
 
 import faulthandler
+import io
 import logging
 import os
 import resource
@@ -393,6 +394,27 @@ def _warm_up(token: bytes) -> None:
     ):
         decode(encode(msg, token), token)
     Path(os.getcwd()).is_dir()
-    record = logging.LogRecord("w", logging.INFO, __file__, 0, "start %s %d", ("k", 1), None)
-    for handler in logging.getLogger().handlers:
-        handler.format(record)
+    # The environment is rewritten for the session: set and unset a name
+    # now, so that os.environ's table and libc's copy of environ are this
+    # process's own already.
+    os.environ[WARM_NAME] = "1"
+    del os.environ[WARM_NAME]
+    # The session's first log line, the whole way (lock, format, write),
+    # into a buffer: writing to the real stream would put a line in the log
+    # of a session that does not exist yet.
+    root = logging.getLogger()
+    streams = [(h, h.setStream(io.StringIO())) for h in root.handlers if _streams(h)]
+    try:
+        log.info("worker start session=%s pid=%d runtime=%s sealed=%s", "k", 1, "r", "no")
+    finally:
+        for handler, stream in streams:
+            handler.setStream(stream)
+
+
+WARM_NAME = "HERMES_SUP_WARM_UP"
+
+
+def _streams(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(
+        handler, logging.FileHandler
+    )
