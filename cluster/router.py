@@ -16,6 +16,9 @@ on one supervisor.
   and sends the same request there, once or twice, unseen by the client.
 - `list`, `status`, `reload` and `watch` of every session fan out to every
   live node and are merged (merge.py); `unwatch` goes where its watch went.
+  A front end that goes away without `unwatch` is noticed when the router
+  next sends it something (ROUTER_MANDATORY): its watches and log follows
+  are then ended on their nodes, as a supervisor ends a gone client's.
 - `ping` and `shutdown` (local socket only) are the router's own.
 - `drain` (local socket only) names its node, and goes to that node, which
   takes it from the router's key (enrolled as `router-*`, remote.py).
@@ -30,11 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -89,6 +94,7 @@ MAX_MOVES = 3
 # Kinds the router answers itself or fans out; the rest name a session.
 FANOUT_KINDS = frozenset({Kind.LIST, Kind.STATUS, Kind.RELOAD})
 DRAIN = "drain"
+GONE_REMEMBERED = 1024  # front ends remembered as gone (see Router._client_gone)
 
 
 def _version() -> str:
@@ -170,6 +176,9 @@ class Router:
         self.links: dict[str, NodeLink] = {}
         self.fronts: list[Front] = []
         self.pending: dict[str, Pending] = {}
+        # Front ends found gone, so that the turns still answering them do
+        # not look again for each message (oldest forgotten first).
+        self.gone: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self.guard = ReplayGuard()
         self.started = time.time()
         self.stopping = asyncio.Event()
@@ -262,7 +271,9 @@ class Router:
         sock.setsockopt(zmq.RCVHWM, SNDHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, int(self.limits.max_frame_size * 1.25) + 4096)
         # (ROUTER_NOTIFY, which would name a client whose connection closed,
-        # is a draft option that released libzmq builds refuse.)
+        # is a draft option that released libzmq builds refuse.) A send to a
+        # client that is gone fails instead of vanishing: see _client_gone.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         return sock
 
     def _close(self) -> None:
@@ -437,6 +448,8 @@ class Router:
     def on_front(self, index: int, front: Front, frames: list[bytes]) -> None:
         """One message from a front end: route it, answer it, or refuse it."""
         client = frames[0]
+        if self.gone:
+            self.gone.pop((index, client), None)  # it is back (a fixed routing id)
         try:
             msg = decode(frames[1:], front.key, self.limits)
         except RemoteProtocolError as exc:
@@ -753,10 +766,35 @@ class Router:
 
     def _to_client_raw(self, index: int, client: bytes, payload: bytes) -> None:
         front = self.fronts[index]
-        with contextlib.suppress(zmq.Again, zmq.ZMQError):
-            # A client over its queue loses this message, as zmq would drop it.
+        try:
             send_frames(front.sync, [client, MAGIC, sign(front.key, payload), payload], NOBLOCK)
+        except zmq.Again:
+            pass  # a client over its queue loses this message, as zmq would drop it
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                self._client_gone(index, client)
         self._sent(front.sync, front.reader)
+
+    def _client_gone(self, index: int, client: bytes) -> None:
+        """A front end that is no longer connected: end its watches and log
+        follows on their nodes. Left open, they would stay there for good,
+        each counted against the router's own connection, which a node
+        allows a few dozen (supervisor/watchers.py MAX_PER_CLIENT): after
+        that, no front end could watch through the router. Its requests in
+        flight end as they would anyway, with their final answer."""
+        who = (index, client)
+        if who in self.gone:
+            return
+        self.gone[who] = None
+        if len(self.gone) > GONE_REMEMBERED:
+            self.gone.popitem(last=False)
+        ended = [p for p in self.pending.values() if (p.front, p.client) == who and p.stream]
+        for p in ended:
+            for node in p.nodes:
+                self._to_node(node, Message(Kind.UNWATCH, {"watch": p.id}))
+            self._finish(p)
+        if ended:
+            log.info("router_client_gone watches_ended=%d", len(ended))
 
     def _to_client(self, index: int, client: bytes, msg: Message) -> None:
         self._to_client_raw(index, client, encode(msg, self.fronts[index].key, self.limits)[2])

@@ -357,3 +357,30 @@ def test_remote_front_end_and_watch_of_all_through_the_router(cluster, workdir) 
     assert asyncio.run(async_turns()) == list(keys.values())
     listed = hs("--state-dir", str(router.state_dir), "list", "-q")
     assert sorted(listed.stdout.split()) == sorted(keys.values()), listed.stderr
+
+
+def test_watches_of_front_ends_gone_without_unwatch_are_ended_on_the_nodes(cluster) -> None:
+    """Each node counts the router's watches against one connection, the
+    router's (MAX_PER_CLIENT). Front ends that watch and go away without
+    `unwatch` must not use that up: once the router finds one gone (its
+    next event cannot be delivered), it ends its watches on the nodes, and
+    a new front end can still watch through the router."""
+    from hermes_sup.supervisor.watchers import MAX_PER_CLIENT
+
+    _sups, router = cluster
+    for _ in range(MAX_PER_CLIENT + 2):
+        with Client(router.state_dir, timeout=30.0) as leaver:
+            leaver.submit(Kind.WATCH, {}, None)
+            assert leaver.next().body["type"] == "watching"
+        # Gone without unwatch; a turn's events reach the router for it.
+        with Client(router.state_dir, timeout=30.0) as worker:
+            assert worker.run("gone:turn", "pid").ok
+    with Client(router.state_dir, timeout=30.0) as watcher:
+        watch = watcher.submit(Kind.WATCH, {}, None)
+        first = watcher.next()
+        assert (first.re, first.body["type"]) == (watch, "watching"), first
+        with Client(router.state_dir, timeout=30.0) as worker:
+            assert worker.run("gone:turn", "pid").ok
+        seen = watcher.next()
+        assert seen.re == watch and seen.kind is Kind.EVENT, seen
+    assert "router_client_gone" in router.log()
