@@ -19,6 +19,9 @@ on one supervisor.
   A front end that goes away without `unwatch` is noticed when the router
   next sends it something (ROUTER_MANDATORY): its watches and log follows
   are then ended on their nodes, as a supervisor ends a gone client's.
+  A node counts all of them against the router's one connection, so it
+  lets a router have as many as it has room for in all; the router holds
+  each front end to a supervisor's per-client limit itself.
 - `ping` and `shutdown` (local socket only) are the router's own.
 - `drain` (local socket only) names its node, and goes to that node, which
   takes it from the router's key (enrolled as `router-*`, remote.py).
@@ -39,7 +42,7 @@ import logging
 import os
 import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -75,6 +78,7 @@ from hermes_sup.protocol import (
     sign,
 )
 from hermes_sup.supervisor import statedir
+from hermes_sup.supervisor.watchers import MAX_PER_CLIENT
 
 from .links import SNDHWM, NodeLink, reach
 from .merge import merge_sessions, merge_status
@@ -179,6 +183,8 @@ class Router:
         # Front ends found gone, so that the turns still answering them do
         # not look again for each message (oldest forgotten first).
         self.gone: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        # Watches and log follows open, per front end (see _check_room).
+        self.streams: Counter[tuple[int, bytes]] = Counter()
         self.guard = ReplayGuard()
         self.started = time.time()
         self.stopping = asyncio.Event()
@@ -539,6 +545,8 @@ class Router:
             assert msg.session is not None
             node = self.placement.owner(msg.session)
         stream = msg.kind is Kind.WATCH or (msg.kind is Kind.LOGS and bool(msg.body.get("follow")))
+        if stream:
+            self._check_room(index, client)
         p = Pending(
             msg.id, msg.kind, Mode.FORWARD, index, client, msg.session, payload, stream=stream
         )
@@ -552,19 +560,21 @@ class Router:
             )
             return
         p.nodes.add(node)
-        self.pending[msg.id] = p
+        self._add(p)
 
     def _fan_out(self, index: int, client: bytes, msg: Message, payload: bytes) -> None:
         mode = Mode.WATCH_ALL if msg.kind is Kind.WATCH else Mode.FANOUT
         if msg.id in self.pending:
             raise RemoteProtocolError(ErrorCode.REPLAYED, f"message id {msg.id!r} is in use")
+        if mode is Mode.WATCH_ALL:
+            self._check_room(index, client)
         p = Pending(
             msg.id, msg.kind, mode, index, client, None, payload, stream=mode is Mode.WATCH_ALL
         )
         for name, link in self.links.items():
             if link.live and self._to_node_raw(name, payload):
                 p.nodes.add(name)
-        self.pending[msg.id] = p
+        self._add(p)
         if mode is Mode.WATCH_ALL:
             # The client hears `watching` once, whatever the number of nodes.
             self._to_client(
@@ -573,6 +583,24 @@ class Router:
             return
         p.timer = asyncio.get_running_loop().call_later(FANOUT_TIMEOUT, self._time_out, p)
         self._maybe_complete(p)
+
+    def _check_room(self, index: int, client: bytes) -> None:
+        """`busy` if this front end has as many watches and log follows open
+        as a supervisor allows one client: the nodes count the router as one
+        client and let it have more (supervisor/watchers.py), so this is
+        where each front end is held to the limit."""
+        held = self.streams[(index, client)]
+        if held >= MAX_PER_CLIENT:
+            raise RemoteProtocolError(
+                ErrorCode.BUSY,
+                f"this client already has {held} watches and log follows open (limit "
+                f"{MAX_PER_CLIENT} per client); end one (unwatch) first",
+            )
+
+    def _add(self, p: Pending) -> None:
+        self.pending[p.id] = p
+        if p.stream:
+            self.streams[(p.front, p.client)] += 1
 
     def _unwatch(self, index: int, client: bytes, msg: Message, payload: bytes) -> None:
         watched = self.pending.get(msg.body["watch"])
@@ -805,6 +833,11 @@ class Router:
     def _finish(self, p: Pending) -> None:
         if self.pending.get(p.id) is p:
             del self.pending[p.id]
+            if p.stream:
+                who = (p.front, p.client)
+                self.streams[who] -= 1
+                if self.streams[who] <= 0:
+                    del self.streams[who]
         if p.timer is not None:
             p.timer.cancel()
 

@@ -51,7 +51,7 @@ from .session import LOG_FILE, Session, StoredSession, Turn
 from .states import State
 from .table import SessionTable
 from .turns import SentTurn, Turns
-from .watchers import Watchers
+from .watchers import MAX_PER_CLIENT, MAX_WATCHERS, Watchers
 
 log = logging.getLogger("hermes_sup.supervisor")
 
@@ -87,6 +87,7 @@ class Front:
         self.turns = turns
         self.lifecycle = lifecycle
         self.watchers = watchers
+        watchers.per_client_limit = self._watch_limit
         self.pool = pool
         self.endpoints = endpoints
         self.reload = reload
@@ -414,6 +415,14 @@ class Front:
     def watch(self, client: bytes, msg: Message) -> None:
         session = self.table.get(msg.session) if msg.session else None
         self.watchers.watch(client, msg, session)
+
+    def _watch_limit(self, client: bytes) -> int:
+        """How many watches and log follows `client` may have open: a
+        router's key (remote.is_router) speaks for many front ends and may
+        use every slot; it holds each front end to MAX_PER_CLIENT itself."""
+        if client[0] != LOCAL_FRONT and remote.is_router(self.endpoints.peer_name(client)):
+            return MAX_WATCHERS
+        return MAX_PER_CLIENT
 
     def unwatch(self, client: bytes, msg: Message) -> None:
         self.watchers.unwatch(client, msg)

@@ -8,12 +8,18 @@ and fed the worker's output lines as they are logged, with their stamps.
 
 Watches and log follows are capped together: MAX_WATCHERS in all, and
 MAX_PER_CLIENT for one client connection, so that one client can neither
-take every slot nor have each log line sent to it thousands of times.
+take every slot nor have each log line sent to it thousands of times. A
+router (`hermes-sup route`) is one connection for all the front ends behind
+it: it is held to MAX_WATCHERS alone, and holds each of them to
+MAX_PER_CLIENT itself (cluster/router.py). `per_client_limit` says which
+limit a client has (the front sets it: it knows whose key a request came
+with).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +65,10 @@ class Watchers:
         self.by_id: dict[str, Watcher] = {}
         # Log follows by the id of their `logs` request: the session followed.
         self.follows: dict[str, Session] = {}
-        # Watches and follows open, per client connection.
+        # Watches and follows open, per client connection, and how many one
+        # may have (asked while its request is being handled).
         self.per_client: Counter[bytes] = Counter()
+        self.per_client_limit: Callable[[bytes], int] = lambda client: MAX_PER_CLIENT
 
     def check_room(self, client: bytes) -> None:
         """Raise `busy` if `client` may not start one more watch or follow."""
@@ -71,11 +79,12 @@ class Watchers:
                 f"too many watchers: the supervisor already has {total} watches and log "
                 f"follows open (limit {MAX_WATCHERS}); try again when some have ended",
             )
-        if self.per_client[client] >= MAX_PER_CLIENT:
+        limit = self.per_client_limit(client)
+        if self.per_client[client] >= limit:
             raise RemoteProtocolError(
                 ErrorCode.BUSY,
                 f"this client already has {self.per_client[client]} watches and log follows "
-                f"open (limit {MAX_PER_CLIENT} per client); end one (unwatch) first",
+                f"open (limit {limit} per client); end one (unwatch) first",
             )
 
     def _release(self, client: bytes) -> None:

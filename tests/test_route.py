@@ -384,3 +384,31 @@ def test_watches_of_front_ends_gone_without_unwatch_are_ended_on_the_nodes(clust
         seen = watcher.next()
         assert seen.re == watch and seen.kind is Kind.EVENT, seen
     assert "router_client_gone" in router.log()
+
+
+def test_many_front_ends_watch_through_one_router_each_held_to_its_own_limit(cluster) -> None:
+    """A node counts every watch through the router against the router's one
+    connection; a router's key may use every slot there, and the router
+    holds each front end to a supervisor's per-client limit instead."""
+    from hermes_sup.supervisor.watchers import MAX_PER_CLIENT
+
+    _sups, router = cluster
+    with contextlib.ExitStack() as stack:
+        # More front ends than one client may have watches, each with one.
+        for _ in range(MAX_PER_CLIENT + 2):
+            front = stack.enter_context(Client(router.state_dir, timeout=30.0))
+            watch = front.submit(Kind.WATCH, {}, None)
+            assert front.next().body["type"] == "watching"
+        with Client(router.state_dir, timeout=30.0) as worker:
+            assert worker.run("many:turn", "pid").ok
+        seen = front.next()  # the last one's watch is served by the nodes
+        assert seen.re == watch and seen.kind is Kind.EVENT, seen
+        # One front end alone is held to the limit, by the router.
+        greedy = stack.enter_context(Client(router.state_dir, timeout=30.0))
+        for _ in range(MAX_PER_CLIENT):
+            greedy.submit(Kind.WATCH, {}, None)
+            assert greedy.next().body["type"] == "watching"
+        greedy.submit(Kind.WATCH, {}, None)
+        refused = greedy.next()
+        assert refused.kind is Kind.ERROR and refused.body["code"] == "busy", refused
+        assert f"limit {MAX_PER_CLIENT} per client" in refused.body["message"]
