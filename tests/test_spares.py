@@ -82,6 +82,21 @@ def test_a_spare_that_dies_is_replaced_and_spares_die_with_the_supervisor(
     wait_for(lambda: not any(alive(p) for p in spares), 5)
 
 
+def test_spares_die_at_once_with_a_supervisor_killed_with_its_zygote(supervisor_factory) -> None:
+    """Nobody is left to stop them: a spare learns of its supervisor's death
+    from the kernel (PR_SET_PDEATHSIG), which must wake its wait for a
+    session; it used to sleep on for up to a minute."""
+    sup = supervisor_factory("--spare-workers", "2")
+    with sup.client() as client:
+        wait_for(lambda: client.status()["spare_workers"] == 2)
+    spares = spare_pids(sup)
+    (zygote,) = [c.pid for c in psutil.Process(sup.pid).children() if c.pid not in spares]
+    os.kill(zygote, signal.SIGKILL)
+    os.kill(sup.pid, signal.SIGKILL)
+    sup.proc.wait()
+    wait_for(lambda: not any(alive(p) for p in spares), 5, what="the spares to exit")
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

@@ -13,6 +13,7 @@ worker/main.py's business.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -145,19 +146,37 @@ class Link:
         wait for the supervisor to assign it one (the spawn request it would
         have been forked with). None: told to stop, or the supervisor is gone."""
         self.send(Message(Kind.SPARE, {"pid": os.getpid()}))
-        while os.getppid() == supervisor_pid:
-            if not self.sock.poll(MAX_POLL_MS):
-                continue
-            try:
-                msg = decode(self.sock.recv_multipart(), self.token, self.receive_limits)
-            except RemoteProtocolError as exc:
-                log.warning("dropped a bad frame from the supervisor: %s", exc)
-                continue
-            if msg.kind is Kind.ASSIGN:
-                return {**msg.body["request"], "token": self.token}
-            if msg.kind is Kind.STOP:
-                return None
-        return None
+        # The supervisor's death sends us a signal (PR_SET_PDEATHSIG) whose
+        # handler does nothing: it must wake this wait, which zmq's poll
+        # would otherwise resume for up to MAX_POLL_MS, so that a spare of a
+        # supervisor killed with its zygote does not outlive it that long.
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        before = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
+        try:
+            while os.getppid() == supervisor_pid:
+                ready = dict(poller.poll(MAX_POLL_MS))
+                if wake_r in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake_r, 4096)
+                if self.sock not in ready:
+                    continue
+                try:
+                    msg = decode(self.sock.recv_multipart(), self.token, self.receive_limits)
+                except RemoteProtocolError as exc:
+                    log.warning("dropped a bad frame from the supervisor: %s", exc)
+                    continue
+                if msg.kind is Kind.ASSIGN:
+                    return {**msg.body["request"], "token": self.token}
+                if msg.kind is Kind.STOP:
+                    return None
+            return None
+        finally:
+            signal.set_wakeup_fd(before)
+            os.close(wake_r)
+            os.close(wake_w)
 
 
 def too_large_stand_in(msg: Message, size: int, limit: int) -> Message:

@@ -132,14 +132,24 @@ def _own_process(supervisor_pid: int) -> int | None:
     # parent-death signal (else it fires now).
     deadline = time.monotonic() + 5.0
     while os.getppid() != supervisor_pid:
-        if time.monotonic() > deadline:
-            return WorkerExit.SUPERVISOR_GONE
+        if time.monotonic() > deadline or not _exists(supervisor_pid):
+            return WorkerExit.SUPERVISOR_GONE  # died before it could adopt us
         time.sleep(0.0002)
     signal.signal(PARENT_DEATH_SIGNAL, lambda *_: None)
     prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
     if os.getppid() != supervisor_pid:
         return WorkerExit.SUPERVISOR_GONE
     return None
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _serve_session(
