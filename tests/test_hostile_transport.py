@@ -27,6 +27,7 @@ from hermes_sup.client import Overloaded, SupervisorError, Timeout
 from hermes_sup.protocol import Kind, Message
 
 from . import waiting
+from .test_spares import spare_pids
 
 wait_for = partial(waiting.wait_for, timeout=15.0)
 
@@ -41,17 +42,6 @@ def largest_options() -> dict[str, dict[str, str]]:
         "env": {f"HS_BIG_{i:02d}": f"{i:02d}" * 2048 for i in range(64)},
         "session_env": {f"big{i:02d}": f"{i:02x}" * 2048 for i in range(64)},
     }
-
-
-def spare_pids(sup) -> set[int]:  # noqa: ANN001
-    found = set()
-    for child in psutil.Process(sup.pid).children():
-        try:
-            if "(spare)" in " ".join(child.cmdline()):
-                found.add(child.pid)
-        except psutil.Error:
-            pass
-    return found
 
 
 def test_a_message_of_any_size_goes_as_parts_and_comes_back_whole() -> None:

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +39,13 @@ from hermes_sup.httpapi.keys import KeyStore
 from hermes_sup.httpapi.sessions import key_for
 from hermes_sup.protocol import Kind, Limits, Message, decode, encode
 from tests.test_http import wait_ready
+from tests.waiting import wait_for
 
 WORDS = 600  # the probe streams one every 20 ms: 12 s, to outlast the flood
 FLOOD = (
     'sh awk \'BEGIN { s = sprintf("%992s", ""); '
     'for (i = 1; i <= 4000; i++) printf "%08d%s\\n", i, s }\''
 )
-
-
-def wait_for(what: str, check: Any, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def idle(client: Client, session: str) -> bool:
@@ -113,8 +106,8 @@ def test_a_stream_that_lost_tokens_ends_incomplete_and_the_run_says_so(lagging) 
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 with sup.client(timeout=60) as watcher:
-                    wait_for("the endpoint to lag", lambda: "slow_consumer " in sup.log())
-                    wait_for("the flood to end", lambda: idle(watcher, "b"))
+                    wait_for(lambda: "slow_consumer " in sup.log(), 120, what="the endpoint to lag")
+                    wait_for(lambda: idle(watcher, "b"), 120, what="the flood to end")
                     # The chat's turn must still stream when the endpoint reads
                     # again, so that the tokens it missed are a gap, not the end.
                     assert not idle(watcher, "a"), "the machine was too slow for this test"
@@ -133,8 +126,11 @@ def test_a_stream_that_lost_tokens_ends_incomplete_and_the_run_says_so(lagging) 
         # The flood's run: an events.dropped where its output went missing,
         # and the whole reply at the end.
         run_id = run.json()["run_id"]
-        wait_for("the run to end", lambda: http.get(f"/v1/runs/{run_id}").json()["status"]
-                 not in ("queued", "running"))  # fmt: skip
+        wait_for(
+            lambda: http.get(f"/v1/runs/{run_id}").json()["status"] not in ("queued", "running"),
+            120,
+            what="the run to end",
+        )
         with http.stream("GET", f"/v1/runs/{run_id}/events") as events:
             seen = sse_events([line for line in events.iter_lines() if line])
         dropped = [e for e in seen if e["event"] == "events.dropped"]

@@ -386,7 +386,11 @@ def test_follow_sends_live_lines_with_their_stamps(two_batches) -> None:
                     pass
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never left behind, even hung
+            proc.wait()
     assert proc.returncode == 0
     stored = log_path.read_text().splitlines()
     assert got and all(line in stored for line in got), (got, stored)

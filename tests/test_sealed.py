@@ -20,6 +20,7 @@ from hermes_sup.protocol import WorkerExit, session_dir_name
 from hermes_sup.worker import seal
 
 from . import waiting
+from .test_spares import spare_pids
 
 pytestmark = [
     pytest.mark.e2e,
@@ -38,10 +39,6 @@ def sh(client, key: str, command: str) -> tuple[str, list[str]]:  # noqa: ANN001
 
 
 wait_for = partial(waiting.wait_for, timeout=20.0)
-
-
-def spare_pids(sup) -> set[int]:  # noqa: ANN001
-    return {c.pid for c in psutil.Process(sup.pid).children() if "(spare)" in " ".join(c.cmdline())}
 
 
 def session_dir(sup, key: str) -> Path:  # noqa: ANN001

@@ -44,7 +44,11 @@ def web(supervisor, workdir):
         yield wait_ready(log_path, proc) + "/", key
     finally:
         proc.terminate()
-        proc.wait(15)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never left behind, even hung
+            proc.wait()
 
 
 @pytest.fixture

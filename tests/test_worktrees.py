@@ -24,6 +24,9 @@ from hermes_sup.supervisor.worktrees import (
     safe_value,
 )
 
+from .test_spares import spare_pids
+from .waiting import wait_for
+
 GIT_ENV = {
     **os.environ,
     "GIT_AUTHOR_NAME": "t",
@@ -443,7 +446,7 @@ def test_worktree_sessions_survive_a_supervisor_restart_and_take_spare_workers(
             "a": ("exited", str(repo), branch_for("a")),
             "b": ("exited", str(repo), branch_for("b")),
         }
-        spares = spare_pids(again, client, 2)
+        spares = ready_spares(again, client, 2)
         assert output(client.run("a", "sh git status --porcelain")) == ["?? a.txt"]
         assert client.run("a", "cwd").text == workspace
         # A new session's worker, forked ahead, is given it once its worktree is made.
@@ -453,16 +456,10 @@ def test_worktree_sessions_survive_a_supervisor_restart_and_take_spare_workers(
     assert len(worktrees(repo)) == 3 and len(worktrees(other)) == 2
 
 
-def spare_pids(sup, client, count: int) -> set[int]:  # noqa: ANN001
+def ready_spares(sup, client, count: int) -> set[int]:  # noqa: ANN001
     """The pids of `count` ready spare workers, once there are that many."""
-    import psutil
-
-    deadline = time.monotonic() + 30
-    while client.status()["spare_workers"] < count and time.monotonic() < deadline:
-        time.sleep(0.05)
-    found = {
-        p.pid for p in psutil.Process(sup.pid).children() if "(spare)" in " ".join(p.cmdline())
-    }
+    wait_for(lambda: client.status()["spare_workers"] >= count, 30, what="spare workers")
+    found = spare_pids(sup)
     assert len(found) == count
     return found
 
