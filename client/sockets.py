@@ -24,10 +24,10 @@ LIVENESS_SLICE = 2.0
 
 
 def make_socket(
-    ctx: zmq.Context[Any], conn: Connection, monitor_ctx: zmq.Context[Any] | None = None
+    ctx: zmq.Context[Any], conn: Connection
 ) -> tuple[zmq.Socket[Any], zmq.Socket[Any] | None]:
-    """A connected DEALER and, for CURVE, a plain socket that reports failed
-    handshakes (made in `monitor_ctx`, which shares `ctx`'s underlying context)."""
+    """A connected DEALER and, for CURVE, a socket of the same context that
+    reports failed handshakes."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     monitor = None
@@ -38,7 +38,7 @@ def make_socket(
             sock.curve_secretkey = conn.curve.secret.encode()
             addr = f"inproc://hermes-sup-monitor-{os.urandom(8).hex()}"
             sock.monitor(addr, HANDSHAKE_FAILURES)
-            monitor = (monitor_ctx or ctx).socket(zmq.PAIR)
+            monitor = ctx.socket(zmq.PAIR)
             monitor.setsockopt(zmq.LINGER, 0)
             monitor.connect(addr)
         sock.connect(conn.endpoint)

@@ -100,10 +100,6 @@ class Lease:
     # guards the session until a later check manages to write it.
     unfenced: bool = False
 
-    @property
-    def line(self) -> str:
-        return f"{self.epoch} {self.token}\n"
-
 
 def lock_file(fd: int) -> bool:
     """Lock the whole file for writing without waiting; False if another holds it."""

@@ -218,13 +218,6 @@ def session_path(data_dir: Path, key: str) -> Path:
     return sessions_dir(data_dir) / session_dir_name(key)
 
 
-def open_session_dir(data_dir: Path, key: str) -> tuple[Path, SessionOptions | None]:
-    """The session's directory (created 0700) and the options stored there, if any."""
-    path = session_path(data_dir, key)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path, stored_options(read_session_meta(path), key, path)
-
-
 def stored_options(stored: dict[str, Any] | None, key: str, path: Path) -> SessionOptions | None:
     """The options in a session.json's content, if it has usable ones; one
     that names another key is refused (RuntimeError)."""

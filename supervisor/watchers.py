@@ -79,8 +79,10 @@ class Watchers:
                 f"too many watchers: the supervisor already has {total} watches and log "
                 f"follows open (limit {MAX_WATCHERS}); try again when some have ended",
             )
-        limit = self.per_client_limit(client)
-        if self.per_client[client] >= limit:
+        held = self.per_client[client]
+        # Asked only past the usual limit: for a TCP client it reads the keys.
+        limit = MAX_PER_CLIENT if held < MAX_PER_CLIENT else self.per_client_limit(client)
+        if held >= limit:
             raise RemoteProtocolError(
                 ErrorCode.BUSY,
                 f"this client already has {self.per_client[client]} watches and log follows "

@@ -204,7 +204,7 @@ def _serve_session(
     # the session log so the operator can see where it hung.
     faulthandler.enable(file=sys.stderr, all_threads=True)
     log.info(
-        "worker start session=%s pid=%d runtime=%s sealed=%s",
+        START_LINE,
         req["key"],
         os.getpid(),
         req["runtime"],
@@ -340,6 +340,8 @@ def _apply_rlimits(limits: dict[str, int]) -> None:
 # streams on fds 1 and 2 (a worker points the fds themselves at its pipe).
 _STREAMS: tuple[Any, Any] | None = None
 LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+# A worker's first log line (warmed up by a spare before it has a session).
+START_LINE = "worker start session=%s pid=%d runtime=%s sealed=%s"
 
 
 def prepare() -> None:
@@ -415,7 +417,7 @@ def _warm_up(token: bytes) -> None:
     root = logging.getLogger()
     streams = [(h, h.setStream(io.StringIO())) for h in root.handlers if _streams(h)]
     try:
-        log.info("worker start session=%s pid=%d runtime=%s sealed=%s", "k", 1, "r", "no")
+        log.info(START_LINE, "k", 1, "r", "no")
     finally:
         for handler, stream in streams:
             handler.setStream(stream)

@@ -79,7 +79,6 @@ from hermes_sup.local.syscalls import (
 # For tests: make one step fail as if the kernel had refused it (EPERM).
 # The supervisor reads it from its own environment and passes it on.
 FAULT_ENV = "HERMES_SUP_SEAL_FAULT"
-STEPS = ("unshare", "map", "private", "harden", "tmp", "hide", "session", "bind", "drop")
 
 # Mount points made in tmpfs or in the session's tmp: traversable by the
 # session's uid, listable by nobody.
