@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import click
 
+from hermes_sup.local.version import version
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.config import STATE_DIR_ENV
 
@@ -54,14 +54,6 @@ from .show import (
     size,
 )
 
-
-def _version() -> str:
-    try:
-        return metadata.version("hermes-sup")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
 complete.install()
 
 
@@ -80,7 +72,7 @@ complete.install()
     default=None,
     help=CONNECTION_HELP,
 )
-@click.version_option(_version(), "--version", "-V", prog_name="hermes-sup")
+@click.version_option(version(), "--version", "-V", prog_name="hermes-sup")
 @click.pass_context
 def cli(
     ctx: click.Context, state_dir: Path | None, timeout: float, connection: Path | None

@@ -46,7 +46,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +61,7 @@ from hermes_sup.local.frames import (
     recv_frames,
     send_frames,
 )
+from hermes_sup.local.version import version
 from hermes_sup.protocol import (
     MAGIC,
     PROTOCOL_VERSION,
@@ -99,13 +99,6 @@ MAX_MOVES = 3
 FANOUT_KINDS = frozenset({Kind.LIST, Kind.STATUS, Kind.RELOAD})
 DRAIN = "drain"
 GONE_REMEMBERED = 1024  # front ends remembered as gone (see Router._client_gone)
-
-
-def _version() -> str:
-    try:
-        return metadata.version("hermes-sup")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class Mode(Enum):
@@ -514,7 +507,7 @@ class Router:
 
     def _pong(self) -> dict[str, Any]:
         return {
-            "version": _version(),
+            "version": version(),
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "uptime": time.time() - self.started,

@@ -10,14 +10,12 @@ Browser origins are checked before anything else (origins.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hermes_sup.client import AsyncClient, ClientError, SessionConflict
 from hermes_sup.local.logfmt import kv
+from hermes_sup.local.version import version
 
 from . import chat, origins
 from .errors import ApiError, from_client_error
@@ -61,15 +60,6 @@ class ApiSettings:
     max_responses: int = 1000  # stored responses kept at most (in memory)
     web_dir: Path | None = None  # static files served at / (no key needed for them)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed besides our own; "*" for any
-
-
-@functools.cache
-def version() -> str:
-    """hermes-sup's version (looked up once: it scans the installed packages)."""
-    try:
-        return metadata.version("hermes-sup")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class Api:

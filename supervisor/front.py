@@ -22,11 +22,11 @@ import resource
 import signal
 import time
 from collections.abc import Callable
-from importlib import metadata
 
 import psutil
 
 from hermes_sup.local.logfmt import kv
+from hermes_sup.local.version import version
 from hermes_sup.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -58,14 +58,6 @@ log = logging.getLogger("hermes_sup.supervisor")
 APPROVAL_CHOICES = ("once", "session", "always", "deny")
 # Front socket 0 is the local control socket; others (TCP) are remote.
 LOCAL_FRONT = 0
-
-
-def version() -> str:
-    """The installed hermes-sup version."""
-    try:
-        return metadata.version("hermes-sup")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class Front:
