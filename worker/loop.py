@@ -13,7 +13,6 @@ worker/main.py's business.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -114,6 +113,19 @@ class Link:
         self.sock.connect(req["endpoint"])
         self.token = bytes(req["token"])
         self.set_limit(req)
+        # Signals (the supervisor's death: PR_SET_PDEATHSIG, whose handler
+        # does nothing) and the turn thread wake whoever waits on the socket
+        # through this pipe: a zmq poll alone would resume after a signal.
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+
+    def drain_wake(self) -> None:
+        """Empty the wake pipe (what woke us has been seen)."""
+        try:
+            while len(os.read(self.wake_r, 4096)) == 4096:
+                pass
+        except BlockingIOError:
+            pass
 
     def set_limit(self, req: dict[str, Any]) -> None:
         """Take the supervisor's frame limit from a spawn request (a spare
@@ -146,37 +158,27 @@ class Link:
         wait for the supervisor to assign it one (the spawn request it would
         have been forked with). None: told to stop, or the supervisor is gone."""
         self.send(Message(Kind.SPARE, {"pid": os.getpid()}))
-        # The supervisor's death sends us a signal (PR_SET_PDEATHSIG) whose
-        # handler does nothing: it must wake this wait, which zmq's poll
-        # would otherwise resume for up to MAX_POLL_MS, so that a spare of a
-        # supervisor killed with its zygote does not outlive it that long.
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        before = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        # The supervisor's death wakes this wait through the wake pipe: a
+        # spare of a supervisor killed with its zygote must not sleep on.
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(wake_r, zmq.POLLIN)
-        try:
-            while os.getppid() == supervisor_pid:
-                ready = dict(poller.poll(MAX_POLL_MS))
-                if wake_r in ready:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(wake_r, 4096)
-                if self.sock not in ready:
-                    continue
-                try:
-                    msg = decode(self.sock.recv_multipart(), self.token, self.receive_limits)
-                except RemoteProtocolError as exc:
-                    log.warning("dropped a bad frame from the supervisor: %s", exc)
-                    continue
-                if msg.kind is Kind.ASSIGN:
-                    return {**msg.body["request"], "token": self.token}
-                if msg.kind is Kind.STOP:
-                    return None
-            return None
-        finally:
-            signal.set_wakeup_fd(before)
-            os.close(wake_r)
-            os.close(wake_w)
+        poller.register(self.wake_r, zmq.POLLIN)
+        while os.getppid() == supervisor_pid:
+            ready = dict(poller.poll(MAX_POLL_MS))
+            if self.wake_r in ready:
+                self.drain_wake()
+            if self.sock not in ready:
+                continue
+            try:
+                msg = decode(self.sock.recv_multipart(), self.token, self.receive_limits)
+            except RemoteProtocolError as exc:
+                log.warning("dropped a bad frame from the supervisor: %s", exc)
+                continue
+            if msg.kind is Kind.ASSIGN:
+                return {**msg.body["request"], "token": self.token}
+            if msg.kind is Kind.STOP:
+                return None
+        return None
 
 
 def too_large_stand_in(msg: Message, size: int, limit: int) -> Message:
@@ -230,8 +232,7 @@ class WorkerLoop:
         # True while the main loop holds a delta and so wakes by its window's
         # end anyway: the turn thread then posts deltas without waking it.
         self._quiet = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._wake_r, self._wake_w = self.link.wake_r, self.link.wake_w
         self.turns = turns or TurnThread()  # a spare started its own already
         self.turn: str | None = None  # the running turn's id
         self.cancelling: str | None = None  # the turn a cancel is repeated for
@@ -269,7 +270,7 @@ class WorkerLoop:
                 code = WorkerExit.SUPERVISOR_GONE
                 break
             if self._wake_r in ready:
-                self._drain_wake()
+                self.link.drain_wake()
             if self.sock in ready:
                 self._recv_all()
             self._flush_outbox()
@@ -299,13 +300,6 @@ class WorkerLoop:
 
     def _send(self, msg: Message) -> None:
         self.link.send(msg)
-
-    def _drain_wake(self) -> None:
-        try:
-            while len(os.read(self._wake_r, 4096)) == 4096:
-                pass
-        except BlockingIOError:
-            pass
 
     def _recv_all(self) -> None:
         more = True
