@@ -108,11 +108,11 @@ def route(
         state_dir = obj.get("state_dir") or default_state_dir()
     assert state_dir is not None
     if nodes_file is not None:
+        source = static_source(nodes_file)
         try:
-            static_source(nodes_file)()  # refuse a bad file now, not in the loop
+            source()  # refuse a bad file now, not in the loop (it is read once: cached)
         except (NodeConfigError, OSError) as exc:
             raise click.ClickException(str(exc)) from None
-        source = static_source(nodes_file)
     else:
         from hermes_sup.cluster.ray_agents import registry_source
 
