@@ -44,9 +44,16 @@ def _fork_calls() -> tuple[Any, Any, Any, Any]:
     return api.PyOS_BeforeFork, libc.syscall, api.PyOS_AfterFork_Child, api.PyOS_AfterFork_Parent
 
 
-def fork_to_parent() -> int:
+def fork_to_parent(namespaces: int = 0) -> int:
     """os.fork(), except that the child's parent is our own parent
     (clone with CLONE_PARENT): one fork where a double fork was needed.
+    `namespaces`: CLONE_NEW* flags the child is born into (a sealed
+    worker's own PID namespace, say)."""
+    return fork_with(CLONE_PARENT | namespaces)
+
+
+def fork_with(flags: int) -> int:
+    """os.fork() through clone(2) with `flags` (CLONE_PARENT, CLONE_NEW*).
 
     The caller must have no other threads, as for any fork of Python. The
     interpreter's fork hooks run as in os.fork(), and the syscall is made
@@ -54,12 +61,12 @@ def fork_to_parent() -> int:
     assert _SYS_CLONE is not None
     before, syscall, after_child, after_parent = _fork_calls()
     before()
-    pid = syscall(_SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0)
+    pid = syscall(_SYS_CLONE, flags | signal.SIGCHLD, 0, 0, 0, 0)
     if pid == 0:
         after_child()
         return 0
     after_parent()
     if pid < 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
+        raise OSError(err, f"clone({flags:#x}): {os.strerror(err)}")
     return int(pid)

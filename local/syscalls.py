@@ -1,6 +1,6 @@
 """The Linux system calls sealing is made of (Linux only): unshare, mount,
-capset, the capability bounding set's size, Landlock's scoped rulesets, and
-the constants they take.
+capset, the capability bounding set's size, Landlock's scoped rulesets, a
+seccomp filter, and the constants they take.
 
 Plain plumbing, with no knowledge of sessions: worker/seal.py decides what a
 worker mounts, hides and drops, and calls these to do it. Each raises
@@ -19,6 +19,7 @@ from pathlib import Path
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -95,9 +96,12 @@ def unshare(flags: int) -> None:
 
 def clone_flag_names(flags: int) -> str:
     """The namespace flags unshare is given, by name (for messages)."""
-    names = [
-        n for n, v in (("CLONE_NEWUSER", CLONE_NEWUSER), ("CLONE_NEWNS", CLONE_NEWNS)) if flags & v
-    ]
+    known = (
+        ("CLONE_NEWUSER", CLONE_NEWUSER),
+        ("CLONE_NEWNS", CLONE_NEWNS),
+        ("CLONE_NEWPID", CLONE_NEWPID),
+    )
+    names = [n for n, v in known if flags & v]
     return "|".join(names)
 
 
@@ -143,3 +147,116 @@ def landlock_restrict_self(ruleset_fd: int) -> None:
     """Put this thread (and what it starts) in the ruleset's domain."""
     if _libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0) != 0:
         raise _refused("landlock_restrict_self")
+
+
+# ------------------------------------------------------------------ seccomp
+#
+# A small classic-BPF filter, as container runtimes install: the calls a
+# sealed session never needs and that widen what its shell can reach in the
+# kernel are refused with EPERM. New namespaces (unshare, setns, clone with
+# a CLONE_NEW* flag: a nested user namespace is where most unprivileged
+# kernel exploits start), mounts (no capability is left to make one, but
+# the calls are refused before the kernel parses anything), the kernel
+# keyrings, bpf, userfaultfd, perf events and io_uring. clone3 passes its
+# flags in memory a filter cannot read: it fails with ENOSYS, and libc
+# falls back to clone, whose flags are checked. Calls made through another
+# ABI (32-bit, x32) are refused whole: their numbers differ.
+
+_SECCOMP_SET_MODE_FILTER = 1
+_SECCOMP_FILTER_FLAG_TSYNC = 1
+_SECCOMP_RET_ALLOW = 0x7FFF0000
+_SECCOMP_RET_ERRNO = 0x00050000
+_NAMESPACE_FLAGS = 0x7E020080  # every CLONE_NEW*, CLONE_NEWTIME included
+_X32_BIT = 0x40000000
+
+# Per machine: (audit arch, seccomp(2), clone, clone3, the refused calls).
+_SECCOMP_ABI = {
+    "x86_64": (
+        0xC000003E,
+        317,
+        56,
+        435,
+        {
+            "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155,
+            "keyctl": 250, "add_key": 248, "request_key": 249, "bpf": 321,
+            "userfaultfd": 323, "perf_event_open": 298, "io_uring_setup": 425,
+            "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
+            "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+        },
+    ),
+    "aarch64": (
+        0xC00000B7,
+        277,
+        220,
+        435,
+        {
+            "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
+            "keyctl": 219, "add_key": 217, "request_key": 218, "bpf": 280,
+            "userfaultfd": 282, "perf_event_open": 241, "io_uring_setup": 425,
+            "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
+            "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+        },
+    ),
+}  # fmt: skip
+
+
+def seccomp_supported() -> bool:
+    """Whether restrict_syscalls knows this machine's system call numbers."""
+    return os.uname().machine in _SECCOMP_ABI
+
+
+def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
+
+
+def _filter_program() -> bytes:
+    arch, _seccomp, clone, clone3, refused = _SECCOMP_ABI[os.uname().machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    eperm = _SECCOMP_RET_ERRNO | 1
+    enosys = _SECCOMP_RET_ERRNO | 38
+    numbers = sorted(set(refused.values()))
+    # Layout: the checks, then four returns at fixed distances from the end.
+    body = [
+        _bpf(ld, 4),  # seccomp_data.arch
+        None,  # jeq arch: go on, else EPERM
+        _bpf(ld, 0),  # seccomp_data.nr
+        None,  # nr >= x32 bit: EPERM
+        *[None for _ in numbers],  # jeq nr: EPERM
+        None,  # jeq clone3: ENOSYS
+        None,  # jeq clone: check its flags
+        None,  # allow
+        _bpf(ld, 16),  # args[0], low word: clone's flags
+        _bpf(jset, _NAMESPACE_FLAGS, 1, 0),  # a new namespace: EPERM
+        _bpf(ret, _SECCOMP_RET_ALLOW),
+        _bpf(ret, eperm),
+        _bpf(ret, enosys),
+    ]
+    n = len(body)
+    allow_at, eperm_at, enosys_at, flags_at = n - 3, n - 2, n - 1, n - 5
+
+    def jump(at: int, to: int) -> int:
+        return to - at - 1
+
+    body[1] = _bpf(jeq, arch, 0, jump(1, eperm_at))
+    body[3] = _bpf(jge, _X32_BIT, jump(3, eperm_at), 0)
+    for i, nr in enumerate(numbers):
+        at = 4 + i
+        body[at] = _bpf(jeq, nr, jump(at, eperm_at), 0)
+    at = 4 + len(numbers)
+    body[at] = _bpf(jeq, clone3, jump(at, enosys_at), 0)
+    body[at + 1] = _bpf(jeq, clone, jump(at + 1, flags_at), 0)
+    body[at + 2] = _bpf(ret, _SECCOMP_RET_ALLOW)
+    assert allow_at == flags_at + 2
+    return b"".join(x for x in body if x is not None)
+
+
+def restrict_syscalls() -> None:
+    """Install the filter on every thread of this process (it needs
+    no_new_privs, or CAP_SYS_ADMIN); inherited by all it starts, for good."""
+    _arch, seccomp, _clone, _clone3, _refused_calls = _SECCOMP_ABI[os.uname().machine]
+    program = _filter_program()
+    code = ctypes.create_string_buffer(program, len(program))
+    fprog = struct.pack("HxxxxxxQ", len(program) // 8, ctypes.addressof(code))
+    prog = ctypes.create_string_buffer(fprog, len(fprog))
+    if _libc.syscall(seccomp, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, prog) != 0:
+        raise _refused("seccomp(SECCOMP_SET_MODE_FILTER)")
