@@ -176,9 +176,34 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"node:      {node['name']}, {node['sessions']} session(s) held"
             + ("; DRAINING: no new sessions" if node["draining"] else ""),
         )
+    lines += sealing_lines(info)
     if not info["accepting"]:
         lines.append("shutting down: not accepting turns")
     click.echo("\n".join(lines))
+
+
+def sealing_lines(info: dict[str, Any]) -> list[str]:
+    """How sessions are kept apart, and their limits, for `status`; an
+    unsealed supervisor's warning first."""
+    sealed = info.get("sealed") or {}
+    lines = []
+    if sealed.get("warning"):
+        lines.append(f"WARNING:   {sealed['warning']}")
+    elif sealed.get("mode"):
+        parts = [f"sealed ({sealed['mode']})"]
+        if sealed.get("pid_namespaces"):
+            parts.append("own PID namespaces")
+        if sealed.get("syscall_filter"):
+            parts.append("syscall filter")
+        if not sealed.get("signals_scoped") and not sealed.get("pid_namespaces"):
+            parts.append("signals between sessions not scoped")
+        lines.append("sealing:   " + ", ".join(parts))
+    limits = info.get("limits") or {}
+    if limits:
+        lines.append(
+            "limits:    " + "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in limits.items())
+        )
+    return lines
 
 
 # ------------------------------------------------------------------ service

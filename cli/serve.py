@@ -58,10 +58,32 @@ TUNABLES: list[tuple[str, str, Any, str]] = [
         float,
         "Seconds between an idle worker's heartbeats; 3 missed: hung [15].",
     ),
-    ("--memory-limit", "memory_limit_mb", int, "MiB of RSS per session, children included [2048]."),
-    ("--max-procs", "max_procs", int, "Processes per session besides the worker [256]."),
+    (
+        "--memory-limit",
+        "memory_limit_mb",
+        int,
+        "MiB of memory per session: PSS of the worker and its children [2048].",
+    ),
+    (
+        "--max-procs",
+        "max_procs",
+        int,
+        "Processes per session besides the worker; sealed, also its RLIMIT_NPROC [256].",
+    ),
     ("--max-open-files", "max_open_files", int, "Open-file rlimit of each worker [1024]."),
     ("--cpu-seconds", "cpu_seconds", int, "CPU-time rlimit of each worker [default: none]."),
+    (
+        "--file-size-limit",
+        "file_size_limit_mb",
+        int,
+        "MiB of the largest file a session may write (RLIMIT_FSIZE) [4096].",
+    ),
+    (
+        "--tmp-limit",
+        "tmp_limit_mb",
+        int,
+        "Sealed: MiB of the tmpfs that is a session's /tmp; 0: its tmp/ on disk [256].",
+    ),
     ("--min-uptime", "min_uptime", float, "A worker dying sooner is a fast failure [2]."),
     ("--backoff-base", "backoff_base", float, "First back-off delay in seconds; doubles [0.5]."),
     ("--backoff-cap", "backoff_cap", float, "Longest back-off delay in seconds [30]."),
@@ -180,8 +202,9 @@ def tunables(func: Any) -> Any:
     "--sealed",
     type=click.Choice(["off", "auto", "on"]),
     default=None,
-    help="Each worker in its own mount namespace, seeing only its session's files: "
-    "on (refuse to start without it), auto (where the kernel allows) or off [off].",
+    help="Each worker in its own mount and PID namespaces, seeing only its session's files "
+    "and processes: auto (where the kernel allows, else a warning), on (refuse to start "
+    "without it) or off (a session is then no boundary) [auto].",
 )
 @click.option(
     "--repo",

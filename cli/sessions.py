@@ -239,6 +239,11 @@ def list_(
         raise click.UsageError("choose one of --json, -q and --format")
     clear = watch and is_terminal(sys.stdout)
     with connect(ctx) as client:
+        if not (as_json or quiet or template is not None):
+            # A supervisor whose sessions are not a boundary says so here too.
+            warning = (client.status().get("sealed") or {}).get("warning")
+            if warning:
+                click.echo(f"warning: {warning}", err=True)
         first = True
         try:
             while True:

@@ -7,6 +7,7 @@ respawned in a loop.
 
 from __future__ import annotations
 
+import signal
 from enum import IntEnum
 
 
@@ -33,6 +34,13 @@ def describe_exit(code: int | None, signal_name: str | None) -> str:
     try:
         named = WorkerExit(code)
     except ValueError:
+        if 128 < code <= 128 + 64:
+            # A sealed worker is the init of its PID namespace: it ends on a
+            # signal it handles, with 128 + the signal's number, as shells say.
+            try:
+                return f"exited with status {code} (128 + {signal.Signals(code - 128).name})"
+            except ValueError:
+                pass
         return f"exited with status {code}"
     return {
         WorkerExit.OK: "exited normally",

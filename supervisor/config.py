@@ -124,9 +124,16 @@ class Settings:
     # recycled. max_procs counts the worker's descendants the same way.
     # max_open_files and cpu_seconds are rlimits set in the worker.
     memory_limit_mb: int | None = 2048
+    # Sealed, max_procs is also the session's RLIMIT_NPROC (its processes
+    # and threads, the worker's included), which the kernel enforces.
     max_procs: int | None = 256
     max_open_files: int | None = 1024
     cpu_seconds: int | None = None
+    # The largest file a session may write (RLIMIT_FSIZE: a write past it
+    # fails with "File too large"), and, sealed, the size of the tmpfs that
+    # is its /tmp, /var/tmp and /dev/shm (None: its tmp/ on disk, unbounded).
+    file_size_limit_mb: int | None = 4096
+    tmp_limit_mb: int | None = 256
     limits_interval: float = 2.0
     # Live workers at most (None: derived from the open-file limit). When
     # full, the least recently used idle session is stopped to make room.
@@ -177,11 +184,13 @@ class Settings:
     # Variables that decide whether the agent asks before a dangerous command
     # (environment.APPROVAL_ENV) that front ends may set all the same.
     allow_env: tuple[str, ...] = ()
-    # Sealed sessions (worker/seal.py): each worker in its own mount
-    # namespace, seeing only its own session's files. "off": today's
-    # import-after-fork workers; "auto": sealed where the kernel allows it,
-    # else off with a warning at start; "on": refuse to start without it.
-    sealed: str = "off"
+    # Sealed sessions (worker/seal.py): each worker in its own mount and PID
+    # namespaces, seeing only its own session's files and processes.
+    # "auto": sealed where the kernel allows it, else unsealed with a warning
+    # at start, in status, list and the HTTP endpoint; "on": refuse to start
+    # without it; "off": unsealed, by the operator's choice (a session is
+    # then no boundary: its shell can read the supervisor's key).
+    sealed: str = "auto"
     # A git repository: each session's workspace is its own `git worktree`
     # of it, on its own branch (supervisor/worktrees.py). "" is off.
     repo: str = ""

@@ -10,8 +10,8 @@ one's meaning and default), plus two tables:
                         none (session_env, env, agent), as in an `open`
 
 For limits that can be off (max_sessions, max_clients, idle_timeout, turn_timeout,
-memory_limit_mb, max_procs, max_open_files, cpu_seconds, log_rate_limit),
-0 means off.
+memory_limit_mb, max_procs, max_open_files, cpu_seconds, file_size_limit_mb,
+tmp_limit_mb, log_rate_limit), 0 means off.
 `pass_env` adds to the built-in allowlist. Every error names the file, the
 key and what is wrong.
 """
@@ -51,6 +51,8 @@ OPTIONAL_FIELDS = {
     "max_procs",
     "max_open_files",
     "cpu_seconds",
+    "file_size_limit_mb",
+    "tmp_limit_mb",
     "log_rate_limit",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")

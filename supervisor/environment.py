@@ -5,7 +5,8 @@ A worker's os.environ is built from scratch, in this order (later wins):
   2. variables configured for every worker (--env NAME=VALUE);
   3. per-session `env` from the front end's open options;
   4. per-session `session_env` as HERMES_SESSION_<NAME> (platform, chat_id, ...);
-  5. the session's own HERMES_SESSION_KEY, HERMES_HOME and TERMINAL_CWD.
+  5. the session's own HERMES_SESSION_KEY, HERMES_HOME, TERMINAL_CWD, HOME
+     and temporary directory.
 Nothing else of the supervisor's environment reaches a worker.
 """
 
@@ -301,8 +302,10 @@ def worker_env(
     home: Path,
     workspace: Path,
     tmp: Path | None = None,
+    user: Path | None = None,
 ) -> dict[str, str]:
-    """The complete os.environ of one session's worker."""
+    """The complete os.environ of one session's worker. `user`: its HOME
+    (the supervisor's own never reaches a session)."""
     env = dict(base)
     env.update(fixed)
     env.update(options.env)
@@ -311,6 +314,8 @@ def worker_env(
     env["HERMES_SESSION_KEY"] = key
     env["HERMES_HOME"] = str(home)
     env["TERMINAL_CWD"] = str(workspace)
+    if user is not None:
+        env["HOME"] = str(user)
     if tmp is not None:
         # Every name a program may read its temporary directory from.
         for name in TMP_VARIABLES:

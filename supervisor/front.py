@@ -47,6 +47,7 @@ from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .logread import requested_lines
 from .pool import WorkerPool
+from .sealing import describe_limits
 from .session import LOG_FILE, Session, StoredSession, Turn
 from .states import State
 from .table import SessionTable
@@ -390,6 +391,8 @@ class Front:
             "node": self.node_info(),
             # Whether sessions are sealed (worker/seal.py), how, and if not why.
             "sealed": pool.sealing.describe(),
+            # How each per-session limit is enforced here.
+            "limits": describe_limits(ctx.settings, pool.sealing),
         }
         self.endpoints.to_client(client, msg.reply(Kind.INFO, {"supervisor": info}))
 
@@ -524,6 +527,7 @@ class Front:
             session.home,
             session.workspace,
             session.tmp,
+            session.user,
         )
         logs = [session.log_path] + [
             session.log_path.with_name(f"{LOG_FILE}.{i}")

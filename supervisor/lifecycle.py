@@ -56,6 +56,7 @@ from .endpoints import Endpoints
 from .metrics import exit_category
 from .pool import WorkerPool, new_identity
 from .process import WorkerProcess, kill_processes
+from .sealing import SESSIONS_GID
 from .session import Session
 from .spawner import ZygoteError
 from .states import Event, State, backoff_delay, exit_event
@@ -65,6 +66,7 @@ from .worktrees import (
     GitRunner,
     WorktreeError,
     Worktrees,
+    commit_problem,
     home_is_empty,
     placeholder_values,
     seed_home,
@@ -114,6 +116,8 @@ class Lifecycle:
                 lambda pid: self.pool.unclaimed_exits.pop(pid, None),
             )
         )
+        # Repositories already checked for whether sealed sessions can commit.
+        self._commit_checked: set[str] = set()
         # A lease names where this node is reached (its TCP endpoint, once bound).
         table.leases.endpoint = lambda: getattr(endpoints, "tcp", None)
         table.on_lease_lost = self._lease_lost
@@ -263,6 +267,7 @@ class Lifecycle:
         try:
             if session.repo is not None and session.branch is not None:
                 await self.worktrees.ensure(session.repo, session.workspace, session.branch)
+                self._check_commits(session.repo)
             if template is not None:
                 values = placeholder_values(session.key, session.options.session_env)
                 await asyncio.to_thread(seed_home, template, session.home, values)
@@ -293,6 +298,15 @@ class Lifecycle:
             self.pool.identify(session, token, worker_id)
             request.update(token=token, worker_id=worker_id)
         await self._register(session, generation, self.pool.fork(request))
+
+    def _check_commits(self, repo: str) -> None:
+        """Say once per repository if sealed sessions could not commit to it."""
+        if self.pool.sealing.mode != "root" or repo in self._commit_checked:
+            return
+        self._commit_checked.add(repo)
+        problem = commit_problem(repo, SESSIONS_GID)
+        if problem is not None:
+            log.warning(kv("repo_not_writable_by_sessions", repo=repo, hint=problem))
 
     async def purge(self, session: Session, delete_branch: bool) -> str:
         """Delete a stopped session's data (kill --purge): first its

@@ -136,6 +136,7 @@ class WorkerPool:
         if sealed_hermes:
             log.info(kv("zygote_preloading", what="hermes", sealed=mode))
         ready = self.zygote.start(timeout=ZYGOTE_HERMES_TIMEOUT if sealed_hermes else 30.0)
+        self.sealing.pid_namespaces = bool(ready.get("pid_namespaces"))
         if ready.get("failed"):
             for mod, why in ready["failed"].items():
                 log.error(kv("preload_failed", module=mod, error=why))
@@ -175,12 +176,21 @@ class WorkerPool:
             session.home,
             session.workspace,
             session.tmp,
+            session.user,
         )
         rlimits = {}
         if s.max_open_files:
             rlimits["nofile"] = s.max_open_files
         if s.cpu_seconds:
             rlimits["cpu"] = s.cpu_seconds
+        if s.file_size_limit_mb:
+            rlimits["fsize"] = s.file_size_limit_mb * 1024 * 1024
+        if s.max_procs and self.sealing.mode is not None:
+            # Sealed, a session's processes are its own uid's (root) or its
+            # own user namespace's: the kernel counts them per session, and
+            # a fork over the limit fails at once. (Unsealed, every session
+            # shares our uid, and the sampler's count is the only limit.)
+            rlimits["nproc"] = s.max_procs
         return {
             "key": session.key,
             "title": session.key if len(session.key) <= 48 else session.key[:45] + "...",
@@ -192,6 +202,7 @@ class WorkerPool:
             "workspace": str(session.workspace),
             "home": str(session.home),
             "tmp": str(session.tmp),
+            "user": str(session.user),
             "runtime": session.options.runtime or s.runtime,
             "runtime_config": {**s.runtime_config, **session.options.agent},
             "options": session.options.to_wire(),

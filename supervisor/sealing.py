@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hermes_sup.local import syscalls
 from hermes_sup.local.logfmt import kv
+from hermes_sup.local.prctl import can_fork_to_parent, fork_with
 from hermes_sup.worker import seal
 
 from . import statedir
@@ -40,6 +42,10 @@ log = logging.getLogger("hermes_sup.supervisor")
 # Uids (and gids) of sealed sessions as root: a range no account uses.
 SEALED_UID_BASE = 200_000
 SEALED_UID_COUNT = 65_536
+# The group every sealed session belongs to besides its own, as root: what
+# an operator gives write access to a repository that sessions commit to
+# (README, "One repository, many sessions"), rather than to every user.
+SESSIONS_GID = SEALED_UID_BASE - 1
 CAP_SYS_ADMIN = 21
 
 
@@ -55,6 +61,8 @@ class Sealing:
     asked: str = "off"  # the setting: off, auto, on
     reason: str = ""  # why unsealed although asked for
     signals_scoped: bool = False  # Landlock keeps each worker's signals in
+    pid_namespaces: bool = False  # each worker the init of its own (the zygote says)
+    syscall_filter: bool = False  # seccomp refuses namespaces, mounts, keyrings, ...
     fault: str | None = None  # seal.FAULT_ENV, for tests
 
     def describe(self) -> dict[str, Any]:
@@ -65,7 +73,26 @@ class Sealing:
             "asked": self.asked,
             "reason": self.reason or None,
             "signals_scoped": self.signals_scoped,
+            "pid_namespaces": self.pid_namespaces,
+            "syscall_filter": self.syscall_filter,
+            "warning": self.warning(),
         }
+
+    def warning(self) -> str | None:
+        """What an operator must be told while sessions are not a boundary
+        (for start, status, list and the HTTP endpoint), or None."""
+        if self.mode is not None:
+            return None
+        if self.asked == "off":
+            return (
+                "sessions run unsealed (sealed = off): a session's shell can read the "
+                "supervisor's key and environment and reach every other session; "
+                "use sealed = auto"
+            )
+        return (
+            f"sessions run unsealed: {self.reason}; until then a session's shell can read "
+            "the supervisor's key and environment and reach every other session"
+        )
 
     def spare_plan(self) -> dict[str, Any] | None:
         """What a spare needs to enter its namespace at its start."""
@@ -77,27 +104,34 @@ class Sealing:
         """What a session's worker seals itself with (None: unsealed)."""
         if self.mode is None:
             return None
-        hide = [*settings.workspace_roots, *settings.repo_roots]
+        # The repository's own checkout too: a session works in its own
+        # worktree and sees of the repository only its git directory.
+        hide = [*settings.workspace_roots, *settings.repo_roots, *filter(None, [settings.repo])]
         if self.mode == "user":
             home = _own_home()
             if home is not None:
                 hide.append(str(home))  # the operator's ~/.ssh, ~/.aws, ...
         return {
             "mode": self.mode,
+            # The session's /tmp (and /var/tmp, /dev/shm): a tmpfs this big,
+            # or 0: its tmp/ on disk.
+            "tmp_bytes": (settings.tmp_limit_mb or 0) * 1024 * 1024,
             "data_dir": str(settings.data_dir.absolute()),
             "state_dir": str(settings.state_dir.absolute()),
             "socket": str(settings.state_dir.absolute() / statedir.WORKER_SOCKET),
             "session_dir": str(session.dir),
-            "user_dir": str(session.dir / "user"),
+            "user_dir": str(session.user),
             "hide": hide,
             # Where a git worktree workspace's repository may be (seal.py
-            # keeps it visible; anything else a `.git` file names is not).
-            "repos": [r for r in (settings.repo, *settings.repo_roots) if r],
+            # keeps it visible; anything else a `.git` file names is not):
+            # the session's own, and where new sessions' may be.
+            "repos": [r for r in (session.repo, settings.repo, *settings.repo_roots) if r],
             # Read by every session, shown read-only even where hidden: the
             # operator's template home (a front end's own is not trusted).
             "read": [t for t in (settings.runtime_config.get("template_home"),) if t],
             "uid": uid,
             "gid": uid,
+            "groups": [SESSIONS_GID] if self.mode == "root" else [],
             "fault": self.fault,
         }
 
@@ -112,6 +146,30 @@ def _own_home() -> Path | None:
     if not home.is_dir() or home == Path("/"):
         return None
     return home
+
+
+def describe_limits(settings: Settings, sealing: Sealing) -> dict[str, str]:
+    """How each per-session limit is enforced on this host (said at start
+    and in status): by the kernel, or by the supervisor's sampler."""
+    sealed = sealing.mode is not None
+    mib = "{} MiB".format
+    return {
+        "processes": "off"
+        if not settings.max_procs
+        else f"{settings.max_procs}, "
+        + ("kernel (RLIMIT_NPROC per session)" if sealed else "sampled (sessions share a uid)"),
+        "memory": "off"
+        if not settings.memory_limit_mb
+        else f"{mib(settings.memory_limit_mb)}, sampled (PSS of the session's processes)",
+        "tmp": (
+            f"{mib(settings.tmp_limit_mb)}, kernel (a tmpfs of its own)"
+            if sealed and settings.tmp_limit_mb
+            else "unbounded (the session's tmp/ on disk)"
+        ),
+        "file_size": "off"
+        if not settings.file_size_limit_mb
+        else f"{mib(settings.file_size_limit_mb)}, kernel (RLIMIT_FSIZE)",
+    }
 
 
 def uid_for(key: str, taken: set[int]) -> int:
@@ -134,7 +192,9 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
     asked = settings.sealed
     fault = environ.get(seal.FAULT_ENV) or None
     if asked == "off":
-        return Sealing(asked=asked)
+        unsealed = Sealing(asked=asked)
+        log.warning(kv("unsealed", warning=unsealed.warning()))
+        return unsealed
     mode = seal.mode_for_this_process()
     try:
         if mode == "root":
@@ -149,9 +209,20 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
         log.warning(kv("sealed_unavailable", reason=why, running="unsealed"))
         return Sealing(asked=asked, reason=why)
     sealing = Sealing(
-        mode=mode, asked=asked, signals_scoped=bool(done.get("signals_scoped")), fault=fault
+        mode=mode,
+        asked=asked,
+        signals_scoped=bool(done.get("signals_scoped")),
+        syscall_filter=syscalls.seccomp_supported(),
+        fault=fault,
     )
-    log.info(kv("sealed", mode=mode, signals_scoped=sealing.signals_scoped))
+    log.info(
+        kv(
+            "sealed",
+            mode=mode,
+            signals_scoped=sealing.signals_scoped,
+            syscall_filter=sealing.syscall_filter,
+        )
+    )
     if mode == "root":
         _warn_of_accounts_in_range()
     return sealing
@@ -197,12 +268,23 @@ def _check_reachable(settings: Settings) -> None:
 
 
 def _probe_in_child(mode: str, scratch: Path, fault: str | None) -> dict[str, Any]:
-    """Run seal.probe in a forked child (its namespace dies with it)."""
+    """Run seal.probe in a forked child (its namespaces die with it), born
+    into the namespaces a worker is (a PID namespace of its own)."""
     r, w = os.pipe()
-    pid = os.fork()
+    ids = (os.getuid(), os.getgid())
+    namespaces = seal.namespaces_for(mode) if can_fork_to_parent() else 0
+    try:
+        pid = fork_with(namespaces) if namespaces else os.fork()
+    except OSError as exc:
+        os.close(r)
+        os.close(w)
+        raise seal.SealError(
+            "unshare", f"clone({syscalls.clone_flag_names(namespaces)}): {exc.strerror}"
+        ) from None
     if pid == 0:
         code = 1
         try:
+            seal.born(namespaces, ids)
             os.close(r)
             uid = SEALED_UID_BASE if mode == "root" else None
             result: dict[str, Any] = {"ok": True, **seal.probe(mode, scratch, uid, uid, fault)}

@@ -151,6 +151,7 @@ class Supervisor:
             pool.sealing = sealing.detect(s, self.ctx.environ)
             if pool.sealing.mode is None:
                 self._check_unsealed_preload()
+            log.info(kv("session_limits", **sealing.describe_limits(s, pool.sealing)))
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
             pool.start_zygote()

@@ -125,6 +125,13 @@ class Session:
         return self.dir / "home"
 
     @property
+    def user(self) -> Path:
+        """The worker's HOME: the session's own, so that dotfiles
+        (~/.gitconfig, ~/.cache, a memory provider's ~/.honcho) are never
+        shared between sessions, nor the operator's used."""
+        return self.dir / "user"
+
+    @property
     def tmp(self) -> Path:
         """The worker's TMPDIR: its temporary files (Hermes's shell snapshot,
         a dump of the session's environment, among them) stay in its own

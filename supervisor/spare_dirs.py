@@ -182,6 +182,7 @@ class SpareDirs:
                 (spare / "home").mkdir(mode=0o700)
                 (spare / "workspace").mkdir(mode=0o700)
                 (spare / "tmp").mkdir(mode=0o700)
+                (spare / "user").mkdir(mode=0o700)
                 if self.leases is not None:
                     lease = self.leases.take(spare)
             except (OSError, LeaseHeld) as exc:

@@ -120,6 +120,26 @@ def common_dir(repo: str) -> str:
     return str(top)  # bare
 
 
+def commit_problem(repo: str, gid: int) -> str | None:
+    """Why sessions running as uids of their own, in group `gid` (sealed,
+    as root), could not commit to `repo`, with what to do; None if they
+    can (its objects are writable by that group or by everyone)."""
+    common = common_dir(repo)
+    try:
+        st = os.stat(Path(common) / "objects")
+    except OSError:
+        return None
+    if st.st_mode & 0o002 or (st.st_gid == gid and st.st_mode & 0o020):
+        return None
+    return (
+        f"sealed sessions run as uids of their own, in group {gid}: they can read {repo} and "
+        "work in their worktrees, but not commit until the repository is writable by that "
+        f"group: chgrp -R {gid} {common} && chmod -R g+rwX {common} && "
+        f"git -C {repo} config core.sharedRepository group (its config, hooks and the other "
+        "sessions' worktrees stay read-only to them)"
+    )
+
+
 def branch_for(key: str) -> str:
     """The session's branch: `hermes-sup/<key made safe>-<digest>`. Only
     letters, digits, `_` and `-` are kept from the key (so none of git's
@@ -151,6 +171,31 @@ def worktree_ready(workspace: Path) -> bool:
 
 
 # -------------------------------------------------------------------- git
+
+
+# What the supervisor's git runs with: none of the programs a repository's
+# config may name is run (hooks, the file-system monitor, ssh, pager,
+# editors, credential helpers, gpg, transports). Filters and diff drivers
+# are named in the config too; sealed sessions cannot write it (worker/seal.py
+# shows them the repository's config, hooks and attributes read-only), so
+# only the operator's own would run.
+SAFE_CONFIG = tuple(
+    arg
+    for setting in (
+        "core.hooksPath=/dev/null",
+        "core.fsmonitor=false",
+        "core.sshCommand=false",
+        "core.pager=cat",
+        "core.editor=false",
+        "sequence.editor=false",
+        "core.askPass=false",
+        "credential.helper=",
+        "gpg.program=false",
+        "diff.external=",
+        "protocol.allow=never",
+    )
+    for arg in ("-c", setting)
+)
 
 
 @dataclass(frozen=True)
@@ -188,9 +233,9 @@ class GitRunner:
         self.reaped = reaped
 
     async def run(self, repo: str, *args: str, timeout: float = GIT_TIMEOUT) -> GitResult:
-        """`git -C repo args...`, hooks off (the repository's hooks are not
-        the supervisor's to run); its exit code and output."""
-        argv = ["git", "-c", "core.hooksPath=/dev/null", "-C", repo, *args]
+        """`git -C repo args...` running none of the programs a repository
+        can name (SAFE_CONFIG); its exit code and output."""
+        argv = ["git", *SAFE_CONFIG, "-C", repo, *args]
         read_fd, write_fd = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         self.hold()

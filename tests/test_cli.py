@@ -177,7 +177,11 @@ def test_kill_all_idle_for_and_purge(supervisor) -> None:
 
 def test_logs_keep_every_line_of_a_worker_killed_right_after_printing(supervisor_factory) -> None:
     env = dict(os.environ, PYTHONPATH=RUNTIMES)
-    sup = supervisor_factory("--agent", "hs_printer:make", "--min-uptime", "0", env=env)
+    # Unsealed: a sealed worker is its PID namespace's init, which cannot
+    # SIGKILL itself as this runtime does.
+    sup = supervisor_factory(
+        "--agent", "hs_printer:make", "--min-uptime", "0", "--sealed", "off", env=env
+    )
     with sup.client() as client:
         with pytest.raises(Exception, match="SIGKILL"):
             client.run("noisy", "print-and-die 20000")

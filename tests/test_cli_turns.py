@@ -9,10 +9,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pexpect
 
-from hermes_sup.protocol import Kind
+from hermes_sup.protocol import Kind, session_dir_name
 
 from .test_faults import RUNTIMES, until
 
@@ -58,9 +59,15 @@ def running_turn(client, key: str) -> str | None:
 # ---------------------------------------------------------------- approvals
 
 
-def test_send_on_a_terminal_asks_for_the_approval_and_answers_it(supervisor, workdir) -> None:
-    target = workdir / "approved"
-    child = on_terminal(supervisor, "send", "alice", f"ask touch {target}")
+def workspace_of(supervisor, key: str) -> Path:
+    """A session's workspace, where the approved commands below write (the
+    one place of the host a session's shell may write)."""
+    return supervisor.data_dir / "sessions" / session_dir_name(key) / "workspace"
+
+
+def test_send_on_a_terminal_asks_for_the_approval_and_answers_it(supervisor) -> None:
+    target = workspace_of(supervisor, "alice") / "approved"
+    child = on_terminal(supervisor, "send", "alice", "ask touch approved")
     try:
         child.expect(r"\? approval needed: touch .*approved")
         child.expect(r"allow it\? \[once/session/deny\]")
@@ -75,10 +82,10 @@ def test_send_on_a_terminal_asks_for_the_approval_and_answers_it(supervisor, wor
     assert target.exists()
 
 
-def test_send_without_a_terminal_says_how_to_answer(supervisor, workdir) -> None:
-    target = workdir / "from-elsewhere"
+def test_send_without_a_terminal_says_how_to_answer(supervisor) -> None:
+    target = workspace_of(supervisor, "bob") / "from-elsewhere"
     proc = subprocess.Popen(
-        hs_cmd(supervisor, "send", "bob", f"ask touch {target}"),
+        hs_cmd(supervisor, "send", "bob", "ask touch from-elsewhere"),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -237,14 +244,14 @@ def test_attach_refuses_an_unknown_key_unless_create(supervisor) -> None:
         child.close(force=True)
 
 
-def test_attach_approve_names_the_request_on_screen(supervisor, workdir) -> None:
-    target = workdir / "via-attach"
+def test_attach_approve_names_the_request_on_screen(supervisor) -> None:
+    target = workspace_of(supervisor, "ops") / "via-attach"
     with supervisor.client() as client:
         client.run("ops", "pid")
         child = on_terminal(supervisor, "attach", "ops")
         try:
             child.expect("attached to ops")
-            req = client.submit(Kind.SEND, {"text": f"ask touch {target}"}, session="ops")
+            req = client.submit(Kind.SEND, {"text": "ask touch via-attach"}, session="ops")
             child.expect("approval requested")
             child.sendline("/approve once")
             child.expect("approval answered: once")

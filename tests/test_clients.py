@@ -202,8 +202,11 @@ def test_workspace_and_runtime_options_follow_the_operators_policy(
     sup = supervisor_factory("--workspace-root", str(root))
     with sup.client() as client:
         client.open("w1", workspace=root / "acme")
-        assert client.run("w1", "cwd").text == str(root / "acme")
-        assert client.run("w1", "env TERMINAL_CWD").text == str(root / "acme")
+        # Its cwd and TERMINAL_CWD are the chosen directory (sealed, seen at
+        # the fixed path the zygote imported under).
+        assert client.run("w1", "cwd").text == client.run("w1", "env TERMINAL_CWD").text
+        assert client.run("w1", "write mark.txt in-acme").ok
+        assert (root / "acme" / "mark.txt").read_text() == "in-acme"
         with pytest.raises(BadRequest) as out:
             client.open("w2", workspace=outside)
         assert "not under a workspace root" in out.value.message
@@ -215,8 +218,9 @@ def test_workspace_and_runtime_options_follow_the_operators_policy(
         assert client.run("w5", "cwd").text.endswith("/workspace")  # the session's own
     (root / "cli").mkdir()
     by_cli = hs(sup, "--state-dir", str(sup.state_dir), "send", "w6", "--workspace",
-                str(root / "cli"), "cwd")  # fmt: skip
-    assert by_cli.returncode == 0 and by_cli.stdout.strip() == str(root / "cli"), by_cli.stderr
+                str(root / "cli"), "write by-cli.txt cli")  # fmt: skip
+    assert by_cli.returncode == 0, by_cli.stderr
+    assert (root / "cli" / "by-cli.txt").read_text() == "cli"
     refused = hs(sup, "--state-dir", str(sup.state_dir), "send", "w7", "--runtime", "hermes", "pid")
     assert refused.returncode == 1 and "'hermes' is not allowed" in refused.stderr
 

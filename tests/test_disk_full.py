@@ -84,7 +84,11 @@ def test_a_full_disk_loses_log_lines_not_the_supervisor(
     supervisor_factory, small_data_dir: Path
 ) -> None:
     env = dict(os.environ, PYTHONPATH=RUNTIMES)
-    sup = supervisor_factory("--agent", "hs_printer:make", "--min-uptime", "0", env=env)
+    # Unsealed: hs_printer SIGKILLs itself, which a sealed worker (its PID
+    # namespace's init) cannot.
+    sup = supervisor_factory(
+        "--agent", "hs_printer:make", "--min-uptime", "0", "--sealed", "off", env=env
+    )
     log_path = small_data_dir / "sessions" / session_dir_name("noisy") / "worker.log"
     try:
         with sup.client() as client:
@@ -130,7 +134,11 @@ def test_a_worker_starts_when_its_record_cannot_be_written(supervisor_factory, s
     while a death was handled, in the main loop, ending the supervisor)."""
     data, state = small_disks("d"), small_disks("s")
     env = dict(os.environ, PYTHONPATH=RUNTIMES)
-    sup = supervisor_factory("--agent", "hs_printer:make", "--min-uptime", "0", env=env)
+    # Unsealed: hs_printer SIGKILLs itself, which a sealed worker (its PID
+    # namespace's init) cannot.
+    sup = supervisor_factory(
+        "--agent", "hs_printer:make", "--min-uptime", "0", "--sealed", "off", env=env
+    )
     try:
         with sup.client() as client:
             assert client.run("first", "print 3").text == "printed 3"

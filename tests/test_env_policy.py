@@ -46,11 +46,14 @@ def test_hermes_agents_own_modules_are_not_preloaded(tmp_path: Path) -> None:
     base = Settings(state_dir=tmp_path / "s", data_dir=tmp_path / "d")
     for module in ("run_agent", "tools.approval", "hermes_state"):
         with pytest.raises(configfile.ConfigError, match="belong to hermes-agent"):
-            configfile.build(base, None, {"preload": (module,)})
+            configfile.build(base, None, {"preload": (module,), "sealed": "off"})
+        # Sealed (auto, the default), each session finds its own paths there.
+        assert configfile.build(base, None, {"preload": (module,)}).preload == (module,)
     assert configfile.build(base, None, {"preload": ("json", "yaml")}).preload == ("json", "yaml")
     cli = [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(tmp_path / "s")]
     refused = subprocess.run(
-        [*cli, "serve", "--data-dir", str(tmp_path / "d"), "--preload", "run_agent"],
+        [*cli, "serve", "--data-dir", str(tmp_path / "d"), "--preload", "run_agent"]
+        + ["--sealed", "off"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -100,7 +100,9 @@ def test_memory_limit_recycles_the_session(supervisor_factory) -> None:
 
 
 def test_process_limit_recycles_a_session_that_forks_too_much(supervisor_factory) -> None:
-    sup = supervisor_factory("--max-procs", "10", "--min-uptime", "0")
+    # Unsealed: sessions share a uid, so the sampler's count is the limit
+    # (sealed, the kernel refuses the fork: test_hostile_session.py).
+    sup = supervisor_factory("--max-procs", "10", "--min-uptime", "0", "--sealed", "off")
     with sup.client() as client:
         pid = int(client.run("forky", "pid").text)
         reply = client.run(
@@ -467,11 +469,16 @@ def test_a_handed_first_turn_cancelled_before_a_failed_start_stays_cancelled(
 def test_a_worker_killed_in_its_first_turn_runs_it_once(supervisor, workdir) -> None:
     """At most once, with the first turn in the spawn request too: a worker
     that dies during it fails the turn, and no new worker runs it again."""
-    runs = workdir / "runs"
+    runs = supervisor.data_dir / "sessions" / session_dir_name("dies") / "workspace" / "runs"
     with supervisor.client() as client:
         assert client.run("warm", "hi").text == "hi"
+        req = client.submit(Kind.SEND, {"text": "sh echo ran >> runs; sleep 30"}, session="dies")
+        assert until(runs.exists)
+        (row_,) = [r for r in client.sessions() if r["key"] == "dies"]
+        os.kill(row_["pid"], signal.SIGKILL)
         with pytest.raises(SupervisorError) as err:
-            client.run("dies", f"sh echo ran >> {runs}; kill -9 $PPID; sleep 5")
+            while client.answer(req, timeout=20).kind is Kind.EVENT:
+                pass
         assert err.value.code == "worker_died"
         assert client.run("dies", "echo back").text == "echo back"
         time.sleep(0.5)

@@ -81,12 +81,23 @@ def collect(client, reqs: dict[str, str], timeout: float = 120) -> dict[str, tup
 # What a session's data directory may hold: the worker's home, workspace, tmp
 # and log, and the supervisor's own files (its metadata, and the session's
 # lease and fencing epoch when the supervisor keeps them).
-SESSION_ENTRIES = ("home", "workspace", "tmp", "worker.log", "session.json", "lease", "epoch")
+SESSION_ENTRIES = (
+    "home",
+    "workspace",
+    "tmp",
+    "user",
+    "worker.log",
+    "session.json",
+    "lease",
+    "epoch",
+)
 
 
+# Unsealed Hermes: imported in each worker after its environment is set
+# (test_sealed_hermes.py has the sealed, preloaded one).
 @pytest.mark.parametrize(
     "hermes",
-    [["--spare-workers", "0"], ["--spare-workers", "3"]],
+    [["--spare-workers", "0", "--sealed", "off"], ["--spare-workers", "3", "--sealed", "off"]],
     ids=["forked", "spares"],
     indirect=True,
 )

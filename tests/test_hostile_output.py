@@ -74,13 +74,16 @@ def until(predicate, timeout: float = 15.0):
 def test_a_session_flooding_its_log_does_not_stall_other_clients(
     supervisor_factory, workdir: Path, rate: str
 ) -> None:
-    args: list[str] = []
+    # Unsealed: a sealed session's shell cannot reopen its worker's stdout
+    # (a pipe of the supervisor's uid); the flood here stands for a runtime
+    # that prints without end.
+    args: list[str] = ["--sealed", "off"]
     if rate == "unlimited":
         # Only the read budget per wake-up stands between the flood and the
         # loop; small log files, so the flood churns less disk.
         config = workdir / "hermes-sup.toml"
         config.write_text("log_rate_limit = 0\nlog_max_bytes = 1048576\n")
-        args = ["--config", str(config)]
+        args += ["--config", str(config)]
     sup = supervisor_factory(*args)
     with sup.client(timeout=30) as client:
         assert client.run("probe", "pid").ok

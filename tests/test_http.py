@@ -169,7 +169,7 @@ def test_each_conversation_is_its_own_worker(endpoint) -> None:
     assert say("env SECRET", **bob) == ""  # never another session's export
     assert say("env HERMES_SESSION_KEY", **alice) == "alice"
     assert say("env HERMES_SESSION_KEY", **bob) == "webui:bob"  # the key header wins
-    assert say("pid", **alice) in pids and say("cwd", **alice) != say("cwd", **bob)
+    assert say("pid", **alice) in pids and say("pid", **bob) in pids
 
     # The front end's system prompt, earlier messages and conversation id go
     # with the turn, for the runtime to use if it keeps no history itself.
@@ -660,7 +660,7 @@ def test_hermes_gateway_proxy_mode_runs_each_chat_in_its_own_worker(endpoint, wo
     }
     chats = {
         "1": ["setenv TOKEN one", "env TOKEN", "env HERMES_SESSION_KEY", "stream streamed to one"],
-        "2": ["env TOKEN", "env HERMES_SESSION_KEY", "stream streamed to two", "cwd"],
+        "2": ["env TOKEN", "env HERMES_SESSION_KEY", "stream streamed to two", "pid"],
     }
     done = subprocess.run(
         [sys.executable, "-c", GATEWAY_SCRIPT, json.dumps(chats)],
@@ -675,7 +675,7 @@ def test_hermes_gateway_proxy_mode_runs_each_chat_in_its_own_worker(endpoint, wo
     # Chat 2 never sees chat 1's export (Hermes shows an empty reply so).
     assert replies["2"][:3] == ["(No response from remote agent)", "tg-2", "streamed to two"]
     with endpoint.sup.client() as hs:
-        assert hs.run("tg-1", "cwd").text != replies["2"][3]
+        assert hs.run("tg-1", "pid").text != replies["2"][3]
 
 
 # ------------------------------------------------------------------ running it

@@ -28,6 +28,7 @@ class Driver:
     index: int
     key: str
     root: Path
+    sealed: bool  # then its worker sees its directories at the fixed paths
     ops: list[str] = field(default_factory=list)
     env_value: str = ""
     file_value: str | None = None
@@ -62,11 +63,19 @@ class Driver:
         return op
 
     @property
+    def on_disk(self) -> Path:
+        """Its workspace, as the host sees it."""
+        return self.root / "sessions" / session_dir_name(self.key) / "workspace"
+
+    @property
     def workspace(self) -> str:
-        return str(self.root / "sessions" / session_dir_name(self.key) / "workspace")
+        """Its workspace, as its worker sees it."""
+        return str(self.root / "sealed" / "workspace" if self.sealed else self.on_disk)
 
     @property
     def home(self) -> str:
+        if self.sealed:
+            return str(self.root / "sealed" / "home")
         return str(self.root / "sessions" / session_dir_name(self.key) / "home")
 
     def check(self, reply: str, output: list[str]) -> None:
@@ -100,10 +109,14 @@ class Driver:
         self.observations += 1
 
 
-def test_32_concurrent_sessions_never_see_each_other(supervisor) -> None:
+@pytest.mark.parametrize("sealed", ["auto", "off"])
+def test_32_concurrent_sessions_never_see_each_other(supervisor_factory, sealed: str) -> None:
+    supervisor = supervisor_factory("--sealed", sealed)
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    is_sealed = sealed == "auto"  # this test runs where sealing works
     drivers = {
-        f"user-{i:03d}": Driver(i, f"user-{i:03d}", supervisor.data_dir) for i in range(SESSIONS)
+        f"user-{i:03d}": Driver(i, f"user-{i:03d}", supervisor.data_dir, is_sealed)
+        for i in range(SESSIONS)
     }
     remaining = {key: OPS_PER_SESSION for key in drivers}
     in_flight: dict[str, tuple[str, list[str]]] = {}  # request id -> (key, output lines)
@@ -146,7 +159,7 @@ def test_32_concurrent_sessions_never_see_each_other(supervisor) -> None:
     assert all(s["turns"] == OPS_PER_SESSION for s in sessions)
     # Files landed only in their own session's workspace.
     for d in drivers.values():
-        mark = Path(d.workspace) / "mark.txt"
+        mark = d.on_disk / "mark.txt"
         if d.file_value is not None:
             assert mark.read_text() == d.file_value
 
@@ -190,6 +203,9 @@ def test_session_values_from_the_front_end_reach_only_their_worker(supervisor) -
 
 
 def test_directories_are_private(supervisor) -> None:
+    """The state and data directories are the service's alone. (Sealed as
+    root, sessions connect to the workers' socket as uids of their own, so
+    it is 0666, in a 0700 directory that sessions' views hide besides.)"""
     with supervisor.client() as client:
         client.run("priv", "write notes.txt secret")
     session_dir = supervisor.data_dir / "sessions" / session_dir_name("priv")
@@ -203,17 +219,22 @@ def test_directories_are_private(supervisor) -> None:
     for path in (
         supervisor.state_dir / "hmac.key",
         supervisor.state_dir / "control.sock",
-        supervisor.state_dir / "workers.sock",
         session_dir / "workspace" / "notes.txt",
     ):
         assert path.stat().st_mode & 0o777 == 0o600, path
+    sealed_as_root = "sealed mode=root" in supervisor.log()
+    expected = 0o666 if sealed_as_root else 0o600
+    assert (supervisor.state_dir / "workers.sock").stat().st_mode & 0o777 == expected
 
 
 def test_each_session_has_its_own_temporary_directory_emptied_at_start_and_purged(
-    supervisor,
+    supervisor_factory,
 ) -> None:
     """Temporary files (Hermes's shell snapshot is a full dump of a session's
-    environment) go to the session's own tmp/, never to the shared /tmp."""
+    environment) go to the session's own tmp/, never to the shared /tmp.
+    Unsealed (sealed, /tmp itself is a tmpfs of the session's own:
+    test_hostile_session.py)."""
+    supervisor = supervisor_factory("--sealed", "off")
     dirs = {k: supervisor.data_dir / "sessions" / session_dir_name(k) for k in ("ta", "tb")}
     with supervisor.client() as client:
         for key, d in dirs.items():

@@ -79,13 +79,16 @@ def check_isolation(sup, client, keys: list[str], own_uids: bool = True) -> dict
         for other in set(keys) - {key}:
             for mark in (f"{other}-secret", f"t-{other}", f"h-{other}", session_dir_name(other)):
                 assert mark not in out, f"{key} saw {other}'s {mark}: {out}"
-        # The state dir shows nothing but the worker socket, the key not even that.
+        # The state dir shows nothing: no key, no socket.
         assert "hmac.key: No such file" in out or "Permission denied" in out
         assert (sup.state_dir / "hmac.key").read_text().strip() not in out
+        assert "workers.sock" not in out and "control.sock" not in out
     for key in keys:
         own = session_dir(sup, key)
         assert (own / "workspace" / "marker").read_text() == f"{key}-secret\n"
-        assert (own / "tmp" / f"t-{key}").exists() and (own / "user" / f"h-{key}").exists()
+        assert (own / "user" / f"h-{key}").exists()
+        # The session's /tmp is a tmpfs of its own (tmp_limit_mb), nowhere on disk.
+        assert not (own / "tmp" / f"t-{key}").exists()
     # Nothing landed in the zygote's fixed paths or the shared /tmp.
     for fixed in (paths.workspace, paths.user):
         assert list(fixed.iterdir()) == []

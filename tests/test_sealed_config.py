@@ -60,8 +60,14 @@ def test_what_a_worker_is_told_to_seal_itself_with(tmp_path: Path) -> None:
     assert root["uid"] == root["gid"] == 200_123
     assert root["socket"] == str(tmp_path / "s" / "workers.sock")
     assert root["user_dir"] == str(session.dir / "user")
-    assert root["hide"] == ["/srv/ws", "/srv/repos"]
+    # The repository's own checkout is hidden too: a session sees only its
+    # git directory (and its own worktree).
+    assert root["hide"] == ["/srv/ws", "/srv/repos", "/srv/repo"]
     assert root["repos"] == ["/srv/repo", "/srv/repos"]
+    assert root["groups"] == [sealing.SESSIONS_GID] and root["tmp_bytes"] == 256 * 1024 * 1024
+    # A session on another repository (from before a restart) keeps it visible.
+    session.repo = "/srv/old"
+    assert sealing.Sealing(mode="user").plan(settings, session, None)["repos"][0] == "/srv/old"
     assert sealing.Sealing(mode="user").spare_plan() == {"mode": "user", "fault": None}
     assert sealing.Sealing().spare_plan() is None
 

@@ -538,7 +538,8 @@ def test_sealed_hermes_sessions_see_only_their_own(
                 assert other not in out and session_dir_name(other) not in out
             # What it wrote is in its own directories, at their real paths.
             assert (d / "workspace" / "mine.txt").read_text().strip() == f"own-{key}"
-            assert (d / "tmp" / mark).read_text().strip() == f"tmp-{key}"
+            # Its /tmp (where `seen` read its mark) is a tmpfs of its own.
+            assert not (d / "tmp" / mark).exists()
             # Its state.db holds its own turn, and only its own.
             db = sqlite3.connect(d / "home" / "state.db")
             text = " ".join(str(row) for row in db.execute("SELECT * FROM messages"))
@@ -626,8 +627,9 @@ def test_a_sealed_session_finds_nothing_of_another_in_its_workers_memory(
         assert _memory_mentions(pid, own) == set(own)
         assert _memory_mentions(pid, [alpha.encode(), tokens[alpha].encode()]) == set()
         # Read by beta's own shell (approved): its own token, not alpha's.
+        # (Its worker is pid 1 of the session's own PID namespace.)
         halves = [t[: len(t) // 2] + " " + t[len(t) // 2 :] for t in (tokens[beta], tokens[alpha])]
-        command = f"run: python3 - {pid} {' '.join(halves)} <<'EOF'\n{MEMORY_SCAN}\nEOF"
+        command = f"run: python3 - 1 {' '.join(halves)} <<'EOF'\n{MEMORY_SCAN}\nEOF"
         reply, events = _turns(sup, {beta: command})[beta]
         out = _tool_output(events)
         counts = out.split("hits=", 1)[1].split("\n", 1)[0].split(",")

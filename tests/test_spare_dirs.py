@@ -20,7 +20,12 @@ def test_spare_session_dirs_move_into_place_and_never_over_a_real_one(tmp_path: 
 
     a = sessions / "aaaa"
     assert spares.take(a)
-    assert sorted(p.name for p in a.iterdir()) == ["home", "tmp", "workspace"]  # no leases here
+    assert sorted(p.name for p in a.iterdir()) == [
+        "home",
+        "tmp",
+        "user",
+        "workspace",
+    ]  # no leases here
     assert a.stat().st_mode & 0o777 == 0o700
 
     b = sessions / "bbbb"
@@ -30,7 +35,7 @@ def test_spare_session_dirs_move_into_place_and_never_over_a_real_one(tmp_path: 
 
     c = sessions / "cccc"
     assert spares.take(c, with_workspace=False)  # its workspace is elsewhere
-    assert sorted(p.name for p in c.iterdir()) == ["home", "tmp"]
+    assert sorted(p.name for p in c.iterdir()) == ["home", "tmp", "user"]
     assert not spares.take(sessions / "dddd")  # none left
     spares.refill(5)
     assert len(spares.free) == 2  # up to the target, no further

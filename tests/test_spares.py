@@ -47,12 +47,18 @@ def test_a_new_session_gets_a_spare_which_becomes_only_its_own(supervisor_factor
         assert client.run("alice", "env SUPERVISOR_SECRET").text == ""
         home = client.run("alice", "env HERMES_HOME").text
         cwd = client.run("alice", "cwd").text
-        assert cwd == client.run("alice", "env TERMINAL_CWD").text
-        assert cwd != home and "sessions" in cwd and "sessions" in home
+        assert cwd == client.run("alice", "env TERMINAL_CWD").text and cwd != home
+        assert client.run("alice", "write mark.txt alice's").ok
+        own = sup.data_dir / "sessions" / session_dir_name("alice") / "workspace"
+        assert (own / "mark.txt").read_text() == "alice's"
         assert "(spare)" not in " ".join(psutil.Process(row["pid"]).cmdline())
         # A second session gets the other spare, and its own everything.
         assert client.run("bob", "env HERMES_SESSION_KEY").text == "bob"
-        assert client.run("bob", "cwd").text != cwd
+        assert (
+            client.run("bob", "sh cat mark.txt 2>&1")
+            .events[-1]
+            .data.endswith("No such file or directory")
+        )
         # The pool refills behind them, with new processes.
         wait_for(lambda: client.status()["spare_workers"] == 2)
         refilled = spare_pids(sup)

@@ -16,6 +16,7 @@ import pytest
 
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import Kind
+from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.supervisor.worktrees import (
     branch_for,
     peers_text,
@@ -33,6 +34,11 @@ GIT_ENV = {
     "GIT_AUTHOR_EMAIL": "t@example.com",
     "GIT_COMMITTER_NAME": "t",
     "GIT_COMMITTER_EMAIL": "t@example.com",
+    # The operator looking into sessions' worktrees, which sealed sessions
+    # own (uids of their own).
+    "GIT_CONFIG_COUNT": "1",
+    "GIT_CONFIG_KEY_0": "safe.directory",
+    "GIT_CONFIG_VALUE_0": "*",
 }
 # What a session runs to commit: its worker has no git identity of its own.
 COMMIT = "git -c user.name=s -c user.email=s@example.com commit -q -m"
@@ -47,11 +53,19 @@ def git(repo: Path, *args: str) -> str:
 
 
 def make_repo(path: Path) -> Path:
+    """A repository sessions can commit to: sealed as root, each runs as a
+    uid of its own in the sessions' group (README, "One repository, many
+    sessions")."""
     path.mkdir(parents=True)
     git(path, "init", "-q", "-b", "main")
     (path / "README").write_text("shared\n")
     git(path, "add", "README")
     git(path, "commit", "-q", "-m", "first")
+    git(path, "config", "core.sharedRepository", "group")
+    for root, dirs, files in os.walk(path / ".git"):
+        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            os.chown(name, -1, SESSIONS_GID)
+            os.chmod(name, os.stat(name).st_mode | 0o060 | (0o2010 if os.path.isdir(name) else 0))
     return path
 
 
@@ -191,7 +205,7 @@ def test_two_sessions_on_one_repository_each_work_on_their_own_branch(
     with sup.client() as client:
         # Back again, the session finds its kept branch and its commit.
         assert output(client.run("alice", "sh git log -1 --format=%s")) == ["work of alice"]
-        assert client.run("bob", "cwd").text == str(spaces["bob"])
+        assert output(client.run("bob", "sh cat bob.txt")) == ["from bob"]
     gone = cli(sup, "kill", "alice", "--purge", "--delete-branch", "--yes")
     assert gone.returncode == 0, gone.stderr
     assert "deleted" in gone.stdout
@@ -214,8 +228,12 @@ def test_twenty_sessions_created_at_once_get_twenty_worktrees(
             msg = client.next(timeout=max(1.0, deadline - time.monotonic()))
             key = pending.pop(msg.re, None)
             assert msg.kind is Kind.OPENED, (key, msg.body)
-        tops = {k: output(client.run(k, "sh git rev-parse --show-toplevel")) for k in keys}
-    assert len({tuple(v) for v in tops.values()}) == 20
+            # Each its own worktree (sealed, each seen at the same fixed path):
+        # its own branch, and its own file.
+        for k in keys:
+            assert client.run(k, f"write {k}.txt {k}").ok
+        tops = {k: output(client.run(k, "sh git branch --show-current; ls *.txt")) for k in keys}
+    assert all(tops[k] == [branch_for(k), f"{k}.txt"] for k in keys), tops
     listed = worktrees(repo)
     assert len(listed) == 21
     assert sorted(b for b in listed.values() if b != "main") == sorted(map(branch_for, keys))
@@ -447,8 +465,9 @@ def test_worktree_sessions_survive_a_supervisor_restart_and_take_spare_workers(
             "b": ("exited", str(repo), branch_for("b")),
         }
         spares = ready_spares(again, client, 2)
+        # Its own worktree, as it left it.
         assert output(client.run("a", "sh git status --porcelain")) == ["?? a.txt"]
-        assert client.run("a", "cwd").text == workspace
+        assert client.inspect("a")["workspace"] == workspace
         # A new session's worker, forked ahead, is given it once its worktree is made.
         assert int(client.run("c", "pid").text) in spares
         assert int(client.run("a", "pid").text) in spares

@@ -60,7 +60,10 @@ def test_each_hermes_agent_sees_only_its_own_changes_in_git_status(
         }
         for key, (final, events) in collect(client, writes).items():
             assert final.kind is Kind.REPLY, final.body
-            assert tool_result(events).count(client.inspect(key)["workspace"]) == 1
+            # In its own worktree (sealed, seen at the fixed workspace path).
+            workspace = Path(client.inspect(key)["workspace"])
+            assert (workspace / f"{key}.txt").read_text() == f"{key}\n"
+            assert tool_result(events).count("/workspace") == 1  # its pwd
         status = {
             client.submit(
                 Kind.SEND,

@@ -40,6 +40,7 @@ from hermes_sup.protocol import (
     error_message,
 )
 
+from . import parent, seal
 from . import runtime as runtime_mod
 from .coalesce import MAX_MERGED_BYTES, Coalescer, delta_type
 
@@ -102,15 +103,20 @@ class TurnThread:
 
 
 class Link:
-    """The worker's zmq context and its one socket to the supervisor."""
+    """The worker's zmq context and its one socket to the supervisor.
+    `endpoint`: where to connect instead of the request's (a sealed worker's
+    descriptor of the socket: see `wait_connected`)."""
 
-    def __init__(self, req: dict[str, Any]) -> None:
+    def __init__(self, req: dict[str, Any], endpoint: str | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # The supervisor chose this routing id; our token signs every frame.
         self.sock.setsockopt(zmq.ROUTING_ID, bytes(req["worker_id"]))
-        self.sock.connect(req["endpoint"])
+        if endpoint is not None:
+            # Writable only once connected, so wait_connected can tell.
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.connect(endpoint or req["endpoint"])
         self.token = bytes(req["token"])
         self.set_limit(req)
         # Signals (the supervisor's death: PR_SET_PDEATHSIG, whose handler
@@ -118,6 +124,15 @@ class Link:
         # through this pipe: a zmq poll alone would resume after a signal.
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+
+    def wait_connected(self, supervisor_pid: int) -> bool:
+        """Wait until the connection to the supervisor is made (a sealed
+        worker then closes the descriptor it connected through); False if
+        the supervisor is gone first."""
+        while parent.alive(supervisor_pid):
+            if self.sock.poll(100, zmq.POLLOUT):
+                return True
+        return False
 
     def drain_wake(self) -> None:
         """Empty the wake pipe (what woke us has been seen)."""
@@ -157,13 +172,13 @@ class Link:
         """A spare worker's life before its session: say it is ready, then
         wait for the supervisor to assign it one (the spawn request it would
         have been forked with). None: told to stop, or the supervisor is gone."""
-        self.send(Message(Kind.SPARE, {"pid": os.getpid()}))
+        self.send(Message(Kind.SPARE, {"pid": seal.outside_pid()}))
         # The supervisor's death wakes this wait through the wake pipe: a
         # spare of a supervisor killed with its zygote must not sleep on.
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
-        while os.getppid() == supervisor_pid:
+        while parent.alive(supervisor_pid):
             ready = dict(poller.poll(MAX_POLL_MS))
             if self.wake_r in ready:
                 self.drain_wake()
@@ -247,7 +262,7 @@ class WorkerLoop:
 
     def run(self) -> int:
         """Serve turns until asked to stop or the supervisor goes away."""
-        self._send(Message(Kind.HELLO, {"pid": os.getpid()}, session=self.key))
+        self._send(Message(Kind.HELLO, {"pid": seal.outside_pid()}, session=self.key))
         if self.first_turn is not None:
             # Hello first, then the turn: the supervisor counts the turn as
             # started when it reads the hello.
@@ -265,7 +280,7 @@ class WorkerLoop:
             if held_until is not None:
                 wait_ms = min(wait_ms, max(0, int((held_until - time.monotonic()) * 1000) + 1))
             ready = dict(poller.poll(wait_ms))
-            if os.getppid() != self.supervisor_pid:
+            if not parent.alive(self.supervisor_pid):
                 log.error("supervisor (pid %d) is gone; stopping", self.supervisor_pid)
                 code = WorkerExit.SUPERVISOR_GONE
                 break

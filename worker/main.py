@@ -12,12 +12,14 @@ process group, death with the supervisor, the zmq connection, a warm-up,
 the turn thread), then waits for the supervisor to assign it a session, and
 from there goes on exactly as above.
 
-A sealed worker (worker/seal.py) enters its own mount namespace first,
-while it has one thread (a spare: at its start), then mounts its session's
-directories over the fixed paths the zygote imported under, drops to the
-session's own uid (as root) and every capability, and only then sets its
-environment and loads its runtime. A failing step exits SEAL_FAILED before
-anything of the session runs.
+A sealed worker (worker/seal.py), born into a PID namespace of its own,
+enters its own mount namespace first, while it has one thread (a spare: at
+its start), then mounts its session's directories over the fixed paths the
+zygote imported under, drops to the session's own uid (as root) and every
+capability, connects to the supervisor through a descriptor nothing of the
+session can reach, and only then sets its environment and loads its
+runtime. A failing step exits SEAL_FAILED before anything of the session
+runs.
 
 From there the session is served by worker/loop.py's main loop.
 """
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hermes_sup.local.prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
+from hermes_sup.local.syscalls import CLONE_NEWPID
 from hermes_sup.protocol import (
     Kind,
     Message,
@@ -47,12 +50,13 @@ from hermes_sup.protocol import (
     encode,
 )
 
+from . import parent, seal
 from . import runtime as runtime_mod
-from . import seal
 from .loop import Link, TurnThread, WorkerLoop
 
 # The signal the kernel sends us when the supervisor dies. It only wakes the
-# main loop, which checks getppid() and cleans up; it must not kill us first.
+# main loop, which checks the supervisor (worker/parent.py) and cleans up;
+# it must not kill us first.
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
 
 log = logging.getLogger("hermes_sup.worker")
@@ -85,7 +89,7 @@ def _boot(req: dict[str, Any]) -> int:
         # Forked ahead of need (--spare-workers): connect now, then wait to
         # be given a session. Nothing of any session is here before that.
         _set_title("(spare)")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the zygote's handler
+        _end_on_sigterm()  # not the zygote's handler
         entered = None
         if req.get("seal"):
             # Sealed: the namespace now, while we have one thread (zmq's
@@ -104,7 +108,7 @@ def _boot(req: dict[str, Any]) -> int:
         _warm_up(link.token)
         assigned = link.wait_for_session(supervisor_pid)
         if assigned is None:
-            gone = os.getppid() != supervisor_pid
+            gone = not parent.alive(supervisor_pid)
             return WorkerExit.SUPERVISOR_GONE if gone else WorkerExit.OK
         return _serve_session(assigned, link, turns, entered)
     return _serve_session(req)
@@ -125,21 +129,35 @@ def _own_process(supervisor_pid: int) -> int | None:
     supervisor. An exit code if it cannot be."""
     os.setsid()
     # Orphans of our children re-parent to us, so our process tree is always
-    # the whole of what this session started (setsid or not).
+    # the whole of what this session started (setsid or not). (In a PID
+    # namespace of our own we are its init: they would anyway.)
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Our parent is the supervisor at once (clone with CLONE_PARENT); after a
     # double fork we must first be adopted by it before asking for a
-    # parent-death signal (else it fires now).
+    # parent-death signal (else it fires now). Born into a PID namespace,
+    # we were cloned (getppid says 0 there: the parent is outside).
     deadline = time.monotonic() + 5.0
-    while os.getppid() != supervisor_pid:
+    while not seal.BORN_INTO and os.getppid() != supervisor_pid:
         if time.monotonic() > deadline or not _exists(supervisor_pid):
             return WorkerExit.SUPERVISOR_GONE  # died before it could adopt us
         time.sleep(0.0002)
-    signal.signal(PARENT_DEATH_SIGNAL, lambda *_: None)
+    signal.signal(PARENT_DEATH_SIGNAL, lambda *_: parent.on_death_signal())
     prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
-    if os.getppid() != supervisor_pid:
+    if not parent.alive(supervisor_pid):
         return WorkerExit.SUPERVISOR_GONE
     return None
+
+
+def _end_on_sigterm() -> None:
+    """SIGTERM ends the worker at once, as its default action does. The
+    init of a PID namespace (a sealed worker) is sent only the signals it
+    has a handler for, so there it is a handler: exit 128 + SIGTERM, as a
+    shell reports a process ended by it (its namespace's processes die with
+    it)."""
+    if seal.BORN_INTO & CLONE_NEWPID:
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _exists(pid: int) -> bool:
@@ -164,7 +182,7 @@ def _serve_session(
     _apply_rlimits(req.get("rlimits") or {})
     workspace = Path(req["workspace"])
     home = Path(req["home"])
-    for d in (workspace, home):
+    for d in (workspace, home, *([Path(req["user"])] if req.get("user") else [])):
         _make_dir(d)
     if req.get("tmp"):
         _fresh_tmp(Path(req["tmp"]))
@@ -174,11 +192,21 @@ def _serve_session(
     sealed_in = time.perf_counter()
     if plan:
         try:
-            paths = _seal(req, plan, entered)
+            paths, socket_fd = _seal(req, plan, entered, keep_socket=link is None)
         except seal.SealError as exc:
             return _seal_failed(req["key"], exc)
-        if os.getppid() != int(req["supervisor_pid"]):
+        if socket_fd is not None:
+            # Connected before anything of the session runs, through a
+            # descriptor that is then closed: nothing the session starts or
+            # loads can reach the supervisor's socket afterwards.
+            link = Link(req, endpoint=f"ipc:///proc/self/fd/{socket_fd}")
+            connected = link.wait_connected(int(req["supervisor_pid"]))
+            os.close(socket_fd)
+            if not connected:
+                return WorkerExit.SUPERVISOR_GONE
+        if not parent.alive(int(req["supervisor_pid"])):
             return WorkerExit.SUPERVISOR_GONE
+        parent.let_go()  # the parent-death signal tells from here on
         # Inside the namespace P, W and U are this session's own.
         workspace, home = paths.workspace, paths.home
         env = {**env, "HERMES_HOME": str(home), "TERMINAL_CWD": str(workspace)}
@@ -197,7 +225,7 @@ def _serve_session(
         if os.environ.get(name) != value:
             os.environ[name] = value
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _end_on_sigterm()
     _set_title(req["title"])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     # A hung worker gets SIGABRT before SIGKILL: dump every thread's stack to
@@ -206,7 +234,7 @@ def _serve_session(
     log.info(
         START_LINE,
         req["key"],
-        os.getpid(),
+        seal.outside_pid(),
         req["runtime"],
         f"{plan['mode']} uid={os.getuid()} in={(time.perf_counter() - sealed_in) * 1000:.1f}ms"
         if plan
@@ -238,13 +266,43 @@ def _serve_session(
         log.error("runtime load failed: %s", exc)
         traceback.print_exc()
         return WorkerExit.RUNTIME_LOAD_FAILED
+    _keep_session_env(env)
     return WorkerLoop(req, agent, link, turns).run()
 
 
-def _seal(req: dict[str, Any], plan: dict[str, Any], entered: str | None) -> seal.SealedPaths:
+# What the session's environment decided and an agent's import must not
+# undo: hermes-agent's gateway.run sets HERMES_EXEC_ASK=1 at import (and the
+# sealed replay re-runs that statement), over a front end's allowed 0.
+SESSION_DECIDED = frozenset(
+    {
+        "HERMES_EXEC_ASK",
+        "HERMES_GATEWAY_SESSION",
+        "HERMES_YOLO_MODE",
+        "HERMES_HOME",
+        "HERMES_SESSION_KEY",
+        "TERMINAL_CWD",
+    }
+)
+
+
+def _keep_session_env(env: dict[str, str]) -> None:
+    """Put back the session's own value of every variable it decided
+    (SESSION_DECIDED, HERMES_SESSION_*) that loading the runtime changed."""
+    for name, value in env.items():
+        if name in SESSION_DECIDED or name.startswith("HERMES_SESSION_"):
+            if os.environ.get(name) != value:
+                log.info("kept the session's %s over the runtime's import-time value", name)
+                os.environ[name] = value
+
+
+def _seal(
+    req: dict[str, Any], plan: dict[str, Any], entered: str | None, keep_socket: bool
+) -> tuple[seal.SealedPaths, int | None]:
     """Seal this worker for its session (worker/seal.py): the namespace
     (unless a spare entered it already), the session's mounts, its own uid
-    and no capabilities. Raises SealError."""
+    and no capabilities. With `keep_socket`, also an O_PATH descriptor of
+    the worker socket to connect through (the caller closes it). Raises
+    SealError."""
     mode, fault = plan["mode"], plan.get("fault")
     if entered is None:
         seal.enter(mode, fault)  # fails by itself if we already have threads
@@ -258,22 +316,29 @@ def _seal(req: dict[str, Any], plan: dict[str, Any], entered: str | None) -> sea
         user=Path(plan["user_dir"]),
     )
     _make_dir(dirs.user)
-    # Mount points may be made in it (for a data or state dir under /tmp),
-    # as root: nothing an earlier worker of the session left may be in the
-    # way (a symlink would lead those mkdirs elsewhere).
-    with os.scandir(dirs.tmp) as entries:
-        if next(entries, None) is not None:
-            raise seal.SealError("tmp", f"{dirs.tmp} could not be emptied")
+    if not plan.get("tmp_bytes"):
+        # Mount points may be made in it (for a data or state dir under
+        # /tmp), as root: nothing an earlier worker of the session left may
+        # be in the way (a symlink would lead those mkdirs elsewhere).
+        with os.scandir(dirs.tmp) as entries:
+            if next(entries, None) is not None:
+                raise seal.SealError("tmp", f"{dirs.tmp} could not be emptied")
     uid, gid = plan.get("uid"), plan.get("gid")
     if mode == "root":
         assert uid is not None and gid is not None
-        seal.chown_session(dirs, uid, gid)  # before the mounts: no walking into them
+        # Before the mounts: no walking into them.
+        seal.chown_session(dirs, uid, gid, plan.get("repos", ()))
     paths = seal.SealedPaths.for_data_dir(plan["data_dir"])
-    seal.mount_session(plan, dirs, paths)
-    seal.drop(mode, uid, gid, fault)
+    socket_fd = seal.mount_session(plan, dirs, paths, keep_socket)["socket_fd"]
+    try:
+        seal.drop(mode, uid, gid, fault, plan.get("groups", ()))
+    except BaseException:
+        if socket_fd is not None:
+            os.close(socket_fd)
+        raise
     # A change of credentials clears the parent-death signal: ask again.
     prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
-    return paths
+    return paths, socket_fd
 
 
 def _seal_failed(key: str, exc: seal.SealError) -> int:
@@ -318,7 +383,15 @@ def _fresh_tmp(path: Path) -> None:
 # supervisor/environment.py's TMP_VARIABLES).
 TMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
 
-RLIMITS = {"nofile": resource.RLIMIT_NOFILE, "cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS}
+RLIMITS = {
+    "nofile": resource.RLIMIT_NOFILE,
+    "cpu": resource.RLIMIT_CPU,
+    "as": resource.RLIMIT_AS,
+    # Sealed only (the supervisor sends it then): processes and threads of
+    # the session's own uid, or of its own user namespace, so per session.
+    "nproc": resource.RLIMIT_NPROC,
+    "fsize": resource.RLIMIT_FSIZE,
+}
 
 
 def _apply_rlimits(limits: dict[str, int]) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from . import seal
 from .runtime import Emit, SessionInfo, TurnReply
 
 MAX_SLEEP = 24 * 3600.0
@@ -135,7 +136,9 @@ class ProbeRuntime:
         return TurnReply(os.getcwd())
 
     def _do_pid(self, rest: str, emit: Emit) -> TurnReply:
-        return TurnReply(str(os.getpid()))
+        # As the supervisor (and `list`) see it: a sealed worker is pid 1 of
+        # its own namespace.
+        return TurnReply(str(seal.outside_pid()))
 
     def _do_sleep(self, rest: str, emit: Emit) -> TurnReply:
         try:

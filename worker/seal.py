@@ -1,36 +1,50 @@
-"""Sealed sessions: each worker in its own mount namespace, seeing only its
-own session's files, the service's code and the supervisor's worker socket.
+"""Sealed sessions: each worker in its own mount and PID namespaces, seeing
+only its own session's files and processes, and the service's code.
 
-A sealed worker, right after the fork and while it is still single-threaded
-(no zmq context, no thread: a user namespace cannot be entered by a process
-with threads, and unshare(CLONE_NEWNS) moves only the calling thread):
+The zygote forks a sealed worker into a PID namespace of its own (and, not
+root, a user namespace: `namespaces_for`), so the worker is the init of its
+session: the session's processes see no other process on the machine (its
+/proc is the namespace's own), cannot name one to signal or trace it, and
+all die with the worker, by the kernel's hand. Then the worker, while it is
+still single-threaded (no zmq context, no thread: a user namespace cannot
+be entered by a process with threads, and unshare(CLONE_NEWNS) moves only
+the calling thread):
 
 1. `enter`: a new mount namespace (root: unshare(CLONE_NEWNS); not root:
-   CLONE_NEWUSER|CLONE_NEWNS, mapping our own uid and gid to themselves,
-   never to 0, which would let the session's shell undo the mounts), `/`
-   made private so nothing we mount reaches the host; then the bounding set
+   in the user namespace it was born into, mapping our own uid and gid to
+   themselves, never to 0, which would let the session's shell undo the
+   mounts), `/` made private so nothing we mount reaches the host, a /proc
+   of the worker's own PID namespace; then the bounding set
    emptied (before any setresuid: after it, PR_CAPBSET_DROP fails),
    no_new_privs, and a Landlock domain that keeps signals (and abstract unix
    sockets) inside the session where the kernel has it. All of these are
    per thread and inherited by threads created later, which is why they
    come before the zmq context starts its threads.
-2. `mount_session`: the session's tmp over /tmp, /var/tmp and /dev/shm; a
-   read-only tmpfs over the data dir (every other session, the zygote's
-   home), over the state dir (the signing key) and over the workspace and
-   repository roots; then bound back at their own paths only what this
-   worker needs: its own session directory (read-only), the worker socket,
-   the service's code if it lived under a hidden directory, a git
-   worktree's common directory; and the session's home, workspace and HOME
-   over the fixed paths P, W, U (`SealedPaths`) that the zygote imported
-   under. Every path captured at import is then the session's own.
+2. `mount_session`: a tmpfs of its own (size-limited) over /tmp, /var/tmp
+   and /dev/shm; a read-only tmpfs over the data dir (every other session,
+   the zygote's home), over the state dir (the signing key, the sockets)
+   and over the workspace and repository roots; then bound back at their
+   own paths only what this worker needs: its own session directory
+   (read-only), the service's code if it lived under a hidden directory, a
+   git worktree's common directory; and the session's home, workspace and
+   HOME over the fixed paths P, W, U (`SealedPaths`) that the zygote
+   imported under. Every path captured at import is then the session's own.
+   The worker socket is not bound back: nothing in the session's view
+   leads to it. A worker forked for a session keeps an O_PATH descriptor
+   of it, connects through that (`/proc/self/fd/N`) and closes it once
+   connected, before any of the session's code runs; a spare connected
+   before its mounts. A session's shell (or code loaded into the worker
+   later) has no path to any socket of the supervisor's, so it cannot
+   open connections to exhaust its descriptors.
 3. `drop`: as root, setgroups([]), setresgid/setresuid to the session's
    own uid (glibc applies them to every thread: a spare's zmq threads
-   too), capabilities cleared; not root, capabilities cleared. The
-   parent-death signal is cleared by the kernel when credentials change:
-   the caller sets it again. Only then does a forked worker create its zmq
-   context and connect: as root, the supervisor made the worker socket
-   connectable by any uid (supervisor/sealing.py says why that opens it to
-   sealed workers only), so a reconnect works as well as the first connect.
+   too), capabilities cleared; not root, capabilities cleared; then a
+   seccomp filter (no new namespaces, mounts, keyrings, bpf, ...: see
+   hermes_sup.local.syscalls). The parent-death signal is cleared by the
+   kernel when credentials change: the caller sets it again. Only then
+   does a forked worker create its zmq context and connect: as root,
+   the supervisor made the worker socket connectable by any uid
+   (supervisor/sealing.py says why only sealed workers could reach it).
 
 Any failing step raises SealError and the worker exits with
 WorkerExit.SEAL_FAILED before any runtime code runs: it never runs against
@@ -57,6 +71,7 @@ from hermes_sup.local import syscalls
 from hermes_sup.local.prctl import prctl
 from hermes_sup.local.syscalls import (
     CLONE_NEWNS,
+    CLONE_NEWPID,
     CLONE_NEWUSER,
     LANDLOCK_SCOPE_ABI,
     MS_BIND,
@@ -88,6 +103,19 @@ MOUNTPOINT_MODE = 0o711
 TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
 TMPFS_DATA = f"mode={MOUNTPOINT_MODE:o},size=64k"
 MODES = ("root", "user")
+# A session's own /proc: of its PID namespace, nothing in it to execute.
+PROC_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+# The session's /tmp when it is a tmpfs (plan["tmp_bytes"]): a /tmp as any
+# program expects it, in the session's view only.
+TMP_FLAGS = MS_NOSUID | MS_NODEV
+
+# The namespaces this worker was born into (set by the zygote in the child,
+# right after the clone: `born`), its pid as the supervisor sees it (in its
+# own PID namespace it is 1), and its uid and gid outside a user namespace
+# it was born into (inside, until mapped, they read as 65534).
+BORN_INTO = 0
+_OUTSIDE_PID: int | None = None
+_OUTSIDE_IDS: tuple[int, int] | None = None
 
 
 class SealError(Exception):
@@ -213,6 +241,29 @@ def _scope_signals(step: str) -> bool:
 # ------------------------------------------------------------------- stages
 
 
+def namespaces_for(mode: str) -> int:
+    """The CLONE_NEW* flags the zygote forks a sealed worker with: a PID
+    namespace, and not root a user namespace to own it (an unprivileged
+    process may make a PID namespace only together with one)."""
+    return CLONE_NEWPID if mode == "root" else CLONE_NEWUSER | CLONE_NEWPID
+
+
+def born(flags: int, ids: tuple[int, int]) -> None:
+    """In a worker just forked into the namespaces `flags`: remember them,
+    our uid and gid before the fork (`ids`), and the pid the supervisor
+    knows us by, read while /proc is still the supervisor's (our own
+    replaces it in `enter`)."""
+    global BORN_INTO, _OUTSIDE_PID, _OUTSIDE_IDS
+    BORN_INTO, _OUTSIDE_IDS = flags, ids
+    if flags & CLONE_NEWPID:
+        _OUTSIDE_PID = int(os.readlink("/proc/self"))
+
+
+def outside_pid() -> int:
+    """This process's pid as the supervisor sees it."""
+    return _OUTSIDE_PID if _OUTSIDE_PID is not None else os.getpid()
+
+
 def mode_for_this_process() -> str:
     """ "root" where we may set up the namespace and change uid ourselves
     (euid 0), "user" otherwise (a user namespace of our own)."""
@@ -231,15 +282,24 @@ def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
     if mode == "root":
         _unshare("unshare", CLONE_NEWNS)
     else:
-        _unshare("unshare", CLONE_NEWUSER | CLONE_NEWNS)
+        if not BORN_INTO & CLONE_NEWUSER:
+            _unshare("unshare", CLONE_NEWUSER)
+        elif _OUTSIDE_IDS is not None:
+            # Born into it: until the map is written we are nobody there.
+            uid, gid = _OUTSIDE_IDS
         _check_fault("map", fault)
         # Our own ids to themselves: inside, we are who we were, so a program
         # we exec has no capabilities (a map to 0 would give it all of them).
         _write("map", "/proc/self/setgroups", "deny")
         _write("map", "/proc/self/uid_map", f"{uid} {uid} 1\n")
         _write("map", "/proc/self/gid_map", f"{gid} {gid} 1\n")
+        _unshare("unshare", CLONE_NEWNS)
     _check_fault("private", fault)
     _mount("private", None, "/", None, MS_REC | MS_PRIVATE)
+    if BORN_INTO & CLONE_NEWPID:
+        # /proc of our own PID namespace: the session's processes only.
+        _check_fault("proc", fault)
+        _mount("proc", "proc", "/proc", "proc", PROC_FLAGS)
     _check_fault("harden", fault)
     # The bounding set first: once our uid is not 0 we could not drop it.
     # It and no_new_privs only limit what an exec may gain; our effective
@@ -287,14 +347,6 @@ def _makedirs(step: str, path: Path) -> None:
         pass
     except OSError as exc:
         raise SealError(step, f"mkdir {path}: {exc.strerror}") from None
-
-
-def _make_file(step: str, path: Path) -> None:
-    _makedirs(step, path.parent)
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-    except OSError as exc:
-        raise SealError(step, f"create {path}: {exc.strerror}") from None
 
 
 def _remount_readonly(step: str, target: Path) -> None:
@@ -411,26 +463,90 @@ def git_common_dir(workspace: Path, repos: Iterable[Path]) -> Path | None:
     return path if _under(path, [Path(r).resolve() for r in repos]) else None
 
 
-def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -> dict[str, Any]:
+# What of a repository's common git directory a session may not change:
+# what git runs (config, hooks), what decides it (info/attributes), the main
+# worktree's state and every other session's worktree. Objects, refs and
+# logs stay writable: committing to its own branch needs them. In its own
+# worktree's directory, what points git elsewhere or configures it.
+GIT_READ_ONLY = ("config", "config.worktree", "hooks", "info", "HEAD", "index", "modules")
+GIT_WORKTREES = "worktrees"
+ADMIN_READ_ONLY = ("config.worktree", "commondir", "gitdir")
+
+
+def own_worktree_admin(common: Path, workspace: Path) -> Path | None:
+    """The session's own `worktrees/<name>` directory in the common git
+    directory: the one whose `gitdir` file (written by git, read-only to
+    sessions) names this workspace, never what the workspace's `.git` file
+    says (the session can write that)."""
+    wanted = os.path.realpath(workspace / ".git")
+    try:
+        names = os.listdir(common / GIT_WORKTREES)
+    except OSError:
+        return None
+    for name in names:
+        named = _read_small(common / GIT_WORKTREES / name / "gitdir")
+        if named is not None and os.path.realpath(named.strip()) == wanted:
+            return common / GIT_WORKTREES / name
+    return None
+
+
+def _bind_read_only(step: str, path: Path) -> None:
+    """Make `path` (a file or a directory) read-only where it is: a mount
+    of itself, which can be neither written nor renamed over nor removed."""
+    _mount(step, str(path), str(path), None, MS_BIND | MS_REC)
+    _remount_readonly(step, path)
+
+
+def _protect_git(common: Path, workspace: Path) -> None:
+    """In the session's view, a repository shared by sessions executes
+    nothing one session configured in another, nor in the supervisor's
+    git: its config, hooks, attributes and the other sessions' worktree
+    directories become read-only (GIT_READ_ONLY); the session's own
+    worktree directory stays writable but for what redirects or configures
+    git (ADMIN_READ_ONLY)."""
+    own = own_worktree_admin(common, workspace)
+    own_fd = _open_path("git", own) if own is not None else None
+    try:
+        for name in (*GIT_READ_ONLY, GIT_WORKTREES):
+            if os.path.lexists(common / name):
+                _bind_read_only("git", common / name)
+        if own is not None and own_fd is not None:
+            _mount("git", f"/proc/self/fd/{own_fd}", str(own), None, MS_BIND)
+            for name in ADMIN_READ_ONLY:
+                if os.path.lexists(own / name):
+                    _bind_read_only("git", own / name)
+    finally:
+        if own_fd is not None:
+            os.close(own_fd)
+
+
+def mount_session(
+    plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths, keep_socket: bool = False
+) -> dict[str, Any]:
     """Stage 2: hide what is shared, bind back what this session needs,
-    put its directories over the fixed paths, chdir to W."""
+    put its directories over the fixed paths, chdir to W. `keep_socket`:
+    return an O_PATH descriptor of the worker socket as "socket_fd" (for a
+    worker that has yet to connect; it must close it once connected)."""
     fault = plan.get("fault")
     data_dir = Path(plan["data_dir"])
     state_dir = Path(plan["state_dir"])
-    socket = Path(plan["socket"])
+    tmp_bytes = int(plan.get("tmp_bytes") or 0)
     # Taken before any mount: a path may be hidden by the time it is bound.
     fds: dict[str, int] = {}
+    socket_fd: int | None = None
     umask = os.umask(0)  # mount points get exactly MOUNTPOINT_MODE
     try:
+        if keep_socket:
+            socket_fd = _open_path("session", Path(plan["socket"]))
         for name, path in (
-            ("tmp", dirs.tmp),
             ("home", dirs.home),
             ("workspace", dirs.workspace),
             ("user", dirs.user),
             ("dir", dirs.dir),
-            ("socket", socket),
         ):
             fds[name] = _open_path("session", path)
+        if not tmp_bytes:
+            fds["tmp"] = _open_path("session", dirs.tmp)
         # The service's code, and what the operator's settings name for
         # every session to read (an agent's template home).
         shared = [Path(p) for p in plan.get("read", ()) if os.path.isdir(p)]
@@ -440,14 +556,14 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
             hide |= _closed_code_ancestors() | closed_ancestors(shared)
         hidden = sorted(hide, key=lambda p: len(p.parts))
         # What must stay at its own path: (name, source, target, read-only).
-        # (A socket's mount need not be read-only: it is written by connect,
-        # never by open.)
-        keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True), ("socket", socket, False)]
+        keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True)]
         if not _under(dirs.workspace, [dirs.dir]):
             keep.append(("workspace", dirs.workspace, False))
         repos = [Path(r) for r in plan.get("repos", ()) if r]
         common = git_common_dir(dirs.workspace, repos) if repos else None
-        if common is not None and not _under(common, [data_dir, state_dir]) and common.is_dir():
+        if common is not None and (_under(common, [data_dir, state_dir]) or not common.is_dir()):
+            common = None
+        if common is not None:
             fds["git"] = _open_path("session", common)
             keep.append(("git", common, False))
         own = [data_dir, state_dir]
@@ -462,11 +578,17 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
                 fds[f"code{i}"] = _open_path("session", code)
                 keep.append((f"code{i}", code, True))
 
-        # The session's tmp is every shared temporary directory.
+        # The session's tmp is every shared temporary directory: a tmpfs of
+        # its own, bounded and gone with the session's last process, or
+        # (tmp_bytes 0) its tmp/ on disk.
         _check_fault("tmp", fault)
-        tmp_src = f"/proc/self/fd/{fds['tmp']}"
+        if tmp_bytes:
+            _mount("tmp", "tmpfs", "/tmp", "tmpfs", TMP_FLAGS, f"mode=1777,size={tmp_bytes}")
+            tmp_src = "/tmp"
+        else:
+            tmp_src = f"/proc/self/fd/{fds['tmp']}"
         for common_tmp in ("/tmp", "/var/tmp", "/dev/shm"):
-            if os.path.isdir(common_tmp):
+            if os.path.isdir(common_tmp) and (common_tmp, tmp_src) != ("/tmp", "/tmp"):
                 _mount("tmp", tmp_src, common_tmp, None, MS_BIND)
 
         # Read-only empty directories over what no session may see.
@@ -493,15 +615,18 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
             hidden_here = _under(path, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")])
             if not hidden_here and not name.startswith("code"):
                 continue  # never hidden
-            if name == "socket":
-                _make_file("bind", path)
-            else:
-                _makedirs("bind", path)
+            _makedirs("bind", path)
             _mount("bind", f"/proc/self/fd/{fds[name]}", str(path), None, MS_BIND | MS_REC)
             if readonly:
                 _remount_readonly("bind", path)
         for path in tmpfs:  # ours: no flags to keep but those we gave
             _mount("hide", None, str(path), None, MS_REMOUNT | MS_BIND | MS_RDONLY | TMPFS_FLAGS)
+        if common is not None:
+            _protect_git(common, dirs.workspace)
+    except BaseException:
+        if socket_fd is not None:
+            os.close(socket_fd)
+        raise
     finally:
         os.umask(umask)
         for fd in fds.values():
@@ -509,17 +634,29 @@ def mount_session(plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths) -
     try:
         os.chdir(paths.workspace)
     except OSError as exc:
+        if socket_fd is not None:
+            os.close(socket_fd)
         raise SealError("session", f"chdir {paths.workspace}: {exc.strerror}") from None
-    return {"hidden": [str(p) for p in hidden]}
+    return {"hidden": [str(p) for p in hidden], "socket_fd": socket_fd}
 
 
-def chown_session(dirs: SessionDirs, uid: int, gid: int) -> None:
+def chown_session(
+    dirs: SessionDirs, uid: int, gid: int, repos: Iterable[str | os.PathLike[str]] = ()
+) -> None:
     """Give the session's uid its own directories (as root, before `drop`).
     Whole trees only when their top is not the uid's yet (the first sealed
     start of a session): later starts touch four inodes. Its session
     directory itself stays root's: session.json and the logs are the
-    supervisor's."""
-    for top in (dirs.home, dirs.workspace, dirs.tmp, dirs.user):
+    supervisor's. A git worktree workspace's own directory in the
+    repository (`worktrees/<name>`) is the session's too: git refuses to
+    work in a worktree whose directories another user owns."""
+    tops = [dirs.home, dirs.workspace, dirs.tmp, dirs.user]
+    repo_paths = [Path(r) for r in repos if r]
+    common = git_common_dir(dirs.workspace, repo_paths) if repo_paths else None
+    admin = own_worktree_admin(common, dirs.workspace) if common is not None else None
+    if admin is not None:
+        tops.append(admin)
+    for top in tops:
         try:
             st = os.lstat(top)
             if st.st_uid == uid and st.st_gid == gid:
@@ -533,9 +670,14 @@ def chown_session(dirs: SessionDirs, uid: int, gid: int) -> None:
 
 
 def drop(
-    mode: str, uid: int | None = None, gid: int | None = None, fault: str | None = None
+    mode: str,
+    uid: int | None = None,
+    gid: int | None = None,
+    fault: str | None = None,
+    groups: Iterable[int] = (),
 ) -> None:
-    """Stage 3: the session's own uid (root) and no capabilities left."""
+    """Stage 3: the session's own uid (root), in `groups` besides its own,
+    and no capabilities left."""
     _check_fault("drop", fault)
     if mode == "root":
         if uid is None or gid is None or uid == 0 or gid == 0:
@@ -543,7 +685,7 @@ def drop(
                 "drop", f"a sealed root worker needs its own uid and gid, not {uid}:{gid}"
             )
         try:
-            os.setgroups([])
+            os.setgroups([g for g in groups if g != 0])
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)  # glibc: on every thread of ours
         except OSError as exc:
@@ -553,6 +695,12 @@ def drop(
     except OSError as exc:
         raise SealError("drop", f"clear ambient capabilities: {exc.strerror}") from None
     _capset_zero("drop")
+    _check_fault("filter", fault)
+    if syscalls.seccomp_supported():
+        try:
+            syscalls.restrict_syscalls()
+        except OSError as exc:
+            raise _fail("filter", "seccomp filter", exc.errno) from None
     if mode == "root":
         # A uid change made us non-dumpable, which turns our /proc files
         # root's (the session's own shell could not read /proc/self/fd).

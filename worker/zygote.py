@@ -8,8 +8,11 @@ shared pages, and then forks one worker per request.
 Each worker is forked with clone(CLONE_PARENT), so its parent is the
 supervisor, which reaps it and learns its exit status directly (where that
 is not available, a double fork: the worker re-parents to the supervisor, a
-child subreaper). The zygote never holds a zmq context and
-never starts a thread: both would be inherited broken by every fork.
+child subreaper). Sealed, the same clone puts the worker in a PID namespace
+of its own (worker/seal.py), and it learns of the supervisor's death from a
+pidfd the zygote opened (worker/parent.py). The zygote never holds a zmq
+context and never starts a thread: both would be inherited broken by every
+fork.
 
 The zygote is also the workers' guardian. It remembers every worker it forked
 (pid and create time); when the supervisor's end of the socketpair closes,
@@ -36,6 +39,7 @@ import msgpack
 
 from hermes_sup.local import datagrams
 from hermes_sup.local.prctl import PR_SET_PDEATHSIG, can_fork_to_parent, fork_to_parent, prctl
+from hermes_sup.worker import parent
 
 # Imported before the freeze so every worker shares them copy-on-write.
 # (Everything a worker imports after the fork costs it both time and private
@@ -94,6 +98,13 @@ def _boot(body: memoryview, out_w: int) -> None:
     boot(request, out_w)
 
 
+# The namespaces each worker is forked into (sealed: its own PID namespace,
+# see worker/seal.py), and our uid and gid, which a worker born into a user
+# namespace maps to themselves.
+_NAMESPACES = 0
+_IDS = (os.getuid(), os.getgid())
+
+
 def _fork_worker(sock: socket.socket, request: memoryview) -> tuple[int, int]:
     """Fork one worker as a child of the supervisor, for the encoded
     `request`. Returns its pid and the read end of the pipe that carries
@@ -102,9 +113,13 @@ def _fork_worker(sock: socket.socket, request: memoryview) -> tuple[int, int]:
     if can_fork_to_parent():
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = fork_to_parent()
+        pid = fork_to_parent(_NAMESPACES)
         if pid == 0:
             try:
+                if _NAMESPACES:
+                    from hermes_sup.worker import seal
+
+                    seal.born(_NAMESPACES, _IDS)
                 os.close(out_r)
                 sock.close()
                 _boot(request, out_w)  # never returns
@@ -274,12 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     # decides what it means, so the zygote ignores it (workers reset it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = None
+    global _NAMESPACES
     if args.sealed:
         from hermes_sup.worker import seal
 
         paths = seal.SealedPaths.for_data_dir(args.data_dir)
         paths.make()  # empty: each worker mounts its session's over them
         seal.prepare()
+        # A PID namespace per worker needs the clone (the double fork's
+        # worker could not be told from its adopter) and a pidfd to follow
+        # the supervisor by (getppid is 0 inside).
+        if can_fork_to_parent() and parent.watch(args.supervisor_pid):
+            _NAMESPACES = seal.namespaces_for(args.sealed)
     os.chdir(args.cwd)
     try:
         import setproctitle
@@ -317,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 "failed": failed,
                 "seconds": time.perf_counter() - started,
                 "sealed": args.sealed,
+                "pid_namespaces": bool(_NAMESPACES),
                 "sealed_preload": sealed_preload,
             }
         )
