@@ -111,6 +111,9 @@ class Sealing:
             home = _own_home()
             if home is not None:
                 hide.append(str(home))  # the operator's ~/.ssh, ~/.aws, ...
+            # The service user's runtime directory: its D-Bus session bus
+            # and systemd user manager would run commands outside the seal.
+            hide.extend(_runtime_dirs())
         return {
             "mode": self.mode,
             # The session's /tmp (and /var/tmp, /dev/shm): a tmpfs this big,
@@ -170,6 +173,12 @@ def describe_limits(settings: Settings, sealing: Sealing) -> dict[str, str]:
         if not settings.file_size_limit_mb
         else f"{mib(settings.file_size_limit_mb)}, kernel (RLIMIT_FSIZE)",
     }
+
+
+def _runtime_dirs() -> list[str]:
+    """This user's runtime directories (XDG_RUNTIME_DIR, /run/user/UID)."""
+    found = {os.environ.get("XDG_RUNTIME_DIR") or "", f"/run/user/{os.getuid()}"}
+    return sorted(p for p in found if p and os.path.isdir(p))
 
 
 def uid_for(key: str, taken: set[int]) -> int:
