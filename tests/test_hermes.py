@@ -18,6 +18,7 @@ from hermes_sup.protocol import Kind, session_dir_name
 from .fake_model import FakeModel
 from .test_faults import final, until, wait_running
 from .test_isolation import _text
+from .waiting import wait_for
 
 pytest.importorskip("run_agent", reason="hermes-agent is not installed")
 pytestmark = pytest.mark.e2e
@@ -331,3 +332,58 @@ def test_each_approval_timeout_is_reported_when_it_happens_with_its_id(hermes) -
         ]
         workspace = session_dir(hermes, "twice") / "workspace"
         assert (workspace / "a").exists() and (workspace / "b").exists()
+
+
+# The values the seed bugs sent to the wrong chat, workspace or person, as
+# every tool of the session sees them (the terminal's child process here).
+SEED_VARIABLES = (
+    "run: echo platform=$HERMES_SESSION_PLATFORM chat=$HERMES_SESSION_CHAT_ID "
+    "user=$HERMES_SESSION_USER_ID thread=$HERMES_SESSION_THREAD_ID "
+    "key=$HERMES_SESSION_KEY ask=$HERMES_EXEC_ASK home=$HERMES_HOME "
+    "cwd=$TERMINAL_CWD pwd=$(pwd)"
+)
+
+
+@pytest.mark.parametrize(
+    "hermes",
+    [
+        ["--allow-env", "HERMES_EXEC_ASK", "--spare-workers", spares, "--sealed", sealed]
+        for sealed in ("off", "auto")
+        for spares in ("0", "2")
+    ],
+    ids=["unsealed-forked", "unsealed-spares", "sealed-forked", "sealed-spares"],
+    indirect=True,
+)
+def test_the_seed_variables_reach_every_tool_of_their_own_session(hermes, model) -> None:
+    """Each session's platform, chat, user, thread, key, approval mode, home
+    and workspace, as its tools see them, sealed or not, from a spare or
+    forked. hermes-agent's gateway.run sets HERMES_EXEC_ASK=1 at import: a
+    front end's allowed 0 must still be what the session's tools see."""
+    sessions = {
+        "tg:111": {"platform": "telegram", "chat_id": "111", "user_id": "u-1", "thread_id": "t1"},
+        "dc:222": {"platform": "discord", "chat_id": "222", "user_id": "u-2", "thread_id": "t2"},
+    }
+    asks = {"tg:111": "0", "dc:222": "1"}
+    with hermes.client(timeout=120) as client:
+        if "2" in hermes.args:
+            wait_for(lambda: client.status()["spare_workers"] == 2, 60, what="spares")
+        for key, values in sessions.items():
+            env = {"HERMES_EXEC_ASK": "0"} if asks[key] == "0" else {}
+            client.open(key, options={"session_env": values, "env": env})
+        reqs = {client.submit(Kind.SEND, {"text": SEED_VARIABLES}, session=k): k for k in sessions}
+        results = collect(client, reqs)
+        sealed = "sealed mode=" in hermes.log()
+    for key, values in sessions.items():
+        reply, events = results[key]
+        assert reply.kind is Kind.REPLY, reply.body
+        done = [e.body["data"] for e in events if e.body["type"] == "tool_complete"]
+        out = str(done[-1]["result"])
+        d = session_dir(hermes, key)
+        home = hermes.data_dir / "sealed" / "home" if sealed else d / "home"
+        workspace = hermes.data_dir / "sealed" / "workspace" if sealed else d / "workspace"
+        expected = (
+            f"platform={values['platform']} chat={values['chat_id']} user={values['user_id']} "
+            f"thread={values['thread_id']} key={key} ask={asks[key]} home={home} "
+            f"cwd={workspace} pwd={workspace}"
+        )
+        assert expected in out, (key, out)
