@@ -209,7 +209,10 @@ def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
 
 
-def _filter_program() -> bytes:
+@functools.cache
+def filter_program() -> bytes:
+    """The filter's BPF program (made once: the zygote makes it for every
+    worker it forks)."""
     arch, _seccomp, clone, clone3, refused = _SECCOMP_ABI[os.uname().machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     eperm = _SECCOMP_RET_ERRNO | 1
@@ -254,7 +257,7 @@ def restrict_syscalls() -> None:
     """Install the filter on every thread of this process (it needs
     no_new_privs, or CAP_SYS_ADMIN); inherited by all it starts, for good."""
     _arch, seccomp, _clone, _clone3, _refused_calls = _SECCOMP_ABI[os.uname().machine]
-    program = _filter_program()
+    program = filter_program()
     code = ctypes.create_string_buffer(program, len(program))
     fprog = struct.pack("HxxxxxxQ", len(program) // 8, ctypes.addressof(code))
     prog = ctypes.create_string_buffer(fprog, len(fprog))

@@ -397,6 +397,8 @@ def prepare() -> None:
     code_paths()
     _closed_code_ancestors()
     syscalls.last_cap()
+    if syscalls.seccomp_supported():
+        syscalls.filter_program()
     if landlock_abi() >= LANDLOCK_SCOPE_ABI and _RULESET_FD is None:
         try:
             _RULESET_FD = _signal_ruleset("harden")
