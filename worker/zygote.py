@@ -267,6 +267,7 @@ def serve(sock: socket.socket, workers: dict[int, float | None]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the zygote process."""
+    global _NAMESPACES
     parser = argparse.ArgumentParser(prog="hermes-sup-zygote")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--supervisor-pid", type=int, required=True)
@@ -289,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     # decides what it means, so the zygote ignores it (workers reset it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = None
-    global _NAMESPACES
     if args.sealed:
         from hermes_sup.worker import seal
 
