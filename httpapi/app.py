@@ -10,7 +10,6 @@ Browser origins are checked before anything else (origins.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +31,7 @@ from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 
 from . import chat, origins
+from .bodies import parse_body
 from .errors import ApiError, from_client_error
 from .idempotency import IdempotencyCache
 from .keys import KeyStore
@@ -108,7 +108,8 @@ class Api:
         return name
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        """The body as a JSON object: 413 when too large, 400 when not JSON."""
+        """The body as a JSON object: 413 when too large, 400 when it is not
+        JSON we take (bodies.py)."""
         limit = self.settings.max_body
         length = request.headers.get("Content-Length")
         if length is not None:
@@ -129,13 +130,7 @@ class Api:
                 raise ApiError(
                     413, f"Request body too large (limit {limit} bytes).", "body_too_large"
                 )
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "Invalid JSON in request body", "invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "The request body must be a JSON object", "invalid_json")
-        return data
+        return parse_body(bytes(body))
 
     def ref(self, original: str) -> SessionRef:
         """The session for a client's id, with the mapping logged once."""
