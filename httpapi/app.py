@@ -27,7 +27,6 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hermes_sup.client import AsyncClient, ClientError, SessionConflict
-from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 
 from . import chat, origins
@@ -35,6 +34,7 @@ from .bodies import parse_body
 from .errors import ApiError, from_client_error
 from .idempotency import IdempotencyCache
 from .keys import KeyStore
+from .logsafe import kv
 from .responses import Responses
 from .runs import Runs
 from .sessions import SessionRef, header_id, label_of, ref_for

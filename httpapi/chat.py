@@ -48,10 +48,10 @@ from hermes_sup.client import (
     ToolComplete,
     ToolStart,
 )
-from hermes_sup.local.logfmt import kv
 
 from .errors import ApiError, from_client_error
 from .idempotency import CHAT_FIELDS, HUNG_UP
+from .logsafe import kv
 from .sessions import (
     SESSION_ID_HEADER,
     SESSION_KEY_HEADER,

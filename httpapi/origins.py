@@ -27,9 +27,8 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hermes_sup.local.logfmt import kv
-
 from .errors import ApiError
+from .logsafe import kv
 
 log = logging.getLogger("hermes_sup.httpapi")
 

@@ -64,7 +64,7 @@ from .chat import (
 from .errors import ApiError
 from .idempotency import HUNG_UP, RESPONSES_FIELDS
 from .runs import history_of
-from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
+from .sessions import SESSION_KEY_HEADER, SessionRef, check_id, text_of, turn_context
 from .turns import END, IDLE, EventStream, OpenTurn, Pump, QueueSink, next_item
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ def _conversation(raw: Any) -> str | None:
         return None
     if not isinstance(raw, str):
         raise ApiError(400, "'conversation' must be a string", "invalid_conversation")
-    return raw
+    return check_id(raw, "conversation", "'conversation'")
 
 
 def parse_request(body: dict[str, Any]) -> ResponseRequest:

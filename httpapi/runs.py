@@ -51,11 +51,11 @@ from hermes_sup.client import (
     ToolComplete,
     ToolStart,
 )
-from hermes_sup.local.logfmt import kv
 
 from .chat import SSE_HEADERS, usage_of
 from .errors import ApiError
-from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
+from .logsafe import kv
+from .sessions import SESSION_KEY_HEADER, SessionRef, check_id, text_of, turn_context
 from .turns import IDLE, EventStream, Pump, next_item
 
 if TYPE_CHECKING:
@@ -245,6 +245,8 @@ class Runs:
         session_id = body.get("session_id")
         if session_id is not None and not isinstance(session_id, str):
             raise ApiError(400, "'session_id' must be a string", "invalid_session_id")
+        if session_id:
+            check_id(session_id, "session ID", "'session_id'")
         # A stored response (POST /v1/responses) named as previous_response_id
         # continues its conversation, as in Hermes: same session, and its
         # instructions when the run gives none.

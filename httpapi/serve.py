@@ -45,10 +45,10 @@ from pathlib import Path
 
 from hermes_sup.client import AsyncClient
 from hermes_sup.local import addresses
-from hermes_sup.local.logfmt import kv
 
 from .app import ApiSettings, create_app
 from .keys import KeyStore
+from .logsafe import kv
 from .origins import origins_from_env, parse_origins
 
 log = logging.getLogger("hermes_sup.httpapi")

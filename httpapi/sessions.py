@@ -39,7 +39,7 @@ from .errors import ApiError
 MAX_HEADER_ID = 256  # as Hermes's API server: longer ids are refused
 READABLE_PART = 80
 _NOT_KEY_CHAR = re.compile(r"[^A-Za-z0-9._:@+=-]")
-_UNSAFE = re.compile(r"[\r\n\x00]")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
 
 SESSION_KEY_HEADER = "X-Hermes-Session-Key"
 SESSION_ID_HEADER = "X-Hermes-Session-Id"
@@ -74,21 +74,33 @@ def key_for(original: str) -> str:
     return f"{readable}={digest}" if readable else f"id={digest}"
 
 
+def check_id(raw: str, what: str, where: str) -> str:
+    """A client's session id or conversation name, or 400 naming what is
+    wrong with it: control characters (a header could not carry them back,
+    a log line would break on them), more than MAX_HEADER_ID characters,
+    or spaces at either end (an answer's header cannot begin or end with
+    one, so a turn would run whose answer could not be sent)."""
+    if _UNSAFE.search(raw):
+        raise ApiError(400, f"Invalid {what} in {where}: control characters", "invalid_session_id")
+    if len(raw) > MAX_HEADER_ID:
+        raise ApiError(
+            400,
+            f"{what.capitalize()} too long in {where} (at most {MAX_HEADER_ID})",
+            "invalid_session_id",
+        )
+    if raw != raw.strip():
+        raise ApiError(
+            400, f"Invalid {what} in {where}: it begins or ends with a space", "invalid_session_id"
+        )
+    return raw
+
+
 def header_id(headers: Any) -> str | None:
     """The session id a request names in its headers, checked; None if none."""
     for name, what in ((SESSION_KEY_HEADER, "session key"), (SESSION_ID_HEADER, "session ID")):
         raw = str(headers.get(name, "")).strip()
-        if not raw:
-            continue
-        if _UNSAFE.search(raw):
-            raise ApiError(400, f"Invalid {what} in {name}", "invalid_session_id")
-        if len(raw) > MAX_HEADER_ID:
-            raise ApiError(
-                400,
-                f"{what.capitalize()} too long in {name} (at most {MAX_HEADER_ID})",
-                "invalid_session_id",
-            )
-        return raw
+        if raw:
+            return check_id(raw, what, name)
     return None
 
 

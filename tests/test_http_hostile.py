@@ -61,3 +61,44 @@ def test_deep_or_broken_json_is_a_400(endpoint) -> None:
     ok = httpx.post(chat, content=pair, headers=auth)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "\U0001f600"
     assert "Traceback" not in endpoint.log() and "bug" not in endpoint.log().split()
+
+
+def test_a_padded_conversation_is_refused_before_its_turn(endpoint) -> None:
+    """Its name would be echoed in X-Hermes-Session-Id, which an answer's
+    header cannot carry: refused, and no turn ran for it."""
+    responses = endpoint.url + "/v1/responses"
+    for name in (" padded", "padded ", "\tpadded"):
+        body = {"input": "sh touch ran.txt", "conversation": name}
+        error = assert_error(httpx.post(responses, json=body, headers=endpoint.headers()), 400,
+                             "invalid_session_id")  # fmt: skip
+        assert "conversation" in error["message"]
+        streamed = httpx.post(responses, json={**body, "stream": True}, headers=endpoint.headers())
+        assert_error(streamed, 400, "invalid_session_id")
+    assert sessions_of(endpoint) == []  # no session was even started
+    fine = httpx.post(responses, json={"input": "pid", "conversation": "in ner"},
+                      headers=endpoint.headers())  # fmt: skip
+    assert fine.status_code == 200 and fine.json()["status"] == "completed"
+
+
+def test_client_strings_never_forge_a_log_line(endpoint) -> None:
+    url = endpoint.url
+    # A path is percent-decoded before it is logged (an unknown key here).
+    httpx.get(url + "/v1/runs/x%0Aforged_path%20k=1", headers={"Authorization": "Bearer no"})
+    # An id with a newline is refused, and never logged as it came.
+    body = {"input": "pid", "session_id": "s\nforged_run k=1"}
+    assert_error(httpx.post(url + "/v1/runs", json=body, headers=endpoint.headers()), 400,
+                 "invalid_session_id")  # fmt: skip
+    conversation = {"input": "pid", "conversation": "c\nforged_conversation k=1"}
+    assert_error(httpx.post(url + "/v1/responses", json=conversation, headers=endpoint.headers()),
+                 400, "invalid_session_id")  # fmt: skip
+    # A terminal escape is shown escaped.
+    httpx.get(url + "/v1/runs/x%1B]0;owned%07", headers={"Authorization": "Bearer no"})
+    # A session is hostile too: the command it asks approval for is logged.
+    chat = {"messages": [{"role": "user", "content": "ask true\nforged_command k=1"}]}
+    denied = httpx.post(url + "/v1/chat/completions", json=chat, headers=endpoint.headers())
+    assert denied.json()["choices"][0]["message"]["content"].startswith("denied")
+    log = endpoint.log()
+    for event in ("forged_path", "forged_run", "forged_conversation", "forged_command"):
+        assert forged(log, event) == [], log
+    assert "\x1b" not in log and "\\x1b]0;owned\\x07" in log
+    assert "true\\nforged_command" in log
