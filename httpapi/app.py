@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -257,10 +258,30 @@ WEB_HEADERS = [
 ]
 
 
+class WebFiles(StaticFiles):
+    """StaticFiles that serves no dotfile (`.env`, `.git/...`), by the path
+    asked for or by where a symlink leads, and nothing outside the
+    directory (StaticFiles itself resolves symlinks and `..` for that)."""
+
+    def lookup_path(self, path: str) -> tuple[str, os.stat_result | None]:
+        full_path, stat = super().lookup_path(path)
+        if stat is None:
+            return full_path, stat
+        for directory in self.all_directories:
+            try:
+                parts = Path(full_path).relative_to(os.path.realpath(directory)).parts
+            except ValueError:
+                continue
+            if any(part.startswith(".") for part in parts):
+                return "", None
+            return full_path, stat
+        return "", None
+
+
 def web_app(directory: Path) -> ASGIApp:
     """The static files of `directory` (index.html at /), with WEB_HEADERS.
     They need no key: a page holds none; the person using it gives one."""
-    files = StaticFiles(directory=directory, html=True)
+    files = WebFiles(directory=directory, html=True)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         async def send_with_headers(message: Message) -> None:

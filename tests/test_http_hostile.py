@@ -102,3 +102,39 @@ def test_client_strings_never_forge_a_log_line(endpoint) -> None:
         assert forged(log, event) == [], log
     assert "\x1b" not in log and "\\x1b]0;owned\\x07" in log
     assert "true\\nforged_command" in log
+
+
+def test_the_web_dir_serves_no_dotfile_and_nothing_outside_it(endpoint_factory, workdir) -> None:
+    web = workdir / "web"
+    (web / ".git").mkdir(parents=True)
+    (web / "index.html").write_text("<html>page</html>")
+    (web / "app.js").write_text("// app")
+    (web / ".env").write_text("OPENAI_API_KEY=sk-secret-web")
+    (web / ".git" / "config").write_text("[secret]")
+    (workdir / "outside.txt").write_text("secret-outside")
+    (web / "env.txt").symlink_to(web / ".env")  # a name without a dot, leading to one
+    (web / "out.txt").symlink_to(workdir / "outside.txt")
+    endpoint = endpoint_factory("--http-web", str(web))
+    assert httpx.get(endpoint.url + "/").text == "<html>page</html>"
+    assert httpx.get(endpoint.url + "/app.js").status_code == 200
+    for path in ("/.env", "/%2eenv", "/.git/config", "/.git/", "/env.txt", "/out.txt",
+                 "/..%2foutside.txt", "/x/..%2f..%2foutside.txt"):  # fmt: skip
+        answer = httpx.get(endpoint.url + path)
+        assert answer.status_code == 404, (path, answer.text)
+        assert "secret" not in answer.text and answer.json()["error"]["code"] == "not_found"
+
+
+def test_the_own_origin_counts_only_when_the_host_is_an_address(endpoint) -> None:
+    """A DNS-rebinding page sends its own name as Origin and Host alike."""
+    chat = endpoint.url + "/v1/chat/completions"
+    turn = {"messages": [{"role": "user", "content": "hello"}]}
+    port = httpx.URL(endpoint.url).port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        own = {"Host": host, "Origin": f"http://{host}"}
+        assert httpx.post(chat, json=turn, headers=endpoint.headers(**own)).status_code == 200
+    rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    assert_error(httpx.post(chat, json=turn, headers=endpoint.headers(**rebound)), 403,
+                 "origin_not_allowed")  # fmt: skip
+    # Without an Origin it is no browser's request: the Host is not what is checked.
+    plain = endpoint.headers(Host=f"evil.example:{port}")
+    assert httpx.post(chat, json=turn, headers=plain).status_code == 200
