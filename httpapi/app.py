@@ -33,6 +33,7 @@ from hermes_sup.local.version import version
 from . import chat, origins
 from .bodies import parse_body
 from .errors import ApiError, from_client_error
+from .guard import HEADER_TIMEOUT
 from .idempotency import IdempotencyCache
 from .keys import KeyStore
 from .logsafe import kv
@@ -52,6 +53,9 @@ class ApiSettings:
 
     model: str = "hermes-agent"  # the model id clients see (/v1/models)
     max_body: int = 10_000_000  # bytes of a request body, as Hermes's API server
+    body_timeout: float = 60.0  # seconds a request body may take to arrive
+    header_timeout: float = HEADER_TIMEOUT  # seconds a request's head may take (guard.py)
+    max_connections: int | None = None  # open at once; None: guard.py's default
     stall_timeout: float = 30.0  # a stream whose reader took nothing this long is cut
     keepalive: float = 30.0  # seconds of silence before an SSE comment line
     stream_queue: int = 1024  # events waiting for one slow stream reader
@@ -109,8 +113,8 @@ class Api:
         return name
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        """The body as a JSON object: 413 when too large, 400 when it is not
-        JSON we take (bodies.py)."""
+        """The body as a JSON object: 413 when too large, 408 when it does not
+        arrive in time, 400 when it is not JSON we take (bodies.py)."""
         limit = self.settings.max_body
         length = request.headers.get("Content-Length")
         if length is not None:
@@ -125,12 +129,21 @@ class Api:
                     413, f"Request body too large (limit {limit} bytes).", "body_too_large"
                 )
         body = bytearray()
-        async for piece in request.stream():  # chunked bodies carry no length
-            body += piece
-            if len(body) > limit:
-                raise ApiError(
-                    413, f"Request body too large (limit {limit} bytes).", "body_too_large"
-                )
+        try:
+            # A body that trickles in is given up on, as headers are (serve.py).
+            async with asyncio.timeout(self.settings.body_timeout):
+                async for piece in request.stream():  # chunked bodies carry no length
+                    body += piece
+                    if len(body) > limit:
+                        raise ApiError(
+                            413, f"Request body too large (limit {limit} bytes).", "body_too_large"
+                        )
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {self.settings.body_timeout:g} s",
+                "body_timeout",
+            ) from None
         return parse_body(bytes(body))
 
     def ref(self, original: str) -> SessionRef:

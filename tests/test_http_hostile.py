@@ -7,10 +7,16 @@ supervisor (probe runtime) and endpoint over real HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import resource
+import socket
+import subprocess
+import sys
 
 import httpx
 
+from hermes_sup.httpapi.keys import KeyStore
 from tests import test_http
+from tests.waiting import wait_for
 
 # test_http's fixtures: a supervisor (probe runtime) serving the endpoint too.
 endpoint = test_http.endpoint
@@ -138,3 +144,74 @@ def test_the_own_origin_counts_only_when_the_host_is_an_address(endpoint) -> Non
     # Without an Origin it is no browser's request: the Host is not what is checked.
     plain = endpoint.headers(Host=f"evil.example:{port}")
     assert httpx.post(chat, json=turn, headers=plain).status_code == 200
+
+
+def few_files() -> None:
+    """In the endpoint's process: 256 descriptors, as a small container has."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(4096, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # reset
+
+
+def test_half_open_connections_are_closed_and_health_answers_meanwhile(supervisor, workdir) -> None:
+    """Slowloris: more silent or slow connections than the endpoint has
+    descriptors. Health checks still get answers while they are open (one
+    more connection closes the longest idle one), and each is closed once
+    its request's head is late; a body that trickles is given up on too."""
+    key = KeyStore(supervisor.data_dir).generate("test")
+    log_path = workdir / "endpoint.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hermes_sup.httpapi", "--state-dir", str(supervisor.state_dir),
+             "--data-dir", str(supervisor.data_dir), "--listen", "127.0.0.1:0",
+             "--header-timeout", "2", "--body-timeout", "2"],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=few_files,
+        )  # fmt: skip
+    attackers: list[socket.socket] = []
+    try:
+        base = test_http.wait_ready(log_path, proc)
+        url = httpx.URL(base)
+        address = (url.host, url.port)
+        for i in range(400):
+            sock = socket.create_connection(address, timeout=10)
+            if i % 2:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            attackers.append(sock)
+        with httpx.Client(timeout=10) as http:
+            for _ in range(10):
+                health = http.get(base + "/health", headers={"Connection": "close"})
+                assert health.status_code == 200 and health.json()["status"] == "ok"
+        wait_for(lambda: all(closed_by_peer(s) for s in attackers), 60,
+                 what="the server to close every half-open connection")  # fmt: skip
+
+        def answer_to(data: bytes) -> bytes:
+            with socket.create_connection(address, timeout=30) as raw:
+                raw.sendall(data)
+                answer = b""
+                while piece := raw.recv(65536):
+                    answer += piece
+                return answer
+
+        slow_body = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {key}\r\n".encode()
+            + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
+        answer = answer_to(slow_body)
+        assert answer.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in answer, answer
+        garbage = answer_to(b"NOT HTTP AT ALL\r\n\r\n")
+        head, _, body = garbage.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, garbage
+        assert json.loads(body)["error"]["code"] == "invalid_http_request"
+    finally:
+        for sock in attackers:
+            sock.close()
+        proc.terminate()
+        proc.wait(15)
