@@ -32,10 +32,11 @@ from hermes_sup.local.version import version
 
 from . import chat, origins
 from .bodies import parse_body
+from .continuity import Continuations
 from .errors import ApiError, from_client_error
 from .guard import HEADER_TIMEOUT
 from .idempotency import IdempotencyCache
-from .keys import KeyStore
+from .keys import KeyStore, Tenant
 from .logsafe import kv
 from .responses import Responses
 from .runs import Runs
@@ -81,6 +82,7 @@ class Api:
         self.runs = Runs(self)
         self.responses = Responses(self)
         self.idempotency = IdempotencyCache()
+        self.continuations = Continuations()
         self._mapped: set[str] = set()
         self._labelled: set[str] = set()  # sessions given their label by this process
 
@@ -102,15 +104,15 @@ class Api:
 
     # ------------------------------------------------------------ requests
 
-    def check_auth(self, request: Request) -> str:
-        """The name of the key the request carries; 401 if none matches."""
+    def check_auth(self, request: Request) -> Tenant:
+        """The tenant whose key the request carries; 401 if none matches."""
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        name = self.keys.check(token.strip()) if scheme.lower() == "bearer" and token else None
-        if name is None:
+        tenant = self.keys.check(token.strip()) if scheme.lower() == "bearer" and token else None
+        if tenant is None:
             log.warning(kv("http_auth_refused", peer=_peer(request), path=request.url.path))
             raise ApiError(401, "Invalid API key", "invalid_api_key")
-        return name
+        return tenant
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The body as a JSON object: 413 when too large, 408 when it does not
@@ -146,9 +148,10 @@ class Api:
             ) from None
         return parse_body(bytes(body))
 
-    def ref(self, original: str) -> SessionRef:
-        """The session for a client's id, with the mapping logged once."""
-        ref = ref_for(original)
+    def ref(self, tenant: Tenant, original: str) -> SessionRef:
+        """The session a client's id names for `tenant` (sessions.py), with
+        the mapping logged once."""
+        ref = ref_for(tenant, original)
         if ref.mapped and ref.key not in self._mapped:
             if len(self._mapped) > 100_000:
                 self._mapped.clear()
@@ -156,9 +159,9 @@ class Api:
             log.info(kv("http_session_key", session=ref.key, id=original))
         return ref
 
-    def header_ref(self, request: Request) -> SessionRef | None:
+    def header_ref(self, request: Request, tenant: Tenant) -> SessionRef | None:
         named = header_id(request.headers)
-        return None if named is None else self.ref(named)
+        return None if named is None else self.ref(tenant, named)
 
     def model_of(self, body: dict[str, Any]) -> str:
         """The model a request names (echoed back), else ours."""
@@ -315,7 +318,7 @@ def create_app(
 
     def authed(handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
-            api.check_auth(request)
+            request.state.tenant = api.check_auth(request)
             return await handler(request)
 
         return wrapped

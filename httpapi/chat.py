@@ -32,6 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -49,14 +50,19 @@ from hermes_sup.client import (
     ToolStart,
 )
 
+from .continuity import digest, new_conversation_id
 from .errors import ApiError, from_client_error
 from .idempotency import CHAT_FIELDS, HUNG_UP
+from .keys import Tenant
 from .logsafe import kv
 from .sessions import (
     SESSION_ID_HEADER,
     SESSION_KEY_HEADER,
-    derive_chat_session_id,
+    ChatTurn,
+    SessionRef,
+    check_id,
     parse_chat,
+    tenant_of,
     turn_context,
 )
 from .turns import (
@@ -170,31 +176,73 @@ async def chat_completions(api: Api, request: Request) -> Response:
 
 async def _answer(api: Api, request: Request, body: dict[str, Any], stream: bool) -> Response:
     chat = parse_chat(body)
-    named = api.header_ref(request)
-    derived = derive_chat_session_id(chat.system, chat.first_user)
-    ref = named or api.ref(derived)
+    tenant = tenant_of(request)
+    place = _place(api, request, tenant, chat)
+    ref = place.ref
     model = api.model_of(body)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
     created = int(time.time())
-    # As Hermes answers: the conversation's id (the client's, or the one
-    # derived), and the session key header echoed when there was one.
-    id_header = request.headers.get(SESSION_ID_HEADER, "").strip()
-    context = turn_context(chat.system, chat.history, id_header or derived)
+    # The history goes too: a runtime that holds the conversation already
+    # (the usual case) keeps its own, one whose data was purged uses it.
+    context = turn_context(chat.system, chat.history, place.conversation)
     opened = await api.open_turn(ref, chat.text, context)
-    headers = {SESSION_ID_HEADER: id_header or derived}
+    # As Hermes answers: the conversation's id (the client's, or the one
+    # made for it), and the session key header echoed when there was one.
+    headers = {SESSION_ID_HEADER: place.conversation}
     key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
     if key_header:
         headers[SESSION_KEY_HEADER] = key_header
 
+    def answered(text: str) -> None:
+        """The reply the client now holds: where its next turn goes on."""
+        if place.noted is not None:
+            said = [*chat.history, {"role": "user", "content": chat.text}]
+            said.append({"role": "assistant", "content": text})
+            api.continuations.leave(place.noted(said), ref, place.conversation)
+
     deny_approvals = approval_denier(opened)
     if not stream:
         return await _complete(
-            api, request, opened, deny_approvals, completion_id, created, model, headers
+            api, request, opened, deny_approvals, completion_id, created, model, headers, answered
         )
     sink = QueueSink(api.settings.stream_queue, api.settings.stall_timeout, f"chat {ref.key}")
     pump = Pump(opened, sink, api.tasks, on_event=deny_approvals)
-    chunks = _chunks(api, pump, sink, completion_id, created, model)
+    chunks = _chunks(api, pump, sink, completion_id, created, model, answered)
     return EventStream(chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+@dataclass(frozen=True)
+class ChatPlace:
+    """Where a chat turn goes (continuity.py); `noted` makes the digest of
+    the conversation as its client will hold it, when its turn is to leave
+    a note (no X-Hermes-Session-Id named its conversation)."""
+
+    ref: SessionRef
+    conversation: str
+    noted: Callable[[list[dict[str, str]]], bytes] | None
+
+
+def _place(api: Api, request: Request, tenant: Tenant, chat: ChatTurn) -> ChatPlace:
+    """X-Hermes-Session-Id names the conversation (its runtime holds its
+    history, as Hermes's state.db does); else the request's history is the
+    conversation, continued where exactly it was left, or new."""
+    named = api.header_ref(request, tenant)  # the key header's session, else the id header's
+    id_header = request.headers.get(SESSION_ID_HEADER, "").strip()
+    if id_header:
+        assert named is not None
+        return ChatPlace(named, check_id(id_header, "session ID", SESSION_ID_HEADER), None)
+    session = named.key if named is not None else ""
+
+    def noted(said: list[dict[str, str]]) -> bytes:
+        return digest(tenant.prefix, session, chat.system, said)
+
+    found = api.continuations.take(noted(chat.history)) if chat.history else None
+    if found is not None:
+        ref, conversation = found
+        return ChatPlace(ref, conversation, noted)
+    conversation = new_conversation_id()
+    ref = named if named is not None else api.ref(tenant, conversation)
+    return ChatPlace(ref, conversation, noted)
 
 
 def approval_denier(opened: OpenTurn) -> Callable[[Event], Awaitable[None]]:
@@ -258,12 +306,14 @@ async def _complete(
     created: int,
     model: str,
     headers: dict[str, str],
+    answered: Callable[[str], None],
 ) -> Response:
     """The non-streaming answer; a client that hangs up cancels the turn."""
     items = await collect(api, request, opened, on_event)
     if items is None:
         return Response(status_code=HUNG_UP)  # nobody reads it
     end = reply_of(items)
+    answered(end.text)
     return JSONResponse(
         {
             "id": completion_id,
@@ -314,7 +364,13 @@ def failure_of(item: Any) -> tuple[str, str]:
 
 
 async def _chunks(
-    api: Api, pump: Pump, sink: QueueSink, completion_id: str, created: int, model: str
+    api: Api,
+    pump: Pump,
+    sink: QueueSink,
+    completion_id: str,
+    created: int,
+    model: str,
+    answered: Callable[[str], None],
 ) -> AsyncIterator[bytes]:
     """The SSE body. Ends the turn (through its pump) if the client leaves.
     Whatever has arrived by the time it is written goes out as one write."""
@@ -360,6 +416,8 @@ async def _chunks(
                 last["error"] = {"message": item.text, "type": "agent_error"}
             elif partial:
                 last.update(incomplete(dropped))
+            else:
+                answered(said + rest)
             finished = True
             head = sse_data(chunk({"content": rest})) if rest else b""
             return head + sse_data(last) + b"data: [DONE]\n\n"

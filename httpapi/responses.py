@@ -63,8 +63,16 @@ from .chat import (
 )
 from .errors import ApiError
 from .idempotency import HUNG_UP, RESPONSES_FIELDS
+from .keys import Tenant
 from .runs import history_of
-from .sessions import SESSION_KEY_HEADER, SessionRef, check_id, text_of, turn_context
+from .sessions import (
+    SESSION_KEY_HEADER,
+    SessionRef,
+    check_id,
+    tenant_of,
+    text_of,
+    turn_context,
+)
 from .turns import END, IDLE, EventStream, OpenTurn, Pump, QueueSink, next_item
 
 if TYPE_CHECKING:
@@ -97,6 +105,7 @@ class Stored:
     ref: SessionRef
     conversation: str  # the id the session's runtime records the conversation under
     instructions: str | None
+    owner: str  # the namespace of the key that made it (keys.py `Tenant.prefix`)
 
 
 class ResponseStore:
@@ -312,18 +321,27 @@ class Responses:
         self.api = api
         self.store = ResponseStore(api.settings.max_responses)
 
-    def _get(self, response_id: str) -> Stored:
+    def find(self, tenant: Tenant, response_id: str) -> Stored | None:
+        """A stored response, if `tenant` may see it: its own, or any for
+        an admin. Another key's is as if it did not exist."""
         stored = self.store.get(response_id)
+        if stored is None or not (tenant.admin or stored.owner == tenant.prefix):
+            return None
+        return stored
+
+    def _get(self, request: Request) -> Stored:
+        response_id = request.path_params["response_id"]
+        stored = self.find(tenant_of(request), response_id)
         if stored is None:
             raise ApiError(404, f"Response not found: {response_id}", "response_not_found")
         return stored
 
     async def get(self, request: Request) -> Response:
-        return JSONResponse(self._get(request.path_params["response_id"]).response)
+        return JSONResponse(self._get(request).response)
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        self._get(response_id)
+        self._get(request)
         self.store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -342,11 +360,12 @@ class Responses:
         self, request: Request, body: dict[str, Any], asked: ResponseRequest
     ) -> Response:
         api = self.api
+        tenant = tenant_of(request)
         response_id = f"resp_{uuid.uuid4().hex[:28]}"
         instructions = asked.instructions
         previous = None
         if asked.previous:
-            previous = self.store.get(asked.previous)
+            previous = self.find(tenant, asked.previous)
             if previous is None:
                 raise ApiError(
                     404, f"Previous response not found: {asked.previous}", "response_not_found"
@@ -358,9 +377,9 @@ class Responses:
             ref, conversation = previous.ref, previous.conversation
         else:
             if asked.conversation:
-                ref = api.ref(asked.conversation)
+                ref = api.ref(tenant, asked.conversation)
             else:
-                ref = api.header_ref(request) or api.ref(response_id)
+                ref = api.header_ref(request, tenant) or api.ref(tenant, response_id)
             conversation = ref.original
         context = turn_context(instructions, asked.history, conversation)
         opened = await api.open_turn(ref, asked.text, context)
@@ -380,7 +399,7 @@ class Responses:
             "model": model,
             "output": [],
         }
-        kept = Stored(response, ref, conversation, instructions)
+        kept = Stored(response, ref, conversation, instructions, tenant.prefix)
 
         def keep() -> None:
             if asked.store:

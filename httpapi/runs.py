@@ -55,7 +55,14 @@ from hermes_sup.client import (
 from .chat import SSE_HEADERS, usage_of
 from .errors import ApiError
 from .logsafe import kv
-from .sessions import SESSION_KEY_HEADER, SessionRef, check_id, text_of, turn_context
+from .sessions import (
+    SESSION_KEY_HEADER,
+    SessionRef,
+    check_id,
+    tenant_of,
+    text_of,
+    turn_context,
+)
 from .turns import IDLE, EventStream, Pump, next_item
 
 if TYPE_CHECKING:
@@ -80,6 +87,7 @@ class Run:
     ref: SessionRef
     model: str
     max_events: int
+    owner: str  # the namespace of the key that started it (keys.py `Tenant.prefix`)
     created_at: float = field(default_factory=time.time)
     status: str = "queued"
     turn: str | None = None
@@ -199,9 +207,13 @@ class Runs:
         self.api = api
         self.by_id: dict[str, Run] = {}
 
-    def get(self, run_id: str) -> Run:
+    def get(self, request: Request) -> Run:
+        """The run a request names, if its key may reach it (its own, or
+        any for an admin); else 404, as if it did not exist."""
+        run_id = request.path_params["run_id"]
         run = self.by_id.get(run_id)
-        if run is None:
+        tenant = tenant_of(request)
+        if run is None or not (tenant.admin or run.owner == tenant.prefix):
             raise ApiError(404, f"Run not found: {run_id}", "run_not_found")
         return run
 
@@ -225,6 +237,7 @@ class Runs:
 
     async def create(self, request: Request) -> Response:
         api = self.api
+        tenant = tenant_of(request)
         body = await api.read_json(request)
         raw_input = body.get("input")
         if not raw_input:
@@ -251,20 +264,20 @@ class Runs:
         # continues its conversation, as in Hermes: same session, and its
         # instructions when the run gives none.
         previous = body.get("previous_response_id")
-        stored = api.responses.store.get(previous) if isinstance(previous, str) else None
+        stored = api.responses.find(tenant, previous) if isinstance(previous, str) else None
         if stored is not None and instructions is None:
             instructions = stored.instructions
-        named = api.header_ref(request)
+        named = api.header_ref(request, tenant)
         if named is None and not session_id and stored is not None:
             ref, conversation = stored.ref, stored.conversation
         else:
-            ref = named or api.ref(session_id or run_id)
+            ref = named or api.ref(tenant, session_id or run_id)
             conversation = session_id or ref.original
         model = api.model_of(body)
         self._sweep()
         context = turn_context(instructions, history, conversation)
         opened = await api.open_turn(ref, text, context)
-        run = Run(run_id, ref, model, api.settings.run_events)
+        run = Run(run_id, ref, model, api.settings.run_events, tenant.prefix)
         run.turn = opened.id
         self.by_id[run_id] = run
         log.info(kv("http_run", run=run_id, session=ref.key, turn=opened.id))
@@ -385,10 +398,10 @@ class Runs:
                 run.publish("run.failed", error=message)
 
     async def status(self, request: Request) -> Response:
-        return JSONResponse(self.get(request.path_params["run_id"]).describe())
+        return JSONResponse(self.get(request).describe())
 
     async def events(self, request: Request) -> Response:
-        run = self.get(request.path_params["run_id"])
+        run = self.get(request)
         queue = run.subscribe(self.api.settings.stream_queue)
         return EventStream(
             self._stream(run, queue), media_type="text/event-stream", headers=SSE_HEADERS
@@ -412,7 +425,7 @@ class Runs:
             run.subscribers.discard(queue)
 
     async def approval(self, request: Request) -> Response:
-        run = self.get(request.path_params["run_id"])
+        run = self.get(request)
         body = await self.api.read_json(request)
         raw = str(body.get("choice", "")).strip().lower()
         choice = CHOICE_ALIASES.get(raw, raw)
@@ -446,7 +459,7 @@ class Runs:
         )
 
     async def stop(self, request: Request) -> Response:
-        run = self.get(request.path_params["run_id"])
+        run = self.get(request)
         if run.ended:
             return JSONResponse({"run_id": run.id, "status": run.status})
         run.stopping = True

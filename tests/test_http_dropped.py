@@ -49,8 +49,9 @@ FLOOD = (
 
 
 def idle(client: Client, session: str) -> bool:
-    """Whether the endpoint's session for this id has run a turn and is idle."""
-    rows = [r for r in client.sessions() if r["key"] == key_for(session)]
+    """Whether the endpoint's session for this id (its key's namespace is
+    `t`'s, the only key) has run a turn and is idle."""
+    rows = [r for r in client.sessions() if r["key"].endswith("+" + key_for(session))]
     return bool(rows) and rows[0]["turns"] >= 1 and rows[0]["state"] == "idle"
 
 

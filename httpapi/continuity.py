@@ -1,0 +1,88 @@
+"""Where a chat turn that names no conversation goes, and what it remembers.
+
+Open WebUI, LibreChat and the plain openai SDK send no session header:
+they resend the whole conversation each time. Hermes's own API server then
+takes the history from the request. Two things must hold here too: the
+model sees exactly the messages this client sent (never another
+conversation's that began alike, never its own twice after an edit or a
+regenerate), and two such clients never share a worker, while the next
+turn of the same conversation still finds its worker warm (a new one costs
+the Hermes runtime its imports, about a second).
+
+So each turn that ends with a reply leaves a note, kept in memory: the
+digest of the conversation as its client now holds it (the key, the
+session header if any, the system prompt, every user and assistant
+message with the reply just sent, spaces at their ends ignored) maps to the
+session and the conversation id that hold exactly that. A request whose
+messages before its last are such a conversation takes the note (once: the
+conversation it names moves on with this turn) and goes on there; the
+runtime has that history already (Hermes in its state.db; the history
+sent with the turn is used only if the session's data was purged). Any other request (a first message, an edit, a regenerate, a
+conversation this endpoint no longer remembers) starts a conversation of
+its own with the history it sent: in a new session of its own when it
+named none (`api-` and 16 random hex digits, in the key's namespace), else
+in the session its X-Hermes-Session-Key names.
+
+Two conversations that are exactly alike (their replies too) would leave
+the same note: then the note is spoilt and neither goes on from it, so
+they are never joined. A client that knows a conversation's every message
+and reply can take its note, within its own key only; a front end that
+serves many people under one key should name each conversation
+(X-Hermes-Session-Id). At most LIMIT notes are kept, the oldest dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections import OrderedDict
+
+from .sessions import SessionRef
+
+LIMIT = 10_000
+SPOILT = None  # the note of two conversations that are exactly alike
+
+
+def new_conversation_id() -> str:
+    """An id for a conversation no client named (as Hermes derives its own,
+    `api-` and 16 hex digits, but never the same for two)."""
+    return "api-" + secrets.token_hex(8)
+
+
+def digest(
+    owner: str,
+    session: str,
+    system: str | None,
+    messages: list[dict[str, str]],
+) -> bytes:
+    """What identifies a conversation as its client holds it."""
+    said = [(m["role"], m["content"].strip()) for m in messages]
+    text = json.dumps([owner, session, (system or "").strip(), said], ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+class Continuations:
+    """The notes (see the module docstring), by digest."""
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._notes: OrderedDict[bytes, tuple[SessionRef, str] | None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._notes)
+
+    def take(self, at: bytes) -> tuple[SessionRef, str] | None:
+        """The session and conversation holding exactly the conversation
+        `at` names, once; None if none does (or two did)."""
+        return self._notes.pop(at, None)
+
+    def leave(self, at: bytes, ref: SessionRef, conversation: str) -> None:
+        """Note that `conversation` in `ref`'s session now holds what `at` names."""
+        if at in self._notes and self._notes[at] != (ref, conversation):
+            self._notes[at] = SPOILT
+        else:
+            self._notes[at] = (ref, conversation)
+        self._notes.move_to_end(at)
+        while len(self._notes) > self.limit:
+            self._notes.popitem(last=False)
