@@ -47,6 +47,8 @@ log = logging.getLogger("hermes_sup.httpapi")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
+AGENT_INFO_TTL = 60.0  # seconds /health trusts what it last heard the workers run
+
 
 @dataclass
 class ApiSettings:
@@ -85,6 +87,24 @@ class Api:
         self.continuations = Continuations()
         self._mapped: set[str] = set()
         self._labelled: set[str] = set()  # sessions given their label by this process
+        self._agent_info: tuple[int, float, dict[str, Any]] = (0, 0.0, {})
+
+    async def agent_info(self, supervisor_pid: int) -> dict[str, Any]:
+        """What the workers run, for /health: asked of the supervisor once
+        a minute, and again when it is another one (restarted)."""
+        now = time.monotonic()
+        pid, at, info = self._agent_info
+        if pid != supervisor_pid or now - at > AGENT_INFO_TTL:
+            status = await self.client().status()
+            agent = status.get("hermes_agent")
+            info = {
+                "version": agent or version(),
+                "hermes_agent": agent,
+                "hermes_sup": version(),
+                "runtime": status.get("runtime"),
+            }
+            self._agent_info = (supervisor_pid, now, info)
+        return info
 
     def client(self) -> AsyncClient:
         """The supervisor client, made now if it is not yet (or could not be)."""
@@ -324,10 +344,14 @@ def create_app(
         return wrapped
 
     async def health(request: Request) -> Response:
-        """Alive, and whether the supervisor answers (503 if not)."""
+        """Alive, and whether the supervisor answers (503 if not). As
+        Hermes's own, `version` is the Hermes version (the hermes-agent the
+        supervisor's workers load), here when there is one; `hermes_sup` is
+        ours."""
         body: dict[str, Any] = {"status": "ok", "platform": "hermes-agent", "version": version()}
         try:
-            await api.client().ping(timeout=5.0)
+            pong = await api.client().ping(timeout=5.0)
+            body.update(await api.agent_info(pong.pid))
         except (ClientError, ApiError) as exc:
             body["status"] = "unavailable"
             body["error"] = str(exc)
