@@ -61,6 +61,9 @@ class ApiSettings:
     max_connections: int | None = None  # open at once; None: guard.py's default
     stall_timeout: float = 30.0  # a stream whose reader took nothing this long is cut
     keepalive: float = 30.0  # seconds of silence before an SSE comment line
+    # The same on chat completions streams: hermes-webui notices its Stop
+    # only when a line arrives, so a silent turn must still send one often.
+    chat_keepalive: float = 1.0
     stream_queue: int = 1024  # events waiting for one slow stream reader
     run_events: int = 10_000  # events a run keeps for late subscribers
     run_ttl: float = 3600.0  # seconds an ended run stays readable

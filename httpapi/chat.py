@@ -11,6 +11,12 @@ after the stream has started ends it with `finish_reason: "error"`, an
 a repeat with the same `Idempotency-Key` gets the first answer again
 instead of a second turn (idempotency.py).
 
+While a turn is silent (a tool runs, the model thinks), a streamed answer
+sends a `: keepalive` comment every `chat_keepalive` second (1 s), not
+every 30 s as on the other streams: hermes-webui's chat backend looks at
+its Stop button only when a line arrives, and closes the stream then,
+which is what cancels the turn.
+
 If the endpoint fell behind the supervisor and some of a stream's events
 were dropped (a `dropped` notice, PROTOCOL.md "Slow consumers"), the
 streamed text has gaps: the stream then ends with `finish_reason: "error"`,
@@ -434,7 +440,7 @@ async def _chunks(
     try:
         yield sse_data(chunk({"role": "assistant"}))
         while not finished:
-            item = await next_item(queue, api.settings.keepalive)
+            item = await next_item(queue, api.settings.chat_keepalive)
             if item is IDLE:
                 yield b": keepalive\n\n"
                 continue

@@ -12,10 +12,44 @@ import json
 import httpx
 import pytest
 
+from hermes_sup.client import Reply
 from tests import test_http
 
 endpoint = test_http.endpoint
 endpoint_factory = test_http.endpoint_factory
+
+
+def test_webuis_stop_on_its_chat_backend_cancels_the_turn_promptly(endpoint) -> None:
+    """hermes-webui reads its chat stream line by line and looks at Stop only
+    when a line arrives; it then closes the stream, which cancels the turn.
+    A silent turn must still send lines often: a keepalive every 30 s left
+    the turn running up to 30 s after Stop."""
+    headers = endpoint.headers(
+        **{"X-Hermes-Session-Id": "w9", "X-Hermes-Session-Key": "webui:w9",
+           "Accept": "text/event-stream"}
+    )  # fmt: skip
+    body = {"model": "default", "stream": True,
+            "messages": [{"role": "user", "content": "sleep 120"}]}  # fmt: skip
+    first = {"messages": [{"role": "user", "content": "pid"}]}
+    chat = endpoint.url + "/v1/chat/completions"
+    assert httpx.post(chat, json=first, headers=headers, timeout=30).status_code == 200
+    with endpoint.sup.client() as hs:
+        watched = hs.watch(endpoint.session("webui:w9"), replay=1)
+        next(watched)  # watching from now on: the cancelled reply is seen live
+        # A read timeout far below 30 s: a line must come while the turn is silent.
+        timeout = httpx.Timeout(30, read=10)
+        with httpx.stream("POST", chat, json=body, headers=headers,
+                          timeout=timeout) as response:  # fmt: skip
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ") and next(lines) == ""  # the role chunk
+            # Stop is pressed now, with nothing more to read: webui sees it at
+            # the next line, and closes the stream.
+            next(lines)
+        for event in watched:
+            if isinstance(event, Reply):
+                assert event.data == {"cancelled": True}
+                break
 
 
 def test_health_says_which_hermes_the_workers_run(endpoint) -> None:
