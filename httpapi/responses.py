@@ -27,8 +27,12 @@ message as `response.output_item.added` then `response.output_text.delta`
 pieces, each tool call as a `function_call` item (added, then done with its
 `function_call_output`), `response.output_text.done` and the message's
 `response.output_item.done`, then `response.completed` or
-`response.failed`; every event carries a `sequence_number`. A client that
-disconnects cancels the turn; the response is kept as `incomplete`.
+`response.failed`; every event carries a `sequence_number`. Besides
+Hermes's, the message's text part is announced (`response.content_part.added`
+before the first delta, `response.content_part.done` after the text), as
+OpenAI sends it: the openai SDK's `responses.stream()` adds deltas only to a
+part it was told of. A client that disconnects cancels the turn; the
+response is kept as `incomplete`.
 
 As on chat completions, an approval cannot be answered here: the command
 is denied at once (use the runs API to approve). Client-side `tools` and
@@ -290,6 +294,10 @@ class ToolItems:
         return call, output
 
 
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
 def message_item(
     text: str, item_id: str | None = None, status: str | None = None
 ) -> dict[str, Any]:
@@ -298,7 +306,7 @@ def message_item(
         item["id"] = item_id
     if status is not None:
         item["status"] = status
-    item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+    item["content"] = [_text_part(text)]
     return item
 
 
@@ -476,16 +484,28 @@ class Responses:
         indexes: dict[str, int] = {}  # output index of each output item, by id
         finished = False
 
-        def open_message() -> bytes | None:
+        def open_message() -> list[bytes]:
+            """The message item and its one text part, opened (once)."""
             nonlocal message_index, next_index
             if message_index is not None:
-                return None
+                return []
             message_index, next_index = next_index, next_index + 1
             item = {**message_item("", message_id, "in_progress"), "content": []}
-            return event("response.output_item.added", output_index=message_index, item=item)
+            return [
+                event("response.output_item.added", output_index=message_index, item=item),
+                # A strict client (the openai SDK's `responses.stream()`) adds
+                # text only to a part it was told of.
+                event(
+                    "response.content_part.added",
+                    item_id=message_id,
+                    output_index=message_index,
+                    content_index=0,
+                    part=_text_part(""),
+                ),
+            ]
 
         def text(delta: str) -> list[bytes]:
-            out = [b for b in [open_message()] if b is not None]
+            out = open_message()
             parts.append(delta)
             out.append(
                 event(
@@ -568,6 +588,13 @@ class Responses:
                             content_index=0,
                             text=said,
                             logprobs=[],
+                        )
+                        yield event(
+                            "response.content_part.done",
+                            item_id=message_id,
+                            output_index=message_index,
+                            content_index=0,
+                            part=_text_part(said),
                         )
                         yield event(
                             "response.output_item.done",

@@ -19,6 +19,20 @@ endpoint = test_http.endpoint
 endpoint_factory = test_http.endpoint_factory
 
 
+def test_the_openai_sdks_responses_stream_helper_follows_the_events(endpoint) -> None:
+    """It adds text only to a content part it was told of (IndexError else)."""
+    client = endpoint.openai()
+    for text, expected in (("stream one two three", "one two three"), ("hello", "hello")):
+        with client.responses.stream(model="m", input=text) as stream:
+            seen = [event.type for event in stream]
+            final = stream.get_final_response()
+        assert final.output_text == expected and final.status == "completed"
+        assert seen.index("response.content_part.added") < seen.index("response.output_text.delta")
+        assert seen.index("response.content_part.done") < seen.index("response.output_item.done")
+        text_done = seen.index("response.output_text.done")
+        assert text_done < seen.index("response.content_part.done")
+
+
 def test_webuis_stop_on_its_chat_backend_cancels_the_turn_promptly(endpoint) -> None:
     """hermes-webui reads its chat stream line by line and looks at Stop only
     when a line arrives; it then closes the stream, which cancels the turn.
