@@ -17,6 +17,10 @@ every 30 s as on the other streams: hermes-webui's chat backend looks at
 its Stop button only when a line arrives, and closes the stream then,
 which is what cancels the turn.
 
+A turn's output lines (a command's, such as the probe's `sh`) are part of
+the answer's text, each with its newline, before the reply's: streamed as
+they come, and at the start of a whole answer's content.
+
 If the endpoint fell behind the supervisor and some of a stream's events
 were dropped (a `dropped` notice, PROTOCOL.md "Slow consumers"), the
 streamed text has gaps: the stream then ends with `finish_reason: "error"`,
@@ -49,6 +53,7 @@ from hermes_sup.client import (
     ClientError,
     Dropped,
     Event,
+    Output,
     Reply,
     SupervisorError,
     Token,
@@ -127,6 +132,49 @@ def rest_of_reply(streamed: str, reply: Reply) -> str:
     if reply.text.startswith(streamed):
         return reply.text[len(streamed) :]
     return ""
+
+
+MAX_OUTPUT = 1 << 20  # characters of output lines an answer carries at most
+NOTE_LIMIT = 4 << 20  # a streamed answer longer than this leaves no note (continuity.py)
+
+
+class Outputs:
+    """A turn's output lines (a command's, such as the probe's `sh`) as the
+    text they make before the reply's: each with its newline, at most
+    MAX_OUTPUT characters of them (a command may print without end), then
+    one line saying how much was left out."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.size = 0
+        self.left_out = 0
+
+    def add(self, item: Output) -> str | None:
+        """The text this line adds to the answer; None once it is full."""
+        piece = f"{item.line}\n"
+        if self.size + len(piece) > MAX_OUTPUT:
+            self.left_out += len(piece)
+            return None
+        self.parts.append(piece)
+        self.size += len(piece)
+        return piece
+
+    def end(self) -> str:
+        """The line that closes the output, if any was left out."""
+        return f"[{self.left_out} more characters of output left out]\n" if self.left_out else ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts) + self.end()
+
+
+def outputs_of(items: list[Any]) -> str:
+    """The output lines among a turn's events as the answer's text (`Outputs`)."""
+    outputs = Outputs()
+    for item in items:
+        if isinstance(item, Output):
+            outputs.add(item)
+    return outputs.text
 
 
 def _tool_display(name: str, data: Any) -> tuple[str, str]:
@@ -319,7 +367,8 @@ async def _complete(
     if items is None:
         return Response(status_code=HUNG_UP)  # nobody reads it
     end = reply_of(items)
-    answered(end.text)
+    text = outputs_of(items) + end.text
+    answered(text)
     return JSONResponse(
         {
             "id": completion_id,
@@ -329,7 +378,7 @@ async def _complete(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": end.text},
+                    "message": {"role": "assistant", "content": text},
                     "finish_reason": "stop",
                 }
             ],
@@ -391,9 +440,19 @@ async def _chunks(
         }
 
     tools = ToolProgress()
-    streamed: list[str] = []
+    streamed: list[str] = []  # the reply's tokens
+    outputs = Outputs()
+    sent: list[str] = []  # all the content sent, while it may still leave a note
+    sent_size = 0
     dropped = 0  # events of this stream the supervisor dropped (we lagged)
     finished = False
+
+    def content(text: str) -> bytes:
+        nonlocal sent_size
+        sent_size += len(text)
+        if sent_size <= NOTE_LIMIT:
+            sent.append(text)
+        return sse_data(chunk({"content": text}))
 
     def render(item: Any) -> bytes:
         """The SSE lines for one item (none for most events); sets
@@ -402,7 +461,11 @@ async def _chunks(
         if isinstance(item, Token):
             if item.text:
                 streamed.append(item.text)
-                return sse_data(chunk({"content": item.text}))
+                return content(item.text)
+        elif isinstance(item, Output):
+            piece = outputs.add(item)
+            if piece is not None:
+                return content(piece)
         elif isinstance(item, (ToolStart, ToolComplete)):
             progress = tools.payload(item)
             if progress is not None:
@@ -422,10 +485,10 @@ async def _chunks(
                 last["error"] = {"message": item.text, "type": "agent_error"}
             elif partial:
                 last.update(incomplete(dropped))
-            else:
-                answered(said + rest)
+            head = b"".join(content(text) for text in (outputs.end(), rest) if text)
+            if item.ok and not partial and sent_size <= NOTE_LIMIT:
+                answered("".join(sent))
             finished = True
-            head = sse_data(chunk({"content": rest})) if rest else b""
             return head + sse_data(last) + b"data: [DONE]\n\n"
         elif isinstance(item, ClientError) or item is END:
             message, code = failure_of(item)

@@ -31,8 +31,9 @@ pieces, each tool call as a `function_call` item (added, then done with its
 Hermes's, the message's text part is announced (`response.content_part.added`
 before the first delta, `response.content_part.done` after the text), as
 OpenAI sends it: the openai SDK's `responses.stream()` adds deltas only to a
-part it was told of. A client that disconnects cancels the turn; the
-response is kept as `incomplete`.
+part it was told of. A turn's output lines (a command's) are part of the
+message's text, each with its newline, before the reply's. A client that
+disconnects cancels the turn; the response is kept as `incomplete`.
 
 As on chat completions, an approval cannot be answered here: the command
 is denied at once (use the runs API to approve). Client-side `tools` and
@@ -55,14 +56,25 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from hermes_sup.client import ClientError, Dropped, Reply, Token, ToolComplete, ToolStart
+from hermes_sup.client import (
+    ClientError,
+    Dropped,
+    Output,
+    Reply,
+    Token,
+    ToolComplete,
+    ToolStart,
+)
 
 from .chat import (
     SSE_HEADERS,
+    Outputs,
     approval_denier,
     collect,
     failure_of,
+    outputs_of,
     reply_of,
+    rest_of_reply,
     usage_of,
 )
 from .errors import ApiError
@@ -452,8 +464,9 @@ class Responses:
             response.update(status="failed", error={"message": exc.message, "type": "server_error"})
             keep()
             raise
+        said = outputs_of(items) + reply.text
         output = [{k: v for k, v in item.items() if k != "status"} for item in tools.items] + [
-            message_item(reply.text, f"msg_{uuid.uuid4().hex[:24]}", "completed")
+            message_item(said, f"msg_{uuid.uuid4().hex[:24]}", "completed")
         ]
         response.update(status="completed", output=output, usage=usage_in_responses(reply))
         kept.response = {**response, "output": _shortened(output)}
@@ -479,7 +492,9 @@ class Responses:
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         message_index: int | None = None
         next_index = 0
-        parts: list[str] = []
+        parts: list[str] = []  # the message's text so far: output lines and tokens
+        tokens: list[str] = []  # the reply's own
+        outputs = Outputs()
         tools = ToolItems()
         indexes: dict[str, int] = {}  # output index of each output item, by id
         finished = False
@@ -535,8 +550,13 @@ class Responses:
                     dropped += item.count
                 elif isinstance(item, Token):
                     if item.text:
+                        tokens.append(item.text)
                         for chunk in text(item.text):
                             yield chunk
+                elif isinstance(item, Output):
+                    piece = outputs.add(item)
+                    for chunk in text(piece) if piece is not None else []:
+                        yield chunk
                 elif isinstance(item, ToolStart):
                     call = tools.start(item)
                     if call is not None:
@@ -572,14 +592,19 @@ class Responses:
                         )
                 elif isinstance(item, Reply) or isinstance(item, ClientError) or item is END:
                     reply = item if isinstance(item, Reply) else None
-                    if reply is not None and reply.ok and not parts and reply.text:
-                        for chunk in text(reply.text):  # a runtime that does not stream
+                    for chunk in text(outputs.end()) if outputs.left_out else []:
+                        yield chunk
+                    if reply is not None and reply.ok:
+                        # What the reply adds to the tokens streamed (all of
+                        # it from a runtime that does not stream).
+                        rest = rest_of_reply("".join(tokens), reply)
+                        for chunk in text(rest) if rest else []:
                             yield chunk
                     said = "".join(parts)
                     if dropped and reply is not None and reply.ok:
                         # The deltas have gaps (events dropped while this
                         # endpoint lagged): the done events carry the whole reply.
-                        said = reply.text
+                        said = outputs.text + reply.text
                     if message_index is not None:
                         yield event(
                             "response.output_text.done",

@@ -14,6 +14,8 @@ queue, and one that falls behind by more than that is cut off (its stream
 ends with a comment saying so) rather than let memory grow. Status:
 queued, running, waiting_for_approval, stopping, then completed, failed or
 cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs`.
+A turn's output lines (a command's) are part of the answer's text: each a
+`message.delta` with its newline, and the start of `run.completed`'s `output`.
 
 If the endpoint fell behind the supervisor and some of the turn's events
 were dropped (PROTOCOL.md, "Slow consumers"), the run publishes
@@ -43,6 +45,7 @@ from hermes_sup.client import (
     ClientError,
     Dropped,
     Event,
+    Output,
     Queued,
     Reply,
     Running,
@@ -52,7 +55,7 @@ from hermes_sup.client import (
     ToolStart,
 )
 
-from .chat import SSE_HEADERS, usage_of
+from .chat import SSE_HEADERS, Outputs, usage_of
 from .errors import ApiError
 from .logsafe import kv
 from .sessions import (
@@ -94,6 +97,7 @@ class Run:
     stopping: bool = False
     approvals: list[str | None] = field(default_factory=list)  # waiting, oldest first
     reasoning: list[str] = field(default_factory=list)  # the model's reasoning, not yet published
+    outputs: Outputs = field(default_factory=Outputs)  # its output lines, as answer text
     fields: dict[str, Any] = field(default_factory=dict)
     events: deque[dict[str, Any]] = field(init=False)
     subscribers: set[asyncio.Queue[Any]] = field(default_factory=set)
@@ -319,6 +323,11 @@ class Runs:
         elif isinstance(item, Token):
             if item.text:
                 run.publish("message.delta", delta=item.text)
+        elif isinstance(item, Output):
+            # A command's output is part of the answer's text, before the reply's.
+            piece = run.outputs.add(item)
+            if piece is not None:
+                run.publish("message.delta", delta=piece)
         elif isinstance(item, Dropped):
             log.warning(kv("http_run_dropped", run=run.id, count=item.count))
             run.publish(
@@ -385,8 +394,9 @@ class Runs:
                     "output_tokens": usage["completion_tokens"],
                     "total_tokens": usage["total_tokens"],
                 }
-                run.set_status("completed", output=item.text, usage=u)
-                run.publish("run.completed", output=item.text, usage=u)
+                output = run.outputs.text + item.text
+                run.set_status("completed", output=output, usage=u)
+                run.publish("run.completed", output=output, usage=u)
         elif isinstance(item, ClientError):
             run.approvals.clear()
             message = item.message if isinstance(item, SupervisorError) else str(item)
