@@ -128,7 +128,7 @@ class OriginCheck:
             return
         headers = Headers(scope=scope)
         origin = headers.get("origin")
-        if origin is None or self.allowed(origin, scope, headers):
+        if not origin or self.allowed(origin, scope, headers):  # empty: no browser's, as Hermes
             await self.app(scope, receive, send)
             return
         shown = origin[:200]
