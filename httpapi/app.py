@@ -67,8 +67,8 @@ class ApiSettings:
     stream_queue: int = 1024  # events waiting for one slow stream reader
     run_events: int = 10_000  # events a run keeps for late subscribers
     run_ttl: float = 3600.0  # seconds an ended run stays readable
-    max_runs: int = 1000  # ended runs kept at most
-    max_responses: int = 1000  # stored responses kept at most (in memory)
+    max_runs: int = 1000  # ended runs kept at most, of each key's
+    max_responses: int = 1000  # stored responses kept at most (in memory), of each key's
     web_dir: Path | None = None  # static files served at / (no key needed for them)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed besides our own; "*" for any
 

@@ -252,7 +252,8 @@ async def _answer(api: Api, request: Request, body: dict[str, Any], stream: bool
         if place.noted is not None:
             said = [*chat.history, {"role": "user", "content": chat.text}]
             said.append({"role": "assistant", "content": text})
-            api.continuations.leave(place.noted(said), ref, place.conversation)
+            owner = tenant.prefix
+            api.continuations.leave(owner, place.noted(said), ref, place.conversation)
 
     deny_approvals = approval_denier(opened)
     if not stream:
@@ -290,7 +291,7 @@ def _place(api: Api, request: Request, tenant: Tenant, chat: ChatTurn) -> ChatPl
     def noted(said: list[dict[str, str]]) -> bytes:
         return digest(tenant.prefix, session, chat.system, said)
 
-    found = api.continuations.take(noted(chat.history)) if chat.history else None
+    found = api.continuations.take(tenant.prefix, noted(chat.history)) if chat.history else None
     if found is not None:
         ref, conversation = found
         return ChatPlace(ref, conversation, noted)

@@ -28,7 +28,8 @@ the same note: then the note is spoilt and neither goes on from it, so
 they are never joined. A client that knows a conversation's every message
 and reply can take its note, within its own key only; a front end that
 serves many people under one key should name each conversation
-(X-Hermes-Session-Id). At most LIMIT notes are kept, the oldest dropped.
+(X-Hermes-Session-Id). At most LIMIT notes of each key are kept, the
+oldest dropped (its conversation then goes on in a new session).
 """
 
 from __future__ import annotations
@@ -62,27 +63,34 @@ def digest(
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
+Note = tuple[SessionRef, str] | None  # None: spoilt
+
+
 class Continuations:
-    """The notes (see the module docstring), by digest."""
+    """The notes (see the module docstring), by key (its namespace), then
+    by digest: at most `limit` of each key's, so that one key's many
+    conversations never push out another's."""
 
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
-        self._notes: OrderedDict[bytes, tuple[SessionRef, str] | None] = OrderedDict()
+        self._notes: dict[str, OrderedDict[bytes, Note]] = {}
 
     def __len__(self) -> int:
-        return len(self._notes)
+        return sum(len(notes) for notes in self._notes.values())
 
-    def take(self, at: bytes) -> tuple[SessionRef, str] | None:
+    def take(self, owner: str, at: bytes) -> tuple[SessionRef, str] | None:
         """The session and conversation holding exactly the conversation
         `at` names, once; None if none does (or two did)."""
-        return self._notes.pop(at, None)
+        notes = self._notes.get(owner)
+        return notes.pop(at, None) if notes is not None else None
 
-    def leave(self, at: bytes, ref: SessionRef, conversation: str) -> None:
+    def leave(self, owner: str, at: bytes, ref: SessionRef, conversation: str) -> None:
         """Note that `conversation` in `ref`'s session now holds what `at` names."""
-        if at in self._notes and self._notes[at] != (ref, conversation):
-            self._notes[at] = SPOILT
+        notes = self._notes.setdefault(owner, OrderedDict())
+        if at in notes and notes[at] != (ref, conversation):
+            notes[at] = SPOILT
         else:
-            self._notes[at] = (ref, conversation)
-        self._notes.move_to_end(at)
-        while len(self._notes) > self.limit:
-            self._notes.popitem(last=False)
+            notes[at] = (ref, conversation)
+        notes.move_to_end(at)
+        while len(notes) > self.limit:
+            notes.popitem(last=False)

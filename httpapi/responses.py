@@ -16,8 +16,8 @@ just reaches the same worker. `instructions` are carried forward from the
 previous response when a request has none, as Hermes does.
 
 `store` (default true) keeps the response object in memory, for GET and as
-a `previous_response_id`: at most `max_responses` of them, the least used
-dropped first, and none survive a restart of the endpoint. With `store:
+a `previous_response_id`: at most `max_responses` of each key's, the least
+used dropped first, and none survive a restart of the endpoint. With `store:
 false` the conversation still goes on in its session; only the object is
 not kept. Tool call arguments and outputs are shortened in what is kept
 (as Hermes shortens them in `response.completed`).
@@ -125,29 +125,44 @@ class Stored:
 
 
 class ResponseStore:
-    """Stored responses by id, in memory: at most `limit`, least used first out."""
+    """Stored responses by id, in memory: at most `limit` of each key's,
+    its least used first out, so that one key's many never push out
+    another's."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._owners: dict[str, str] = {}  # response id -> owner
+        self._items: dict[str, OrderedDict[str, Stored]] = {}  # owner -> its responses
 
     def get(self, response_id: str) -> Stored | None:
-        stored = self._items.get(response_id)
-        if stored is not None:
-            self._items.move_to_end(response_id)
-        return stored
+        owner = self._owners.get(response_id)
+        if owner is None:
+            return None
+        items = self._items[owner]
+        items.move_to_end(response_id)
+        return items[response_id]
 
     def put(self, response_id: str, stored: Stored) -> None:
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.limit:
-            self._items.popitem(last=False)
+        items = self._items.setdefault(stored.owner, OrderedDict())
+        items[response_id] = stored
+        items.move_to_end(response_id)
+        self._owners[response_id] = stored.owner
+        while len(items) > self.limit:
+            dropped, _ = items.popitem(last=False)
+            del self._owners[dropped]
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        owner = self._owners.pop(response_id, None)
+        if owner is None:
+            return False
+        items = self._items[owner]
+        del items[response_id]
+        if not items:
+            del self._items[owner]
+        return True
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._owners)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ a subscriber that comes late, or a second one, sees the run from its start; each
 queue, and one that falls behind by more than that is cut off (its stream
 ends with a comment saying so) rather than let memory grow. Status:
 queued, running, waiting_for_approval, stopping, then completed, failed or
-cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs`.
+cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs` of
+each key's.
 A turn's output lines (a command's) are part of the answer's text: each a
 `message.delta` with its newline, and the start of `run.completed`'s `output`.
 
@@ -221,20 +222,19 @@ class Runs:
             raise ApiError(404, f"Run not found: {run_id}", "run_not_found")
         return run
 
-    def _sweep(self) -> None:
-        """Forget ended runs past their time to live, and the oldest ended
-        ones beyond the limit; a run still going is never forgotten."""
+    def _sweep(self, owner: str) -> None:
+        """Forget ended runs past their time to live, and `owner`'s oldest
+        ended ones beyond its limit (one key's many never push out
+        another's runs); a run still going is never forgotten."""
         s = self.api.settings
         now = time.time()
-        ended = [r for r in self.by_id.values() if r.ended]
-        for run in ended:
-            if now - run.updated_at > s.run_ttl:
-                del self.by_id[run.id]
-        extra = len(self.by_id) - s.max_runs
+        for run in [r for r in self.by_id.values() if r.ended and now - r.updated_at > s.run_ttl]:
+            del self.by_id[run.id]
+        theirs = [r for r in self.by_id.values() if r.owner == owner]
+        extra = len(theirs) - s.max_runs
         if extra > 0:
-            for run in sorted((r for r in ended if r.id in self.by_id), key=lambda r: r.updated_at)[
-                :extra
-            ]:
+            ended = sorted((r for r in theirs if r.ended), key=lambda r: r.updated_at)
+            for run in ended[:extra]:
                 del self.by_id[run.id]
 
     # ------------------------------------------------------------ handlers
@@ -278,7 +278,7 @@ class Runs:
             ref = named or api.ref(tenant, session_id or run_id)
             conversation = session_id or ref.original
         model = api.model_of(body)
-        self._sweep()
+        self._sweep(tenant.prefix)
         context = turn_context(instructions, history, conversation)
         opened = await api.open_turn(ref, text, context)
         run = Run(run_id, ref, model, api.settings.run_events, tenant.prefix)

@@ -239,3 +239,57 @@ def test_a_key_file_from_before_namespaces_keeps_one_of_its_own(tmp_path) -> Non
     assert tenant.prefix != keys.tenant("old").prefix.replace(tenant.namespace, "0" * 12)
     with pytest.raises(Exception, match="grant"):
         keys.generate("bad", grants=["telegram:* x"])
+
+
+def test_one_keys_many_never_push_out_anothers() -> None:
+    """What the endpoint keeps in memory is capped per key: a key that
+    floods it drops its own oldest, never another key's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from starlette.responses import JSONResponse
+
+    from hermes_sup.httpapi.app import ApiSettings
+    from hermes_sup.httpapi.continuity import Continuations
+    from hermes_sup.httpapi.idempotency import IdempotencyCache
+    from hermes_sup.httpapi.responses import ResponseStore, Stored
+    from hermes_sup.httpapi.runs import Run, Runs
+    from hermes_sup.httpapi.sessions import SessionRef
+
+    ref = SessionRef("k", "k")
+    store = ResponseStore(limit=2)
+    store.put("alice-1", Stored({}, ref, "c", None, "alice"))
+    for i in range(5):
+        store.put(f"bob-{i}", Stored({}, ref, "c", None, "bob"))
+    assert store.get("alice-1") is not None and store.get("bob-0") is None
+    assert store.get("bob-4") is not None and len(store) == 3
+
+    runs = Runs(SimpleNamespace(settings=ApiSettings(max_runs=2)))
+    for owner, n in (("alice", 1), ("bob", 5)):
+        for i in range(n):
+            run = Run(f"{owner}-{i}", ref, "m", 10, owner)
+            run.set_status("completed")
+            runs.by_id[run.id] = run
+            runs._sweep(owner)
+    assert sorted(runs.by_id) == ["alice-0", "bob-3", "bob-4"]
+
+    notes = Continuations(limit=2)
+    notes.leave("alice", b"a", ref, "c")
+    for i in range(5):
+        notes.leave("bob", bytes([i]), ref, "c")
+    assert notes.take("alice", b"a") == (ref, "c") and notes.take("bob", bytes([0])) is None
+    assert notes.take("alice", b"a") is None  # taken once
+
+    cache = IdempotencyCache(limit=2)
+
+    async def main() -> None:
+        async def answer() -> JSONResponse:
+            return JSONResponse({"n": len(cache)})
+
+        first = await cache.answer("alice", "k", "fp", answer)
+        for i in range(5):
+            await cache.answer("bob", f"k{i}", "fp", answer)
+        assert (await cache.answer("alice", "k", "fp", answer)).body == first.body
+        assert len(cache) == 3
+
+    asyncio.run(main())
