@@ -293,8 +293,8 @@ def _place(api: Api, request: Request, tenant: Tenant, chat: ChatTurn) -> ChatPl
 
     found = api.continuations.take(tenant.prefix, noted(chat.history)) if chat.history else None
     if found is not None:
-        ref, conversation = found
-        return ChatPlace(ref, conversation, noted)
+        ref, going_on = found
+        return ChatPlace(ref, going_on or new_conversation_id(), noted)
     conversation = new_conversation_id()
     ref = named if named is not None else api.ref(tenant, conversation)
     return ChatPlace(ref, conversation, noted)

@@ -216,10 +216,16 @@ def test_chats_that_name_no_session_are_exactly_what_their_client_sent(hermes_ht
     _, users, request = turn("hi", x1, "my password is different")
     assert users == ["hi", "my password is different"] and "X-SECRET" not in request
 
-    # A conversation that goes on as it was left stays in its worker.
+    # A conversation that goes on as it was left stays in its worker, and so
+    # does a regenerate or an edit of its last message (a new conversation
+    # there, with the history sent); X's, that began like Y's, did not.
     ask = "run: echo key=$HERMES_SESSION_KEY"
     z1, users, _ = turn(ask)
     z2, users, _ = turn(ask, z1, ask + " again")
     assert users == [ask, ask + " again"]
-    first, again = (re.search(r"key=([\w.+:=@-]+)", z).group(1) for z in (z1, z2))
-    assert first == again and first.startswith("test+"), (z1, z2)
+    z3, users, _ = turn(ask, z1, ask + " again")
+    assert users == [ask, ask + " again"]
+    z4, users, _ = turn(ask, z1, ask + " edited")
+    assert users == [ask, ask + " edited"]
+    keys = [re.search(r"key=([\w.+:=@-]+)", z).group(1) for z in (z1, z2, z3, z4)]
+    assert len(set(keys)) == 1 and keys[0].startswith("test+"), (z1, z2, z3, z4)
