@@ -315,7 +315,10 @@ def http_keys_rotate(name: str, output: Path | None, data_dir: Path | None) -> N
 @click.argument("name")
 @DATA_DIR
 def http_keys_revoke(name: str, data_dir: Path | None) -> None:
-    """Refuse NAME's key from the next request on."""
+    """Refuse NAME's key from the next request on. Its sessions stay (under
+    its namespace, `hermes-sup list --prefix NAME+`) but only an admin key
+    reaches them: a key generated again as NAME gets a namespace of its own. To
+    give NAME a new key to the same sessions, `rotate` it instead."""
     from hermes_sup.httpapi.keys import KeyFileError, KeyStore
 
     try:
