@@ -40,7 +40,7 @@ from .keys import KeyStore, Tenant
 from .logsafe import kv
 from .responses import Responses
 from .runs import Runs
-from .sessions import SessionRef, header_id, label_of, ref_for
+from .sessions import TENANT, SessionRef, header_id, label_of, ref_for
 from .turns import OpenTurn, open_turn
 
 log = logging.getLogger("hermes_sup.httpapi")
@@ -154,21 +154,36 @@ class Api:
                     413, f"Request body too large (limit {limit} bytes).", "body_too_large"
                 )
         body = bytearray()
+        # A body that trickles in is given up on, as a request's head is
+        # (guard.py). A bare timer: asyncio.timeout costs every request more.
+        task = asyncio.current_task()
+        assert task is not None
+        late = False
+
+        def too_late() -> None:
+            nonlocal late
+            late = True
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(self.settings.body_timeout, too_late)
         try:
-            # A body that trickles in is given up on, as headers are (serve.py).
-            async with asyncio.timeout(self.settings.body_timeout):
-                async for piece in request.stream():  # chunked bodies carry no length
-                    body += piece
-                    if len(body) > limit:
-                        raise ApiError(
-                            413, f"Request body too large (limit {limit} bytes).", "body_too_large"
-                        )
-        except TimeoutError:
+            async for piece in request.stream():  # chunked bodies carry no length
+                body += piece
+                if len(body) > limit:
+                    raise ApiError(
+                        413, f"Request body too large (limit {limit} bytes).", "body_too_large"
+                    )
+        except asyncio.CancelledError:
+            if not late:
+                raise
+            task.uncancel()
             raise ApiError(
                 408,
                 f"The request body did not arrive within {self.settings.body_timeout:g} s",
                 "body_timeout",
             ) from None
+        finally:
+            timer.cancel()
         return parse_body(bytes(body))
 
     def ref(self, tenant: Tenant, original: str) -> SessionRef:
@@ -341,7 +356,7 @@ def create_app(
 
     def authed(handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
-            request.state.tenant = api.check_auth(request)
+            request.scope[TENANT] = api.check_auth(request)
             return await handler(request)
 
         return wrapped

@@ -170,10 +170,12 @@ class Outputs:
 
 def outputs_of(items: list[Any]) -> str:
     """The output lines among a turn's events as the answer's text (`Outputs`)."""
+    lines = [item for item in items if isinstance(item, Output)]
+    if not lines:
+        return ""  # the usual turn: no command ran
     outputs = Outputs()
-    for item in items:
-        if isinstance(item, Output):
-            outputs.add(item)
+    for line in lines:
+        outputs.add(line)
     return outputs.text
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
+import os
 from collections import OrderedDict
 
 from .sessions import SessionRef
@@ -54,7 +54,7 @@ SPOILT = None  # the note of conversations in two sessions that are exactly alik
 def new_conversation_id() -> str:
     """An id for a conversation no client named (as Hermes derives its own,
     `api-` and 16 hex digits, but never the same for two)."""
-    return "api-" + secrets.token_hex(8)
+    return "api-" + os.urandom(8).hex()
 
 
 def digest(
@@ -65,8 +65,11 @@ def digest(
 ) -> bytes:
     """What identifies a conversation as its client holds it."""
     said = [(m["role"], m["content"].strip()) for m in messages]
-    text = json.dumps([owner, session, (system or "").strip(), said], ensure_ascii=False)
+    text = _ENCODER.encode([owner, session, (system or "").strip(), said])
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # made once: json.dumps makes one a call
 
 
 # A note: the session, the conversation, and whether a turn went on from it.

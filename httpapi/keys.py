@@ -35,6 +35,7 @@ does for the next handshake.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -73,7 +74,7 @@ class Tenant:
     grants: tuple[str, ...] = ()
     admin: bool = False
 
-    @property
+    @functools.cached_property
     def prefix(self) -> str:
         """The start of every session key of this key's own namespace."""
         return f"{self.name}+{self.namespace}+"

@@ -64,9 +64,12 @@ class SessionRef:
         return not self.key.endswith(self.original)
 
 
+TENANT = "hermes_sup.tenant"  # the scope's key for who made a request (app.py's `authed`)
+
+
 def tenant_of(request: Any) -> Tenant:
-    """The tenant an authenticated request was made by (app.py's `authed`)."""
-    tenant: Tenant = request.state.tenant
+    """The tenant an authenticated request was made by."""
+    tenant: Tenant = request.scope[TENANT]
     return tenant
 
 
