@@ -364,9 +364,13 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
         "echo_floor_uvloop": post(uv_echo, "rt-echo"),
         "bridge_floor_uvloop": post(uv_bridge, "rt-uv-bridge"),
     }
-    if b_endpoint is not None:
+    raw_b = RawHttp(stack.b_url, stack.auth) if stack.b_url is not None else None
+    if b_endpoint is not None and raw_b is not None:
+        # The same three kinds of request as this endpoint's, for a CPU
+        # figure to set beside its own.
         variants["http_b"] = post(b_endpoint, "rt-http-b")
         variants["http_b_stream"] = stream(b_endpoint, "rt-stream-b")
+        variants["http_b_raw_client"] = raw(raw_b, "rt-raw-b")
     times: dict[str, list[float]] = {name: [] for name in variants}
     servers = {"endpoint": stack.endpoint.pid, "supervisor": stack.sup.pid}
     servers |= {"echo": stack.echo.pid, "bridge": stack.bridge.pid}
@@ -392,8 +396,9 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
         for c in (endpoint, echo, bridge, uv_endpoint, uv_echo, uv_bridge, b_endpoint):
             if c is not None:
                 c.close()
-        for r in (raw_endpoint, raw_echo, raw_uv_endpoint):
-            r.close()
+        for r in (raw_endpoint, raw_echo, raw_uv_endpoint, raw_b):
+            if r is not None:
+                r.close()
         zmq_client.close()
     out: dict[str, Any] = {"load": load, **{name: summary(t) for name, t in times.items()}}
     zmq_p50 = out["zmq"]["p50_ms"]
@@ -416,7 +421,8 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
     if "http_b" in times:
         # This endpoint against B's, request by request in the same round.
         out["ab"] = {}
-        for mine, theirs in (("http", "http_b"), ("http_stream", "http_b_stream")):
+        pairs = (("http", "http_b"), ("http_stream", "http_b_stream"))
+        for mine, theirs in (*pairs, ("http_raw_client", "http_b_raw_client")):
             diffs = [a - b for a, b in zip(times[mine], times[theirs], strict=True)]
             out["ab"][mine] = {
                 "this_p50_ms": out[mine]["p50_ms"],
@@ -424,8 +430,8 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
                 "paired_diff_p50_ms": statistics.median(diffs) * 1000,
                 "this_faster_share": sum(d < 0 for d in diffs) / len(diffs),
             }
-        out["cpu_us_per_request"]["endpoint B (http_b, http_b_stream)"] = (
-            cpu["endpoint_b"] / (2 * rounds) * 1e6
+        out["cpu_us_per_request"]["endpoint B (http_b, http_b_stream, http_b_raw_client)"] = (
+            cpu["endpoint_b"] / (3 * rounds) * 1e6
         )
     return out
 
@@ -1081,6 +1087,10 @@ def run_all(
                     stack, profile, stack.bridge.pid, stack.bridge_url, {}, turns_
                 ),
             }
+            if stack.b_endpoint is not None and stack.b_url is not None:
+                results["profile"]["endpoint_b"] = profile_server(
+                    stack, profile, stack.b_endpoint.pid, stack.b_url, stack.auth, turns_
+                )
         if "turns" in parts:
             results["turns_per_s"] = [
                 turns_per_second(stack, c, turns, repeats) for c in concurrencies
