@@ -18,7 +18,11 @@ all with the probe runtime:
   turns read through one `AsyncClient`; with the endpoint's and the
   supervisor's memory;
 - turns/s: non-streaming chat completions at concurrency 1 and 16, against
-  the echo app (the floor), the bridge app and the Python client.
+  the echo app (the floor), the bridge app and the Python client;
+- with `--ab DIR`, another version's endpoint (DIR/hermes_sup) served beside
+  this one against the same supervisor, its round trips interleaved with
+  the others: the paired difference of each request's time and this side's
+  share of wins, so that two versions are compared under the same load.
 
 Servers: a supervisor (`serve`), the endpoint as `python -m hermes_sup.httpapi`
 (what `serve --http` runs, minus its keeper), and the floors, all children
@@ -114,8 +118,10 @@ class Stack:
     """A supervisor (probe runtime), the endpoint, and the two floor apps,
     all on a private temp dir; `close` stops each by its pid."""
 
-    def __init__(self, max_sessions: int | None = None) -> None:
+    def __init__(self, max_sessions: int | None = None, ab_source: Path | None = None) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="hsh-", dir=os.environ.get("HSB_DIR", "/tmp")))
+        self.b_url: str | None = None
+        self.b_endpoint: subprocess.Popen[bytes] | None = None
         self.state, self.data = self.root / "s", self.root / "d"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.key = KeyStore(self.data).generate("bench")
@@ -167,15 +173,33 @@ class Stack:
             self.uv_bridge_url, self.uv_bridge = self._serve(
                 "bridge-uvloop", "bench.http_floor", "--uvloop", "--state-dir", str(self.state)
             )
+            if ab_source is not None:
+                # Another version's endpoint (B), against the same supervisor.
+                self.b_url, self.b_endpoint = self._serve(
+                    "endpoint-b",
+                    "hermes_sup.httpapi",
+                    "--state-dir",
+                    str(self.state),
+                    "--data-dir",
+                    str(self.data),
+                    "--log-level",
+                    "warning",
+                    source=ab_source,
+                )
         except BaseException:
             self.close()
             raise
 
-    def _start(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+    def _start(
+        self, name: str, module: str, *args: str, source: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start `python -m module args`; with `source` (a directory holding
+        another version's `hermes_sup`), that version's."""
         log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115
+        first = [str(source)] if source is not None else []
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([*first, str(REPO), os.environ.get("PYTHONPATH", "")]),
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stderr=log, stdout=log, cwd=REPO, env=env
@@ -184,9 +208,11 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def _serve(self, name: str, module: str, *args: str) -> tuple[str, subprocess.Popen[bytes]]:
+    def _serve(
+        self, name: str, module: str, *args: str, source: Path | None = None
+    ) -> tuple[str, subprocess.Popen[bytes]]:
         port = free_port()
-        proc = self._start(name, module, *args, "--listen", f"127.0.0.1:{port}")
+        proc = self._start(name, module, *args, "--listen", f"127.0.0.1:{port}", source=source)
         url = f"http://127.0.0.1:{port}"
 
         def answers() -> bool:
@@ -320,6 +346,9 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
     def zmq_turn() -> None:
         assert zmq_client.run("rt-zmq", "x").text == "x"
 
+    b_endpoint = None
+    if stack.b_url is not None:
+        b_endpoint = httpx.Client(base_url=stack.b_url, headers=stack.auth, timeout=120)
     variants: dict[str, Callable[[], None]] = {
         "zmq": zmq_turn,
         "http": post(endpoint, "rt-http"),
@@ -335,11 +364,20 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
         "echo_floor_uvloop": post(uv_echo, "rt-echo"),
         "bridge_floor_uvloop": post(uv_bridge, "rt-uv-bridge"),
     }
+    raw_b = RawHttp(stack.b_url, stack.auth) if stack.b_url is not None else None
+    if b_endpoint is not None and raw_b is not None:
+        # The same three kinds of request as this endpoint's, for a CPU
+        # figure to set beside its own.
+        variants["http_b"] = post(b_endpoint, "rt-http-b")
+        variants["http_b_stream"] = stream(b_endpoint, "rt-stream-b")
+        variants["http_b_raw_client"] = raw(raw_b, "rt-raw-b")
     times: dict[str, list[float]] = {name: [] for name in variants}
     servers = {"endpoint": stack.endpoint.pid, "supervisor": stack.sup.pid}
     servers |= {"echo": stack.echo.pid, "bridge": stack.bridge.pid}
     servers |= {"uv_endpoint": stack.uv_endpoint.pid, "uv_echo": stack.uv_echo.pid}
     servers |= {"uv_bridge": stack.uv_bridge.pid}
+    if stack.b_endpoint is not None:
+        servers["endpoint_b"] = stack.b_endpoint.pid
     rng = random.Random(17)
     order = list(variants)
     try:
@@ -355,10 +393,12 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
                     times[name].append(time.perf_counter() - started)
         cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in servers.items()}
     finally:
-        for c in (endpoint, echo, bridge, uv_endpoint, uv_echo, uv_bridge):
-            c.close()
-        for r in (raw_endpoint, raw_echo, raw_uv_endpoint):
-            r.close()
+        for c in (endpoint, echo, bridge, uv_endpoint, uv_echo, uv_bridge, b_endpoint):
+            if c is not None:
+                c.close()
+        for r in (raw_endpoint, raw_echo, raw_uv_endpoint, raw_b):
+            if r is not None:
+                r.close()
         zmq_client.close()
     out: dict[str, Any] = {"load": load, **{name: summary(t) for name, t in times.items()}}
     zmq_p50 = out["zmq"]["p50_ms"]
@@ -378,6 +418,21 @@ def round_trips(stack: Stack, rounds: int, warmup: int = 30) -> dict[str, Any]:
         "bridge floor on uvloop": cpu["uv_bridge"] / rounds * 1e6,
         "supervisor (the 9 turns of a round)": cpu["supervisor"] / (9 * rounds) * 1e6,
     }
+    if "http_b" in times:
+        # This endpoint against B's, request by request in the same round.
+        out["ab"] = {}
+        pairs = (("http", "http_b"), ("http_stream", "http_b_stream"))
+        for mine, theirs in (*pairs, ("http_raw_client", "http_b_raw_client")):
+            diffs = [a - b for a, b in zip(times[mine], times[theirs], strict=True)]
+            out["ab"][mine] = {
+                "this_p50_ms": out[mine]["p50_ms"],
+                "b_p50_ms": out[theirs]["p50_ms"],
+                "paired_diff_p50_ms": statistics.median(diffs) * 1000,
+                "this_faster_share": sum(d < 0 for d in diffs) / len(diffs),
+            }
+        out["cpu_us_per_request"]["endpoint B (http_b, http_b_stream, http_b_raw_client)"] = (
+            cpu["endpoint_b"] / (3 * rounds) * 1e6
+        )
     return out
 
 
@@ -943,7 +998,7 @@ def report(results: dict[str, Any]) -> None:
     if rt:
         print(f"round trip, one in flight (load {rt['load']['loadavg'][0]:.1f}):")
         for name in rt:
-            if name in ("load", "cpu_us_per_request"):
+            if name in ("load", "cpu_us_per_request", "ab"):
                 continue
             r = rt[name]
             added = f"  +{r['added_p50_ms']:.2f} ms p50" if "added_p50_ms" in r else ""
@@ -954,6 +1009,12 @@ def report(results: dict[str, Any]) -> None:
             )
         for name, us in rt["cpu_us_per_request"].items():
             print(f"  cpu {name}: {us:.0f} us/request")
+        for name, ab in rt.get("ab", {}).items():
+            print(
+                f"  A/B {name}: this p50 {ab['this_p50_ms']:.2f} ms, B {ab['b_p50_ms']:.2f} ms, "
+                f"paired difference p50 {ab['paired_diff_p50_ms']:+.3f} ms, "
+                f"this faster in {ab['this_faster_share']:.0%}"
+            )
     for server, prof in results.get("profile", {}).items():
         if not prof.get("samples"):
             print(f"profile of {server}: {prof}")
@@ -1005,9 +1066,10 @@ def run_all(
     concurrencies: tuple[int, ...] = (1, 16),
     parts: tuple[str, ...] = PARTS,
     stream_timeout: float = 120.0,
+    ab_source: Path | None = None,
 ) -> dict[str, Any]:
     """The figures named in `parts`, on one stack; returns the results."""
-    stack = Stack()
+    stack = Stack(ab_source=ab_source)
     try:
         results: dict[str, Any] = {
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -1025,6 +1087,10 @@ def run_all(
                     stack, profile, stack.bridge.pid, stack.bridge_url, {}, turns_
                 ),
             }
+            if stack.b_endpoint is not None and stack.b_url is not None:
+                results["profile"]["endpoint_b"] = profile_server(
+                    stack, profile, stack.b_endpoint.pid, stack.b_url, stack.auth, turns_
+                )
         if "turns" in parts:
             results["turns_per_s"] = [
                 turns_per_second(stack, c, turns, repeats) for c in concurrencies
@@ -1073,6 +1139,14 @@ def main() -> None:
         metavar="PY_SPY",
         help="sample the endpoint with py-spy (path to it, if not on PATH)",
     )
+    parser.add_argument(
+        "--ab",
+        type=Path,
+        metavar="DIR",
+        help="also serve another version's endpoint (DIR/hermes_sup, e.g. from `git archive "
+        "COMMIT | tar -x -C DIR/hermes_sup`) against the same supervisor, and pair its round "
+        "trips with this one's",
+    )
     args = parser.parse_args()
     results = run_all(
         rounds=args.rounds or (200 if args.quick else 1000),
@@ -1085,6 +1159,7 @@ def main() -> None:
         repeats=args.repeats,
         profile=args.profile,
         parts=tuple(p.strip() for p in args.parts.split(",") if p.strip()),
+        ab_source=args.ab,
     )
     report(results)
     RESULTS.mkdir(exist_ok=True)

@@ -41,7 +41,8 @@ if __name__ == "__main__":  # a script's directory first on sys.path would shado
 from starlette.types import Receive, Scope, Send  # noqa: E402
 
 from hermes_sup.client import AsyncClient  # noqa: E402
-from hermes_sup.httpapi.serve import bind, parse_listen  # noqa: E402
+from hermes_sup.httpapi.app import ApiSettings  # noqa: E402
+from hermes_sup.httpapi.serve import bind, parse_listen, uvicorn_config  # noqa: E402
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -157,14 +158,7 @@ def main() -> None:
 
     sock = bind(*parse_listen(args.listen))
     # The endpoint's settings (httpapi/serve.py `run`), so only the app differs.
-    config = uvicorn.Config(
-        FloorApp(args.state_dir),
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        log_config=None,
-    )
+    config = uvicorn_config(FloorApp(args.state_dir), ApiSettings(), "warning")
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
 
 

@@ -164,9 +164,43 @@ def http(
 def http_keys() -> None:
     """Bearer keys of the HTTP endpoint (serve --http, hermes-sup http).
 
-    Only a hash of each key is stored; keys are read at every request, so
-    changes need no restart.
+    Each key is a tenant: it reaches its own sessions, runs and responses
+    only, unless granted more. Only a hash of each key is stored; keys are
+    read at every request, so changes need no restart.
     """
+
+
+GRANT_OPTIONS = [
+    click.option(
+        "--prefix",
+        "grants",
+        multiple=True,
+        metavar="PATTERN",
+        help="Also reach sessions outside every key's namespace whose key starts so "
+        "('telegram:*'), or one session by its key; repeat for more.",
+    ),
+    click.option(
+        "--admin",
+        is_flag=True,
+        help="Reach everything: any session by its key, every key's runs and responses.",
+    ),
+]
+
+
+def _grant_options(command: Any) -> Any:
+    for option in reversed(GRANT_OPTIONS):
+        command = option(command)
+    return command
+
+
+def _write_key(key: str, output: Path | None, what: str) -> None:
+    if output is None:
+        click.echo(key)
+        return
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    click.echo(f"{what}\nwrote its key to {output}")
 
 
 @http_keys.command(name="generate")
@@ -178,52 +212,113 @@ def http_keys() -> None:
     default=None,
     help="Write the key to this file (0600) instead of printing it.",
 )
+@_grant_options
 @DATA_DIR
-def http_keys_generate(name: str, output: Path | None, data_dir: Path | None) -> None:
+def http_keys_generate(
+    name: str, output: Path | None, grants: tuple[str, ...], admin: bool, data_dir: Path | None
+) -> None:
     """Make a key for the front end NAME and allow it. The key is shown
     once: give it to the front end as its API key (hermes-webui:
     HERMES_WEBUI_GATEWAY_API_KEY; the Hermes gateway: GATEWAY_PROXY_KEY;
     OpenAI clients: api_key).
 
+    A key reaches only its own sessions, runs and responses (a namespace
+    of its own: two keys that send the same session id reach two
+    sessions), unless granted more with --prefix or --admin, here or later
+    with `keys http grant`.
+
     \b
     Example:
       hermes-sup keys http generate webui
+      hermes-sup keys http generate gateway --prefix 'telegram:*'
     """
     from hermes_sup.httpapi.keys import KeyFileError, KeyStore
 
     if output is not None and output.exists():
         raise click.ClickException(f"{output} exists; choose another --output")
     try:
-        key = KeyStore(data_dir or default_data_dir()).generate(name)
+        key = KeyStore(data_dir or default_data_dir()).generate(name, grants, admin)
     except (KeyFileError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
-    if output is None:
-        click.echo(key)
-        return
-    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    click.echo(f"allowed {name}\nwrote its key to {output}")
+    _write_key(key, output, f"allowed {name}")
 
 
 @http_keys.command(name="list")
 @DATA_DIR
 def http_keys_list(data_dir: Path | None) -> None:
-    """The names of the allowed front ends."""
+    """The allowed front ends: name, the namespace of their sessions, and
+    what each may reach."""
     from hermes_sup.httpapi.keys import KeyStore
 
-    names = KeyStore(data_dir or default_data_dir()).names()
-    if not names:
+    tenants = KeyStore(data_dir or default_data_dir()).tenants()
+    if not tenants:
         click.echo("no HTTP keys: the endpoint will not serve")
-    for name in names:
-        click.echo(name)
+    for tenant in tenants:
+        click.echo(f"{tenant.name}  sessions {tenant.prefix}*  reaches {tenant.scope()}")
+
+
+@http_keys.command(name="grant")
+@click.argument("name")
+@_grant_options
+@click.option("--reset", is_flag=True, help="Drop every grant first (alone: own sessions only).")
+@DATA_DIR
+def http_keys_grant(
+    name: str, grants: tuple[str, ...], admin: bool, reset: bool, data_dir: Path | None
+) -> None:
+    """Let NAME's key reach more (--prefix, --admin), or less (--reset),
+    from the next request on; its key and its sessions stay.
+
+    \b
+    Example:
+      hermes-sup keys http grant gateway --prefix 'telegram:*'
+      hermes-sup keys http grant gateway --reset
+    """
+    from hermes_sup.httpapi.keys import KeyFileError, KeyStore
+
+    if not (grants or admin or reset):
+        raise click.UsageError("give --prefix PATTERN, --admin or --reset")
+    try:
+        tenant = KeyStore(data_dir or default_data_dir()).grant(
+            name, grants, admin=True if admin else None, reset=reset
+        )
+    except (KeyFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name} reaches {tenant.scope()}")
+
+
+@http_keys.command(name="rotate")
+@click.argument("name")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the new key to this file (0600) instead of printing it.",
+)
+@DATA_DIR
+def http_keys_rotate(name: str, output: Path | None, data_dir: Path | None) -> None:
+    """Give NAME a new key to the same sessions, runs and grants; the old
+    key is refused from the next request on. (A key revoked and generated
+    again gets a new namespace: none of the old key's sessions.)"""
+    from hermes_sup.httpapi.keys import KeyFileError, KeyStore
+
+    if output is not None and output.exists():
+        raise click.ClickException(f"{output} exists; choose another --output")
+    try:
+        key = KeyStore(data_dir or default_data_dir()).rotate(name)
+    except (KeyFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    _write_key(key, output, f"rotated {name}")
 
 
 @http_keys.command(name="revoke")
 @click.argument("name")
 @DATA_DIR
 def http_keys_revoke(name: str, data_dir: Path | None) -> None:
-    """Refuse NAME's key from the next request on."""
+    """Refuse NAME's key from the next request on. Its sessions stay (under
+    its namespace, `hermes-sup list --prefix NAME+`) but only an admin key
+    reaches them: a key generated again as NAME gets a namespace of its own. To
+    give NAME a new key to the same sessions, `rotate` it instead."""
     from hermes_sup.httpapi.keys import KeyFileError, KeyStore
 
     try:

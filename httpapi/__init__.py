@@ -6,19 +6,25 @@ with its api_server backend) and any OpenAI-compatible client speak the
 HTTP API that Hermes's API server serves (hermes-agent's
 `gateway/platforms/api_server.py`). This package serves that API as a client
 of the supervisor (`AsyncClient`): each conversation is a hermes-sup session,
-so its own worker process, environment, working directory and HERMES_HOME.
+so its own worker process, environment, working directory and HERMES_HOME;
+and each bearer key is a tenant, reaching only its own sessions, runs and
+responses unless granted more.
 
     app.py       the ASGI app (Starlette): routes, auth, errors, /v1/models,
                  /v1/capabilities, health
     chat.py      POST /v1/chat/completions, streaming and not
     runs.py      the runs API: /v1/runs, status, events, approval, stop
     responses.py the Responses API: /v1/responses (streaming and not), stored responses
-    sessions.py  which session a request is, and its turn's text
+    sessions.py  which session a request is (in its key's namespace), and its turn's text
+    continuity.py  chats that name no session: their own, with their own history
     turns.py     reading one turn in its own task, bounded per stream
-    keys.py      bearer keys (`hermes-sup keys http ...`)
+    keys.py      bearer keys (`hermes-sup keys http ...`), each a tenant
     origins.py   which browser origins may call it (403 for others), CORS
     idempotency.py  Idempotency-Key: a repeated request gets its first answer
+    bodies.py    request bodies as JSON, refused when too deep or not text
     errors.py    OpenAI-style errors and statuses
+    logsafe.py   log lines that no client string can break
+    guard.py     uvicorn's protocol with a header timeout and a connection cap
     serve.py     running it with uvicorn: beside `serve`, or on its own
 
 Starlette and uvicorn come with the `http` extra: `pip install 'hermes-sup[http]'`.

@@ -10,8 +10,8 @@ Browser origins are checked before anything else (origins.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -28,21 +28,26 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hermes_sup.client import AsyncClient, ClientError, SessionConflict
-from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 
 from . import chat, origins
+from .bodies import parse_body
+from .continuity import Continuations
 from .errors import ApiError, from_client_error
+from .guard import HEADER_TIMEOUT
 from .idempotency import IdempotencyCache
-from .keys import KeyStore
+from .keys import KeyStore, Tenant
+from .logsafe import kv
 from .responses import Responses
 from .runs import Runs
-from .sessions import SessionRef, header_id, label_of, ref_for
+from .sessions import TENANT, SessionRef, header_id, label_of, ref_for
 from .turns import OpenTurn, open_turn
 
 log = logging.getLogger("hermes_sup.httpapi")
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+AGENT_INFO_TTL = 60.0  # seconds /health trusts what it last heard the workers run
 
 
 @dataclass
@@ -51,13 +56,19 @@ class ApiSettings:
 
     model: str = "hermes-agent"  # the model id clients see (/v1/models)
     max_body: int = 10_000_000  # bytes of a request body, as Hermes's API server
+    body_timeout: float = 60.0  # seconds a request body may take to arrive
+    header_timeout: float = HEADER_TIMEOUT  # seconds a request's head may take (guard.py)
+    max_connections: int | None = None  # open at once; None: guard.py's default
     stall_timeout: float = 30.0  # a stream whose reader took nothing this long is cut
     keepalive: float = 30.0  # seconds of silence before an SSE comment line
+    # The same on chat completions streams: hermes-webui notices its Stop
+    # only when a line arrives, so a silent turn must still send one often.
+    chat_keepalive: float = 1.0
     stream_queue: int = 1024  # events waiting for one slow stream reader
     run_events: int = 10_000  # events a run keeps for late subscribers
     run_ttl: float = 3600.0  # seconds an ended run stays readable
-    max_runs: int = 1000  # ended runs kept at most
-    max_responses: int = 1000  # stored responses kept at most (in memory)
+    max_runs: int = 1000  # ended runs kept at most, of each key's
+    max_responses: int = 1000  # stored responses kept at most (in memory), of each key's
     web_dir: Path | None = None  # static files served at / (no key needed for them)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed besides our own; "*" for any
 
@@ -76,8 +87,27 @@ class Api:
         self.runs = Runs(self)
         self.responses = Responses(self)
         self.idempotency = IdempotencyCache()
+        self.continuations = Continuations()
         self._mapped: set[str] = set()
         self._labelled: set[str] = set()  # sessions given their label by this process
+        self._agent_info: tuple[int, float, dict[str, Any]] = (0, 0.0, {})
+
+    async def agent_info(self, supervisor_pid: int) -> dict[str, Any]:
+        """What the workers run, for /health: asked of the supervisor once
+        a minute, and again when it is another one (restarted)."""
+        now = time.monotonic()
+        pid, at, info = self._agent_info
+        if pid != supervisor_pid or now - at > AGENT_INFO_TTL:
+            status = await self.client().status()
+            agent = status.get("hermes_agent")
+            info = {
+                "version": agent or version(),
+                "hermes_agent": agent,
+                "hermes_sup": version(),
+                "runtime": status.get("runtime"),
+            }
+            self._agent_info = (supervisor_pid, now, info)
+        return info
 
     def client(self) -> AsyncClient:
         """The supervisor client, made now if it is not yet (or could not be)."""
@@ -97,18 +127,19 @@ class Api:
 
     # ------------------------------------------------------------ requests
 
-    def check_auth(self, request: Request) -> str:
-        """The name of the key the request carries; 401 if none matches."""
+    def check_auth(self, request: Request) -> Tenant:
+        """The tenant whose key the request carries; 401 if none matches."""
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        name = self.keys.check(token.strip()) if scheme.lower() == "bearer" and token else None
-        if name is None:
+        tenant = self.keys.check(token.strip()) if scheme.lower() == "bearer" and token else None
+        if tenant is None:
             log.warning(kv("http_auth_refused", peer=_peer(request), path=request.url.path))
             raise ApiError(401, "Invalid API key", "invalid_api_key")
-        return name
+        return tenant
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        """The body as a JSON object: 413 when too large, 400 when not JSON."""
+        """The body as a JSON object: 413 when too large, 408 when it does not
+        arrive in time, 400 when it is not JSON we take (bodies.py)."""
         limit = self.settings.max_body
         length = request.headers.get("Content-Length")
         if length is not None:
@@ -123,23 +154,42 @@ class Api:
                     413, f"Request body too large (limit {limit} bytes).", "body_too_large"
                 )
         body = bytearray()
-        async for piece in request.stream():  # chunked bodies carry no length
-            body += piece
-            if len(body) > limit:
-                raise ApiError(
-                    413, f"Request body too large (limit {limit} bytes).", "body_too_large"
-                )
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "Invalid JSON in request body", "invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "The request body must be a JSON object", "invalid_json")
-        return data
+        # A body that trickles in is given up on, as a request's head is
+        # (guard.py). A bare timer: asyncio.timeout costs every request more.
+        task = asyncio.current_task()
+        assert task is not None
+        late = False
 
-    def ref(self, original: str) -> SessionRef:
-        """The session for a client's id, with the mapping logged once."""
-        ref = ref_for(original)
+        def too_late() -> None:
+            nonlocal late
+            late = True
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(self.settings.body_timeout, too_late)
+        try:
+            async for piece in request.stream():  # chunked bodies carry no length
+                body += piece
+                if len(body) > limit:
+                    raise ApiError(
+                        413, f"Request body too large (limit {limit} bytes).", "body_too_large"
+                    )
+        except asyncio.CancelledError:
+            if not late:
+                raise
+            task.uncancel()
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {self.settings.body_timeout:g} s",
+                "body_timeout",
+            ) from None
+        finally:
+            timer.cancel()
+        return parse_body(bytes(body))
+
+    def ref(self, tenant: Tenant, original: str) -> SessionRef:
+        """The session a client's id names for `tenant` (sessions.py), with
+        the mapping logged once."""
+        ref = ref_for(tenant, original)
         if ref.mapped and ref.key not in self._mapped:
             if len(self._mapped) > 100_000:
                 self._mapped.clear()
@@ -147,9 +197,9 @@ class Api:
             log.info(kv("http_session_key", session=ref.key, id=original))
         return ref
 
-    def header_ref(self, request: Request) -> SessionRef | None:
+    def header_ref(self, request: Request, tenant: Tenant) -> SessionRef | None:
         named = header_id(request.headers)
-        return None if named is None else self.ref(named)
+        return None if named is None else self.ref(tenant, named)
 
     def model_of(self, body: dict[str, Any]) -> str:
         """The model a request names (echoed back), else ours."""
@@ -262,10 +312,30 @@ WEB_HEADERS = [
 ]
 
 
+class WebFiles(StaticFiles):
+    """StaticFiles that serves no dotfile (`.env`, `.git/...`), by the path
+    asked for or by where a symlink leads, and nothing outside the
+    directory (StaticFiles itself resolves symlinks and `..` for that)."""
+
+    def lookup_path(self, path: str) -> tuple[str, os.stat_result | None]:
+        full_path, stat = super().lookup_path(path)
+        if stat is None:
+            return full_path, stat
+        for directory in self.all_directories:
+            try:
+                parts = Path(full_path).relative_to(os.path.realpath(directory)).parts
+            except ValueError:
+                continue
+            if any(part.startswith(".") for part in parts):
+                return "", None
+            return full_path, stat
+        return "", None
+
+
 def web_app(directory: Path) -> ASGIApp:
     """The static files of `directory` (index.html at /), with WEB_HEADERS.
     They need no key: a page holds none; the person using it gives one."""
-    files = StaticFiles(directory=directory, html=True)
+    files = WebFiles(directory=directory, html=True)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         async def send_with_headers(message: Message) -> None:
@@ -286,16 +356,20 @@ def create_app(
 
     def authed(handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
-            api.check_auth(request)
+            request.scope[TENANT] = api.check_auth(request)
             return await handler(request)
 
         return wrapped
 
     async def health(request: Request) -> Response:
-        """Alive, and whether the supervisor answers (503 if not)."""
+        """Alive, and whether the supervisor answers (503 if not). As
+        Hermes's own, `version` is the Hermes version (the hermes-agent the
+        supervisor's workers load), here when there is one; `hermes_sup` is
+        ours."""
         body: dict[str, Any] = {"status": "ok", "platform": "hermes-agent", "version": version()}
         try:
-            await api.client().ping(timeout=5.0)
+            pong = await api.client().ping(timeout=5.0)
+            body.update(await api.agent_info(pong.pid))
         except (ClientError, ApiError) as exc:
             body["status"] = "unavailable"
             body["error"] = str(exc)

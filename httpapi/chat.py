@@ -11,6 +11,16 @@ after the stream has started ends it with `finish_reason: "error"`, an
 a repeat with the same `Idempotency-Key` gets the first answer again
 instead of a second turn (idempotency.py).
 
+While a turn is silent (a tool runs, the model thinks), a streamed answer
+sends a `: keepalive` comment every `chat_keepalive` second (1 s), not
+every 30 s as on the other streams: hermes-webui's chat backend looks at
+its Stop button only when a line arrives, and closes the stream then,
+which is what cancels the turn.
+
+A turn's output lines (a command's, such as the probe's `sh`) are part of
+the answer's text, each with its newline, before the reply's: streamed as
+they come, and at the start of a whole answer's content.
+
 If the endpoint fell behind the supervisor and some of a stream's events
 were dropped (a `dropped` notice, PROTOCOL.md "Slow consumers"), the
 streamed text has gaps: the stream then ends with `finish_reason: "error"`,
@@ -32,6 +42,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -42,21 +53,27 @@ from hermes_sup.client import (
     ClientError,
     Dropped,
     Event,
+    Output,
     Reply,
     SupervisorError,
     Token,
     ToolComplete,
     ToolStart,
 )
-from hermes_sup.local.logfmt import kv
 
+from .continuity import digest, new_conversation_id
 from .errors import ApiError, from_client_error
 from .idempotency import CHAT_FIELDS, HUNG_UP
+from .keys import Tenant
+from .logsafe import kv
 from .sessions import (
     SESSION_ID_HEADER,
     SESSION_KEY_HEADER,
-    derive_chat_session_id,
+    ChatTurn,
+    SessionRef,
+    check_id,
     parse_chat,
+    tenant_of,
     turn_context,
 )
 from .turns import (
@@ -117,6 +134,51 @@ def rest_of_reply(streamed: str, reply: Reply) -> str:
     return ""
 
 
+MAX_OUTPUT = 1 << 20  # characters of output lines an answer carries at most
+NOTE_LIMIT = 4 << 20  # a streamed answer longer than this leaves no note (continuity.py)
+
+
+class Outputs:
+    """A turn's output lines (a command's, such as the probe's `sh`) as the
+    text they make before the reply's: each with its newline, at most
+    MAX_OUTPUT characters of them (a command may print without end), then
+    one line saying how much was left out."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.size = 0
+        self.left_out = 0
+
+    def add(self, item: Output) -> str | None:
+        """The text this line adds to the answer; None once it is full."""
+        piece = f"{item.line}\n"
+        if self.size + len(piece) > MAX_OUTPUT:
+            self.left_out += len(piece)
+            return None
+        self.parts.append(piece)
+        self.size += len(piece)
+        return piece
+
+    def end(self) -> str:
+        """The line that closes the output, if any was left out."""
+        return f"[{self.left_out} more characters of output left out]\n" if self.left_out else ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts) + self.end()
+
+
+def outputs_of(items: list[Any]) -> str:
+    """The output lines among a turn's events as the answer's text (`Outputs`)."""
+    lines = [item for item in items if isinstance(item, Output)]
+    if not lines:
+        return ""  # the usual turn: no command ran
+    outputs = Outputs()
+    for line in lines:
+        outputs.add(line)
+    return outputs.text
+
+
 def _tool_display(name: str, data: Any) -> tuple[str, str]:
     """The emoji and label Hermes shows for a tool call."""
     d = data if isinstance(data, dict) else {}
@@ -170,31 +232,74 @@ async def chat_completions(api: Api, request: Request) -> Response:
 
 async def _answer(api: Api, request: Request, body: dict[str, Any], stream: bool) -> Response:
     chat = parse_chat(body)
-    named = api.header_ref(request)
-    derived = derive_chat_session_id(chat.system, chat.first_user)
-    ref = named or api.ref(derived)
+    tenant = tenant_of(request)
+    place = _place(api, request, tenant, chat)
+    ref = place.ref
     model = api.model_of(body)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
     created = int(time.time())
-    # As Hermes answers: the conversation's id (the client's, or the one
-    # derived), and the session key header echoed when there was one.
-    id_header = request.headers.get(SESSION_ID_HEADER, "").strip()
-    context = turn_context(chat.system, chat.history, id_header or derived)
+    # The history goes too: a runtime that holds the conversation already
+    # (the usual case) keeps its own, one whose data was purged uses it.
+    context = turn_context(chat.system, chat.history, place.conversation)
     opened = await api.open_turn(ref, chat.text, context)
-    headers = {SESSION_ID_HEADER: id_header or derived}
+    # As Hermes answers: the conversation's id (the client's, or the one
+    # made for it), and the session key header echoed when there was one.
+    headers = {SESSION_ID_HEADER: place.conversation}
     key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
     if key_header:
         headers[SESSION_KEY_HEADER] = key_header
 
+    def answered(text: str) -> None:
+        """The reply the client now holds: where its next turn goes on."""
+        if place.noted is not None:
+            said = [*chat.history, {"role": "user", "content": chat.text}]
+            said.append({"role": "assistant", "content": text})
+            owner = tenant.prefix
+            api.continuations.leave(owner, place.noted(said), ref, place.conversation)
+
     deny_approvals = approval_denier(opened)
     if not stream:
         return await _complete(
-            api, request, opened, deny_approvals, completion_id, created, model, headers
+            api, request, opened, deny_approvals, completion_id, created, model, headers, answered
         )
     sink = QueueSink(api.settings.stream_queue, api.settings.stall_timeout, f"chat {ref.key}")
     pump = Pump(opened, sink, api.tasks, on_event=deny_approvals)
-    chunks = _chunks(api, pump, sink, completion_id, created, model)
+    chunks = _chunks(api, pump, sink, completion_id, created, model, answered)
     return EventStream(chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+@dataclass(frozen=True)
+class ChatPlace:
+    """Where a chat turn goes (continuity.py); `noted` makes the digest of
+    the conversation as its client will hold it, when its turn is to leave
+    a note (no X-Hermes-Session-Id named its conversation)."""
+
+    ref: SessionRef
+    conversation: str
+    noted: Callable[[list[dict[str, str]]], bytes] | None
+
+
+def _place(api: Api, request: Request, tenant: Tenant, chat: ChatTurn) -> ChatPlace:
+    """X-Hermes-Session-Id names the conversation (its runtime holds its
+    history, as Hermes's state.db does); else the request's history is the
+    conversation, continued where exactly it was left, or new."""
+    named = api.header_ref(request, tenant)  # the key header's session, else the id header's
+    id_header = request.headers.get(SESSION_ID_HEADER, "").strip()
+    if id_header:
+        assert named is not None
+        return ChatPlace(named, check_id(id_header, "session ID", SESSION_ID_HEADER), None)
+    session = named.key if named is not None else ""
+
+    def noted(said: list[dict[str, str]]) -> bytes:
+        return digest(tenant.prefix, session, chat.system, said)
+
+    found = api.continuations.take(tenant.prefix, noted(chat.history)) if chat.history else None
+    if found is not None:
+        ref, going_on = found
+        return ChatPlace(ref, going_on or new_conversation_id(), noted)
+    conversation = new_conversation_id()
+    ref = named if named is not None else api.ref(tenant, conversation)
+    return ChatPlace(ref, conversation, noted)
 
 
 def approval_denier(opened: OpenTurn) -> Callable[[Event], Awaitable[None]]:
@@ -258,12 +363,15 @@ async def _complete(
     created: int,
     model: str,
     headers: dict[str, str],
+    answered: Callable[[str], None],
 ) -> Response:
     """The non-streaming answer; a client that hangs up cancels the turn."""
     items = await collect(api, request, opened, on_event)
     if items is None:
         return Response(status_code=HUNG_UP)  # nobody reads it
     end = reply_of(items)
+    text = outputs_of(items) + end.text
+    answered(text)
     return JSONResponse(
         {
             "id": completion_id,
@@ -273,7 +381,7 @@ async def _complete(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": end.text},
+                    "message": {"role": "assistant", "content": text},
                     "finish_reason": "stop",
                 }
             ],
@@ -314,7 +422,13 @@ def failure_of(item: Any) -> tuple[str, str]:
 
 
 async def _chunks(
-    api: Api, pump: Pump, sink: QueueSink, completion_id: str, created: int, model: str
+    api: Api,
+    pump: Pump,
+    sink: QueueSink,
+    completion_id: str,
+    created: int,
+    model: str,
+    answered: Callable[[str], None],
 ) -> AsyncIterator[bytes]:
     """The SSE body. Ends the turn (through its pump) if the client leaves.
     Whatever has arrived by the time it is written goes out as one write."""
@@ -329,9 +443,19 @@ async def _chunks(
         }
 
     tools = ToolProgress()
-    streamed: list[str] = []
+    streamed: list[str] = []  # the reply's tokens
+    outputs = Outputs()
+    sent: list[str] = []  # all the content sent, while it may still leave a note
+    sent_size = 0
     dropped = 0  # events of this stream the supervisor dropped (we lagged)
     finished = False
+
+    def content(text: str) -> bytes:
+        nonlocal sent_size
+        sent_size += len(text)
+        if sent_size <= NOTE_LIMIT:
+            sent.append(text)
+        return sse_data(chunk({"content": text}))
 
     def render(item: Any) -> bytes:
         """The SSE lines for one item (none for most events); sets
@@ -340,7 +464,11 @@ async def _chunks(
         if isinstance(item, Token):
             if item.text:
                 streamed.append(item.text)
-                return sse_data(chunk({"content": item.text}))
+                return content(item.text)
+        elif isinstance(item, Output):
+            piece = outputs.add(item)
+            if piece is not None:
+                return content(piece)
         elif isinstance(item, (ToolStart, ToolComplete)):
             progress = tools.payload(item)
             if progress is not None:
@@ -360,8 +488,10 @@ async def _chunks(
                 last["error"] = {"message": item.text, "type": "agent_error"}
             elif partial:
                 last.update(incomplete(dropped))
+            head = b"".join(content(text) for text in (outputs.end(), rest) if text)
+            if item.ok and not partial and sent_size <= NOTE_LIMIT:
+                answered("".join(sent))
             finished = True
-            head = sse_data(chunk({"content": rest})) if rest else b""
             return head + sse_data(last) + b"data: [DONE]\n\n"
         elif isinstance(item, ClientError) or item is END:
             message, code = failure_of(item)
@@ -376,7 +506,7 @@ async def _chunks(
     try:
         yield sse_data(chunk({"role": "assistant"}))
         while not finished:
-            item = await next_item(queue, api.settings.keepalive)
+            item = await next_item(queue, api.settings.chat_keepalive)
             if item is IDLE:
                 yield b": keepalive\n\n"
                 continue

@@ -15,7 +15,8 @@ turn would make the agent act twice. So:
   on as if it had never been sent (one of them runs the turn).
 - Only successful answers (200) are kept: an error, or a request whose
   client hung up, is forgotten once the requests waiting on it have it.
-- At most `LIMIT` answers are kept, the oldest dropped first.
+- At most `LIMIT` answers of each bearer key are kept, the oldest dropped
+  first: one front end's many requests never push out another's answers.
 - The same key with a different fingerprint is, as in Hermes, not an
   error: it is a new request, runs its own turn, and its answer replaces
   the one kept under that key.
@@ -119,11 +120,13 @@ class IdempotencyCache:
         self.ttl = ttl
         self.limit = limit
         self.clock = clock
-        self._kept: OrderedDict[tuple[str, str], Kept] = OrderedDict()
+        # By scope, then key: each scope's own `limit`, so that one front
+        # end's many requests never push out another's answers.
+        self._kept: dict[str, OrderedDict[str, Kept]] = {}
         self._running: dict[tuple[str, str, str], asyncio.Future[Outcome]] = {}
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return sum(len(kept) for kept in self._kept.values())
 
     async def run(
         self,
@@ -184,21 +187,27 @@ class IdempotencyCache:
             done.set_result(outcome)
 
     def _lookup(self, at: tuple[str, str], digest: str) -> Answer | None:
-        kept = self._kept.get(at)
-        if kept is None:
+        scope, key = at
+        theirs = self._kept.get(scope)
+        kept = theirs.get(key) if theirs is not None else None
+        if theirs is None or kept is None:
             return None
         if self.clock() - kept.at > self.ttl:
-            del self._kept[at]
+            del theirs[key]
             return None
         return kept.answer if kept.fingerprint == digest else None
 
     def _keep(self, at: tuple[str, str], digest: str, answer: Answer) -> None:
+        scope, key = at
         now = self.clock()
-        self._kept.pop(at, None)  # a replaced answer moves to the end: it is the newest
-        self._kept[at] = Kept(digest, now, answer)
-        # Oldest first: expired ones, then any over the limit.
-        while self._kept:
-            first = next(iter(self._kept.values()))
-            if now - first.at <= self.ttl and len(self._kept) <= self.limit:
-                break
-            self._kept.popitem(last=False)
+        theirs = self._kept.setdefault(scope, OrderedDict())
+        theirs.pop(key, None)  # a replaced answer moves to the end: it is the newest
+        theirs[key] = Kept(digest, now, answer)
+        # Oldest first: expired ones (of every scope), then any over the limit.
+        for kept in list(self._kept.values()):
+            while kept:
+                first = next(iter(kept.values()))
+                if now - first.at <= self.ttl and (kept is not theirs or len(kept) <= self.limit):
+                    break
+                kept.popitem(last=False)
+        self._kept = {scope: kept for scope, kept in self._kept.items() if kept}

@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from hermes_sup.local.logfmt import kv
+from .logsafe import kv
 
 log = logging.getLogger("hermes_sup.httpapi")
 

@@ -7,7 +7,11 @@ with 403 before anything else reads it, so a page on another site cannot
 drive the endpoint from a visitor's browser, even one that learnt a key.
 Two cases Hermes does not have are let through as well: no `Origin` at all,
 and the endpoint's own origin, which is what the page served with `--web`
-sends with its fetches.
+sends with its fetches. "Own" is the `Host` the request was sent to, and
+only when that is an IP address or `localhost`: a page on a DNS name of an
+attacker's, made to resolve to this endpoint's address (DNS rebinding),
+sends its own name as both Origin and Host, and is refused. A page served
+under a DNS name of the operator's is allowed by naming its origin.
 
 The origins allowed are `--cors-origin` (repeated), else
 HERMES_SUP_HTTP_CORS_ORIGINS, else Hermes's own API_SERVER_CORS_ORIGINS
@@ -19,6 +23,7 @@ CORSMiddleware, which `middleware()` puts inside this check.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
 
@@ -27,9 +32,8 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hermes_sup.local.logfmt import kv
-
 from .errors import ApiError
+from .logsafe import kv
 
 log = logging.getLogger("hermes_sup.httpapi")
 
@@ -85,6 +89,24 @@ def own_origin(scope: Scope, headers: Headers) -> str | None:
     return f"{scheme}://{host}"
 
 
+def named_by_address(host: str) -> bool:
+    """Whether a Host header (`name[:port]`, `[v6]:port`) names an IP
+    address or localhost: names no page of another site can be served
+    under, whatever its DNS says."""
+    name = host.lower()
+    if name.startswith("["):
+        name = name[1 : name.find("]")] if "]" in name else ""
+    else:
+        name = name.rpartition(":")[0] if name.count(":") == 1 else name
+    if name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 class OriginCheck:
     """Pure ASGI: refuses (403) a request whose `Origin` is neither allowed
     nor the endpoint's own; everything else goes on unchanged."""
@@ -97,7 +119,8 @@ class OriginCheck:
     def allowed(self, origin: str, scope: Scope, headers: Headers) -> bool:
         if self.any or origin in self.origins:
             return True
-        return origin.lower() == own_origin(scope, headers)
+        own = own_origin(scope, headers)
+        return own is not None and origin.lower() == own and named_by_address(headers["host"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -105,7 +128,7 @@ class OriginCheck:
             return
         headers = Headers(scope=scope)
         origin = headers.get("origin")
-        if origin is None or self.allowed(origin, scope, headers):
+        if not origin or self.allowed(origin, scope, headers):  # empty: no browser's, as Hermes
             await self.app(scope, receive, send)
             return
         shown = origin[:200]

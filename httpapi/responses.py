@@ -16,8 +16,8 @@ just reaches the same worker. `instructions` are carried forward from the
 previous response when a request has none, as Hermes does.
 
 `store` (default true) keeps the response object in memory, for GET and as
-a `previous_response_id`: at most `max_responses` of them, the least used
-dropped first, and none survive a restart of the endpoint. With `store:
+a `previous_response_id`: at most `max_responses` of each key's, the least
+used dropped first, and none survive a restart of the endpoint. With `store:
 false` the conversation still goes on in its session; only the object is
 not kept. Tool call arguments and outputs are shortened in what is kept
 (as Hermes shortens them in `response.completed`).
@@ -27,7 +27,12 @@ message as `response.output_item.added` then `response.output_text.delta`
 pieces, each tool call as a `function_call` item (added, then done with its
 `function_call_output`), `response.output_text.done` and the message's
 `response.output_item.done`, then `response.completed` or
-`response.failed`; every event carries a `sequence_number`. A client that
+`response.failed`; every event carries a `sequence_number`. Besides
+Hermes's, the message's text part is announced (`response.content_part.added`
+before the first delta, `response.content_part.done` after the text), as
+OpenAI sends it: the openai SDK's `responses.stream()` adds deltas only to a
+part it was told of. A turn's output lines (a command's) are part of the
+message's text, each with its newline, before the reply's. A client that
 disconnects cancels the turn; the response is kept as `incomplete`.
 
 As on chat completions, an approval cannot be answered here: the command
@@ -51,20 +56,39 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from hermes_sup.client import ClientError, Dropped, Reply, Token, ToolComplete, ToolStart
+from hermes_sup.client import (
+    ClientError,
+    Dropped,
+    Output,
+    Reply,
+    Token,
+    ToolComplete,
+    ToolStart,
+)
 
 from .chat import (
     SSE_HEADERS,
+    Outputs,
     approval_denier,
     collect,
     failure_of,
+    outputs_of,
     reply_of,
+    rest_of_reply,
     usage_of,
 )
 from .errors import ApiError
 from .idempotency import HUNG_UP, RESPONSES_FIELDS
+from .keys import Tenant
 from .runs import history_of
-from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
+from .sessions import (
+    SESSION_KEY_HEADER,
+    SessionRef,
+    check_id,
+    tenant_of,
+    text_of,
+    turn_context,
+)
 from .turns import END, IDLE, EventStream, OpenTurn, Pump, QueueSink, next_item
 
 if TYPE_CHECKING:
@@ -97,32 +121,48 @@ class Stored:
     ref: SessionRef
     conversation: str  # the id the session's runtime records the conversation under
     instructions: str | None
+    owner: str  # the namespace of the key that made it (keys.py `Tenant.prefix`)
 
 
 class ResponseStore:
-    """Stored responses by id, in memory: at most `limit`, least used first out."""
+    """Stored responses by id, in memory: at most `limit` of each key's,
+    its least used first out, so that one key's many never push out
+    another's."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._owners: dict[str, str] = {}  # response id -> owner
+        self._items: dict[str, OrderedDict[str, Stored]] = {}  # owner -> its responses
 
     def get(self, response_id: str) -> Stored | None:
-        stored = self._items.get(response_id)
-        if stored is not None:
-            self._items.move_to_end(response_id)
-        return stored
+        owner = self._owners.get(response_id)
+        if owner is None:
+            return None
+        items = self._items[owner]
+        items.move_to_end(response_id)
+        return items[response_id]
 
     def put(self, response_id: str, stored: Stored) -> None:
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.limit:
-            self._items.popitem(last=False)
+        items = self._items.setdefault(stored.owner, OrderedDict())
+        items[response_id] = stored
+        items.move_to_end(response_id)
+        self._owners[response_id] = stored.owner
+        while len(items) > self.limit:
+            dropped, _ = items.popitem(last=False)
+            del self._owners[dropped]
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        owner = self._owners.pop(response_id, None)
+        if owner is None:
+            return False
+        items = self._items[owner]
+        del items[response_id]
+        if not items:
+            del self._items[owner]
+        return True
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._owners)
 
 
 @dataclass(frozen=True)
@@ -146,7 +186,7 @@ def _conversation(raw: Any) -> str | None:
         return None
     if not isinstance(raw, str):
         raise ApiError(400, "'conversation' must be a string", "invalid_conversation")
-    return raw
+    return check_id(raw, "conversation", "'conversation'")
 
 
 def parse_request(body: dict[str, Any]) -> ResponseRequest:
@@ -281,6 +321,10 @@ class ToolItems:
         return call, output
 
 
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
 def message_item(
     text: str, item_id: str | None = None, status: str | None = None
 ) -> dict[str, Any]:
@@ -289,7 +333,7 @@ def message_item(
         item["id"] = item_id
     if status is not None:
         item["status"] = status
-    item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+    item["content"] = [_text_part(text)]
     return item
 
 
@@ -312,18 +356,27 @@ class Responses:
         self.api = api
         self.store = ResponseStore(api.settings.max_responses)
 
-    def _get(self, response_id: str) -> Stored:
+    def find(self, tenant: Tenant, response_id: str) -> Stored | None:
+        """A stored response, if `tenant` may see it: its own, or any for
+        an admin. Another key's is as if it did not exist."""
         stored = self.store.get(response_id)
+        if stored is None or not (tenant.admin or stored.owner == tenant.prefix):
+            return None
+        return stored
+
+    def _get(self, request: Request) -> Stored:
+        response_id = request.path_params["response_id"]
+        stored = self.find(tenant_of(request), response_id)
         if stored is None:
             raise ApiError(404, f"Response not found: {response_id}", "response_not_found")
         return stored
 
     async def get(self, request: Request) -> Response:
-        return JSONResponse(self._get(request.path_params["response_id"]).response)
+        return JSONResponse(self._get(request).response)
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        self._get(response_id)
+        self._get(request)
         self.store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -342,11 +395,12 @@ class Responses:
         self, request: Request, body: dict[str, Any], asked: ResponseRequest
     ) -> Response:
         api = self.api
+        tenant = tenant_of(request)
         response_id = f"resp_{uuid.uuid4().hex[:28]}"
         instructions = asked.instructions
         previous = None
         if asked.previous:
-            previous = self.store.get(asked.previous)
+            previous = self.find(tenant, asked.previous)
             if previous is None:
                 raise ApiError(
                     404, f"Previous response not found: {asked.previous}", "response_not_found"
@@ -358,9 +412,9 @@ class Responses:
             ref, conversation = previous.ref, previous.conversation
         else:
             if asked.conversation:
-                ref = api.ref(asked.conversation)
+                ref = api.ref(tenant, asked.conversation)
             else:
-                ref = api.header_ref(request) or api.ref(response_id)
+                ref = api.header_ref(request, tenant) or api.ref(tenant, response_id)
             conversation = ref.original
         context = turn_context(instructions, asked.history, conversation)
         opened = await api.open_turn(ref, asked.text, context)
@@ -380,7 +434,7 @@ class Responses:
             "model": model,
             "output": [],
         }
-        kept = Stored(response, ref, conversation, instructions)
+        kept = Stored(response, ref, conversation, instructions, tenant.prefix)
 
         def keep() -> None:
             if asked.store:
@@ -425,8 +479,9 @@ class Responses:
             response.update(status="failed", error={"message": exc.message, "type": "server_error"})
             keep()
             raise
+        said = outputs_of(items) + reply.text
         output = [{k: v for k, v in item.items() if k != "status"} for item in tools.items] + [
-            message_item(reply.text, f"msg_{uuid.uuid4().hex[:24]}", "completed")
+            message_item(said, f"msg_{uuid.uuid4().hex[:24]}", "completed")
         ]
         response.update(status="completed", output=output, usage=usage_in_responses(reply))
         kept.response = {**response, "output": _shortened(output)}
@@ -452,21 +507,35 @@ class Responses:
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         message_index: int | None = None
         next_index = 0
-        parts: list[str] = []
+        parts: list[str] = []  # the message's text so far: output lines and tokens
+        tokens: list[str] = []  # the reply's own
+        outputs = Outputs()
         tools = ToolItems()
         indexes: dict[str, int] = {}  # output index of each output item, by id
         finished = False
 
-        def open_message() -> bytes | None:
+        def open_message() -> list[bytes]:
+            """The message item and its one text part, opened (once)."""
             nonlocal message_index, next_index
             if message_index is not None:
-                return None
+                return []
             message_index, next_index = next_index, next_index + 1
             item = {**message_item("", message_id, "in_progress"), "content": []}
-            return event("response.output_item.added", output_index=message_index, item=item)
+            return [
+                event("response.output_item.added", output_index=message_index, item=item),
+                # A strict client (the openai SDK's `responses.stream()`) adds
+                # text only to a part it was told of.
+                event(
+                    "response.content_part.added",
+                    item_id=message_id,
+                    output_index=message_index,
+                    content_index=0,
+                    part=_text_part(""),
+                ),
+            ]
 
         def text(delta: str) -> list[bytes]:
-            out = [b for b in [open_message()] if b is not None]
+            out = open_message()
             parts.append(delta)
             out.append(
                 event(
@@ -496,8 +565,13 @@ class Responses:
                     dropped += item.count
                 elif isinstance(item, Token):
                     if item.text:
+                        tokens.append(item.text)
                         for chunk in text(item.text):
                             yield chunk
+                elif isinstance(item, Output):
+                    piece = outputs.add(item)
+                    for chunk in text(piece) if piece is not None else []:
+                        yield chunk
                 elif isinstance(item, ToolStart):
                     call = tools.start(item)
                     if call is not None:
@@ -533,14 +607,19 @@ class Responses:
                         )
                 elif isinstance(item, Reply) or isinstance(item, ClientError) or item is END:
                     reply = item if isinstance(item, Reply) else None
-                    if reply is not None and reply.ok and not parts and reply.text:
-                        for chunk in text(reply.text):  # a runtime that does not stream
+                    for chunk in text(outputs.end()) if outputs.left_out else []:
+                        yield chunk
+                    if reply is not None and reply.ok:
+                        # What the reply adds to the tokens streamed (all of
+                        # it from a runtime that does not stream).
+                        rest = rest_of_reply("".join(tokens), reply)
+                        for chunk in text(rest) if rest else []:
                             yield chunk
                     said = "".join(parts)
                     if dropped and reply is not None and reply.ok:
                         # The deltas have gaps (events dropped while this
                         # endpoint lagged): the done events carry the whole reply.
-                        said = reply.text
+                        said = outputs.text + reply.text
                     if message_index is not None:
                         yield event(
                             "response.output_text.done",
@@ -549,6 +628,13 @@ class Responses:
                             content_index=0,
                             text=said,
                             logprobs=[],
+                        )
+                        yield event(
+                            "response.content_part.done",
+                            item_id=message_id,
+                            output_index=message_index,
+                            content_index=0,
+                            part=_text_part(said),
                         )
                         yield event(
                             "response.output_item.done",

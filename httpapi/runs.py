@@ -13,7 +13,10 @@ a subscriber that comes late, or a second one, sees the run from its start; each
 queue, and one that falls behind by more than that is cut off (its stream
 ends with a comment saying so) rather than let memory grow. Status:
 queued, running, waiting_for_approval, stopping, then completed, failed or
-cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs`.
+cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs` of
+each key's.
+A turn's output lines (a command's) are part of the answer's text: each a
+`message.delta` with its newline, and the start of `run.completed`'s `output`.
 
 If the endpoint fell behind the supervisor and some of the turn's events
 were dropped (PROTOCOL.md, "Slow consumers"), the run publishes
@@ -43,6 +46,7 @@ from hermes_sup.client import (
     ClientError,
     Dropped,
     Event,
+    Output,
     Queued,
     Reply,
     Running,
@@ -51,11 +55,18 @@ from hermes_sup.client import (
     ToolComplete,
     ToolStart,
 )
-from hermes_sup.local.logfmt import kv
 
-from .chat import SSE_HEADERS, usage_of
+from .chat import SSE_HEADERS, Outputs, usage_of
 from .errors import ApiError
-from .sessions import SESSION_KEY_HEADER, SessionRef, text_of, turn_context
+from .logsafe import kv
+from .sessions import (
+    SESSION_KEY_HEADER,
+    SessionRef,
+    check_id,
+    tenant_of,
+    text_of,
+    turn_context,
+)
 from .turns import IDLE, EventStream, Pump, next_item
 
 if TYPE_CHECKING:
@@ -80,12 +91,14 @@ class Run:
     ref: SessionRef
     model: str
     max_events: int
+    owner: str  # the namespace of the key that started it (keys.py `Tenant.prefix`)
     created_at: float = field(default_factory=time.time)
     status: str = "queued"
     turn: str | None = None
     stopping: bool = False
     approvals: list[str | None] = field(default_factory=list)  # waiting, oldest first
     reasoning: list[str] = field(default_factory=list)  # the model's reasoning, not yet published
+    outputs: Outputs = field(default_factory=Outputs)  # its output lines, as answer text
     fields: dict[str, Any] = field(default_factory=dict)
     events: deque[dict[str, Any]] = field(init=False)
     subscribers: set[asyncio.Queue[Any]] = field(default_factory=set)
@@ -199,32 +212,36 @@ class Runs:
         self.api = api
         self.by_id: dict[str, Run] = {}
 
-    def get(self, run_id: str) -> Run:
+    def get(self, request: Request) -> Run:
+        """The run a request names, if its key may reach it (its own, or
+        any for an admin); else 404, as if it did not exist."""
+        run_id = request.path_params["run_id"]
         run = self.by_id.get(run_id)
-        if run is None:
+        tenant = tenant_of(request)
+        if run is None or not (tenant.admin or run.owner == tenant.prefix):
             raise ApiError(404, f"Run not found: {run_id}", "run_not_found")
         return run
 
-    def _sweep(self) -> None:
-        """Forget ended runs past their time to live, and the oldest ended
-        ones beyond the limit; a run still going is never forgotten."""
+    def _sweep(self, owner: str) -> None:
+        """Forget ended runs past their time to live, and `owner`'s oldest
+        ended ones beyond its limit (one key's many never push out
+        another's runs); a run still going is never forgotten."""
         s = self.api.settings
         now = time.time()
-        ended = [r for r in self.by_id.values() if r.ended]
-        for run in ended:
-            if now - run.updated_at > s.run_ttl:
-                del self.by_id[run.id]
-        extra = len(self.by_id) - s.max_runs
+        for run in [r for r in self.by_id.values() if r.ended and now - r.updated_at > s.run_ttl]:
+            del self.by_id[run.id]
+        theirs = [r for r in self.by_id.values() if r.owner == owner]
+        extra = len(theirs) - s.max_runs
         if extra > 0:
-            for run in sorted((r for r in ended if r.id in self.by_id), key=lambda r: r.updated_at)[
-                :extra
-            ]:
+            ended = sorted((r for r in theirs if r.ended), key=lambda r: r.updated_at)
+            for run in ended[:extra]:
                 del self.by_id[run.id]
 
     # ------------------------------------------------------------ handlers
 
     async def create(self, request: Request) -> Response:
         api = self.api
+        tenant = tenant_of(request)
         body = await api.read_json(request)
         raw_input = body.get("input")
         if not raw_input:
@@ -245,24 +262,26 @@ class Runs:
         session_id = body.get("session_id")
         if session_id is not None and not isinstance(session_id, str):
             raise ApiError(400, "'session_id' must be a string", "invalid_session_id")
+        if session_id:
+            check_id(session_id, "session ID", "'session_id'")
         # A stored response (POST /v1/responses) named as previous_response_id
         # continues its conversation, as in Hermes: same session, and its
         # instructions when the run gives none.
         previous = body.get("previous_response_id")
-        stored = api.responses.store.get(previous) if isinstance(previous, str) else None
+        stored = api.responses.find(tenant, previous) if isinstance(previous, str) else None
         if stored is not None and instructions is None:
             instructions = stored.instructions
-        named = api.header_ref(request)
+        named = api.header_ref(request, tenant)
         if named is None and not session_id and stored is not None:
             ref, conversation = stored.ref, stored.conversation
         else:
-            ref = named or api.ref(session_id or run_id)
+            ref = named or api.ref(tenant, session_id or run_id)
             conversation = session_id or ref.original
         model = api.model_of(body)
-        self._sweep()
+        self._sweep(tenant.prefix)
         context = turn_context(instructions, history, conversation)
         opened = await api.open_turn(ref, text, context)
-        run = Run(run_id, ref, model, api.settings.run_events)
+        run = Run(run_id, ref, model, api.settings.run_events, tenant.prefix)
         run.turn = opened.id
         self.by_id[run_id] = run
         log.info(kv("http_run", run=run_id, session=ref.key, turn=opened.id))
@@ -304,6 +323,11 @@ class Runs:
         elif isinstance(item, Token):
             if item.text:
                 run.publish("message.delta", delta=item.text)
+        elif isinstance(item, Output):
+            # A command's output is part of the answer's text, before the reply's.
+            piece = run.outputs.add(item)
+            if piece is not None:
+                run.publish("message.delta", delta=piece)
         elif isinstance(item, Dropped):
             log.warning(kv("http_run_dropped", run=run.id, count=item.count))
             run.publish(
@@ -370,8 +394,9 @@ class Runs:
                     "output_tokens": usage["completion_tokens"],
                     "total_tokens": usage["total_tokens"],
                 }
-                run.set_status("completed", output=item.text, usage=u)
-                run.publish("run.completed", output=item.text, usage=u)
+                output = run.outputs.text + item.text
+                run.set_status("completed", output=output, usage=u)
+                run.publish("run.completed", output=output, usage=u)
         elif isinstance(item, ClientError):
             run.approvals.clear()
             message = item.message if isinstance(item, SupervisorError) else str(item)
@@ -383,10 +408,10 @@ class Runs:
                 run.publish("run.failed", error=message)
 
     async def status(self, request: Request) -> Response:
-        return JSONResponse(self.get(request.path_params["run_id"]).describe())
+        return JSONResponse(self.get(request).describe())
 
     async def events(self, request: Request) -> Response:
-        run = self.get(request.path_params["run_id"])
+        run = self.get(request)
         queue = run.subscribe(self.api.settings.stream_queue)
         return EventStream(
             self._stream(run, queue), media_type="text/event-stream", headers=SSE_HEADERS
@@ -410,7 +435,7 @@ class Runs:
             run.subscribers.discard(queue)
 
     async def approval(self, request: Request) -> Response:
-        run = self.get(request.path_params["run_id"])
+        run = self.get(request)
         body = await self.api.read_json(request)
         raw = str(body.get("choice", "")).strip().lower()
         choice = CHOICE_ALIASES.get(raw, raw)
@@ -444,7 +469,7 @@ class Runs:
         )
 
     async def stop(self, request: Request) -> Response:
-        run = self.get(request.path_params["run_id"])
+        run = self.get(request)
         if run.ended:
             return JSONResponse({"run_id": run.id, "status": run.status})
         run.stopping = True

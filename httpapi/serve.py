@@ -42,18 +42,21 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hermes_sup.client import AsyncClient
 from hermes_sup.local import addresses
-from hermes_sup.local.logfmt import kv
 
 from .app import ApiSettings, create_app
+from .guard import guarded_protocol
 from .keys import KeyStore
+from .logsafe import kv
 from .origins import origins_from_env, parse_origins
 
 log = logging.getLogger("hermes_sup.httpapi")
 
 DEFAULT_PORT = 8642  # Hermes's API server's port: front ends default to it
+KEEP_ALIVE = 5  # seconds a keep-alive connection may stay silent after an answer
 
 
 class HttpSetupError(Exception):
@@ -124,14 +127,7 @@ def run(
     import uvicorn
 
     app = create_app(settings or ApiSettings(), keys, connect)
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        log_config=None,  # our logging setup, on stderr like the supervisor's
-    )
+    config = uvicorn_config(app, app.state.api.settings, log_level)
     server = uvicorn.Server(config)
 
     async def main() -> None:
@@ -158,6 +154,24 @@ def run(
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(main())
+
+
+def uvicorn_config(app: Any, settings: ApiSettings, log_level: str = "info") -> Any:
+    """How the endpoint is served (and the bench's floors, so that only
+    the app differs): uvicorn with guard.py's protocol, keep-alive
+    connections closed after 5 s of silence."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        http=guarded_protocol(settings.header_timeout, settings.max_connections),
+        timeout_keep_alive=KEEP_ALIVE,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        log_config=None,  # our logging setup, on stderr like the supervisor's
+    )
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -239,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=ApiSettings.model)
     parser.add_argument("--max-body", type=int, default=ApiSettings.max_body)
     parser.add_argument("--stall-timeout", type=float, default=ApiSettings.stall_timeout)
+    parser.add_argument("--header-timeout", type=float, default=ApiSettings.header_timeout)
+    parser.add_argument("--body-timeout", type=float, default=ApiSettings.body_timeout)
+    parser.add_argument("--max-connections", type=int, default=None)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--web", type=Path, help="a directory of static files to serve at /")
     parser.add_argument(
@@ -297,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model,
         max_body=args.max_body,
         stall_timeout=args.stall_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
         web_dir=web_dir,
         cors_origins=cors_origins,
     )

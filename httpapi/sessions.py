@@ -1,28 +1,33 @@
 """Which hermes-sup session an HTTP request belongs to, and what its turn is.
 
-A conversation is one session, so one worker:
+A conversation is one session, so one worker, and every session is the
+bearer key's own (keys.py): the ids clients send live in the key's
+namespace, `NAME+ID+<id>`, so two keys that send the same id reach two
+sessions, and no id one key sends reaches another's session, nor one a
+local or CURVE client opened, unless the key was granted it (then the id is
+the session key itself). Which id:
 
 1. `X-Hermes-Session-Key` (a stable per-channel scope; hermes-webui sends
    `webui:<id>`), else
 2. `X-Hermes-Session-Id` (the Hermes gateway's proxy mode sends its session
    id), else
-3. for chat completions, the id Hermes's own API server derives for clients
-   that resend the whole history (Open WebUI, LibreChat): `api-` and the
-   first 16 hex digits of SHA-256 of the system prompt, a newline and the
-   first user message; so every turn of one such conversation reaches the
-   same worker.
+3. for chat completions from clients that resend the whole history (Open
+   WebUI, LibreChat, the openai SDK), a session of their own for each
+   conversation (continuity.py).
 
 An id that breaks our key rules (protocol/keys.py: no `/`, spaces,
-non-ASCII, at most 128 characters) is mapped to a key that keeps a readable
-part of it: its allowed characters (others become `_`), cut to 80, then `=`
-and 16 hex digits of SHA-256 of the whole id. Different ids never share a
-session (but for a hash collision), and `hermes-sup list` still shows what
-the id looked like; the endpoint logs the exact mapping (`http_session_key`)
-and names the id as the session's `label` with its first turn, which `list`
-and `inspect` show.
+non-ASCII, at most 128 characters with the namespace) is mapped to a key
+that keeps a readable part of it: its allowed characters (others become
+`_`), cut to fit, then `=` and 16 hex digits of SHA-256 of the whole id.
+Different ids never share a session (but for a hash collision), and
+`hermes-sup list` still shows what the id looked like; the endpoint logs
+the exact mapping (`http_session_key`) and names the id as the session's
+`label` with its first turn, which `list` and `inspect` show.
 
 Only the newest user message is sent as the turn: the session's worker
-keeps the conversation itself (Hermes in the session's own state.db).
+keeps the conversation itself (Hermes in the session's own state.db), but
+for a conversation named by no X-Hermes-Session-Id, whose history is the
+one the request sends (continuity.py).
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from hermes_sup.protocol import RemoteProtocolError, check_session_key
+from hermes_sup.protocol import MAX_KEY_LENGTH, RemoteProtocolError, check_session_key
 
 from .errors import ApiError
+from .keys import Tenant
 
 MAX_HEADER_ID = 256  # as Hermes's API server: longer ids are refused
 READABLE_PART = 80
 _NOT_KEY_CHAR = re.compile(r"[^A-Za-z0-9._:@+=-]")
-_UNSAFE = re.compile(r"[\r\n\x00]")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
 
 SESSION_KEY_HEADER = "X-Hermes-Session-Key"
 SESSION_ID_HEADER = "X-Hermes-Session-Id"
@@ -54,41 +60,70 @@ class SessionRef:
 
     @property
     def mapped(self) -> bool:
-        return self.key != self.original
+        """Whether the key does not show the id as it was sent."""
+        return not self.key.endswith(self.original)
 
 
-def derive_chat_session_id(system_prompt: str | None, first_user_message: str) -> str:
-    """The session id Hermes's API server derives from a conversation's start."""
-    seed = f"{system_prompt or ''}\n{first_user_message}"
-    return "api-" + hashlib.sha256(seed.encode("utf-8")).hexdigest()[:16]
+TENANT = "hermes_sup.tenant"  # the scope's key for who made a request (app.py's `authed`)
 
 
-def key_for(original: str) -> str:
-    """A valid session key for a client's id: the id itself when it fits."""
+def tenant_of(request: Any) -> Tenant:
+    """The tenant an authenticated request was made by."""
+    tenant: Tenant = request.scope[TENANT]
+    return tenant
+
+
+def key_for(original: str, room: int = MAX_KEY_LENGTH) -> str:
+    """A valid session key for a client's id, at most `room` characters
+    long: the id itself when it fits."""
     try:
-        return check_session_key(original)
+        if len(original) <= room:
+            return check_session_key(original)
     except RemoteProtocolError:
         pass
-    readable = _NOT_KEY_CHAR.sub("_", original)[:READABLE_PART].lstrip("._:@+=-")
+    part = min(READABLE_PART, room - 17)  # 17: "=" and 16 hex digits
+    readable = _NOT_KEY_CHAR.sub("_", original)[:part].lstrip("._:@+=-")
     digest = hashlib.sha256(original.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return f"{readable}={digest}" if readable else f"id={digest}"
+
+
+def ref_for(tenant: Tenant, original: str) -> SessionRef:
+    """The session a client's id names for this key: the id's key itself
+    where the key was granted it, else that key in the key's namespace."""
+    plain = key_for(original)
+    if tenant.granted(plain):
+        return SessionRef(plain, original)
+    prefix = tenant.prefix
+    return SessionRef(prefix + key_for(original, MAX_KEY_LENGTH - len(prefix)), original)
+
+
+def check_id(raw: str, what: str, where: str) -> str:
+    """A client's session id or conversation name, or 400 naming what is
+    wrong with it: control characters (a header could not carry them back,
+    a log line would break on them), more than MAX_HEADER_ID characters,
+    or spaces at either end (an answer's header cannot begin or end with
+    one, so a turn would run whose answer could not be sent)."""
+    if _UNSAFE.search(raw):
+        raise ApiError(400, f"Invalid {what} in {where}: control characters", "invalid_session_id")
+    if len(raw) > MAX_HEADER_ID:
+        raise ApiError(
+            400,
+            f"{what.capitalize()} too long in {where} (at most {MAX_HEADER_ID})",
+            "invalid_session_id",
+        )
+    if raw != raw.strip():
+        raise ApiError(
+            400, f"Invalid {what} in {where}: it begins or ends with a space", "invalid_session_id"
+        )
+    return raw
 
 
 def header_id(headers: Any) -> str | None:
     """The session id a request names in its headers, checked; None if none."""
     for name, what in ((SESSION_KEY_HEADER, "session key"), (SESSION_ID_HEADER, "session ID")):
         raw = str(headers.get(name, "")).strip()
-        if not raw:
-            continue
-        if _UNSAFE.search(raw):
-            raise ApiError(400, f"Invalid {what} in {name}", "invalid_session_id")
-        if len(raw) > MAX_HEADER_ID:
-            raise ApiError(
-                400,
-                f"{what.capitalize()} too long in {name} (at most {MAX_HEADER_ID})",
-                "invalid_session_id",
-            )
-        return raw
+        if raw:
+            return check_id(raw, what, name)
     return None
 
 
@@ -102,10 +137,6 @@ def label_of(original: str) -> str:
         ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in original
     )
     return shown if len(shown) <= MAX_LABEL else shown[: MAX_LABEL - 1] + "…"
-
-
-def ref_for(original: str) -> SessionRef:
-    return SessionRef(key_for(original), original)
 
 
 # ------------------------------------------------------------------ content
@@ -134,12 +165,11 @@ def text_of(content: Any, where: str) -> str:
 @dataclass(frozen=True)
 class ChatTurn:
     """What a chat-completions request asks: the newest user message, the
-    system prompt, the first user message (for the derived id), and the
-    user and assistant messages before the newest (text only)."""
+    system prompt, and the user and assistant messages before the newest
+    (text only)."""
 
     text: str
     system: str | None
-    first_user: str
     history: list[dict[str, str]]
 
 
@@ -167,7 +197,7 @@ def parse_chat(body: dict[str, Any]) -> ChatTurn:
                 users.append(text)
     if not users or last_role != "user" or not users[-1].strip():
         raise ApiError(400, "No user message found in messages", "no_user_message")
-    return ChatTurn(users[-1], system, users[0], said[:-1])
+    return ChatTurn(users[-1], system, said[:-1])
 
 
 # What a runtime may take as a conversation id (the Hermes runtime's rule:

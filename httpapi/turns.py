@@ -28,7 +28,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from hermes_sup.client import AsyncClient, AsyncTurn, ClientError, Event, Reply
-from hermes_sup.local.logfmt import kv
+
+from .logsafe import kv
 
 log = logging.getLogger("hermes_sup.httpapi")
 

@@ -238,6 +238,18 @@ def build(
 HERMES_DISTRIBUTION = "hermes-agent"
 
 
+def hermes_agent_version() -> str | None:
+    """The hermes-agent installed beside the supervisor, which the workers it
+    starts load (None if there is none). Looked up each time: an upgrade is
+    what the next worker runs."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(HERMES_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def check_preload(modules: tuple[str, ...], sealed: str = "off") -> None:
     """Refuse preloading a module of hermes-agent itself (ConfigError),
     unless sessions are sealed (auto or on: each worker then finds its own

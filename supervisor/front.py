@@ -40,6 +40,7 @@ from hermes_sup.protocol import (
 )
 
 from . import remote
+from .configfile import hermes_agent_version
 from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
@@ -371,6 +372,7 @@ class Front:
             "uptime": time.time() - ctx.started,
             "started": ctx.started,
             "runtime": ctx.settings.runtime,
+            "hermes_agent": hermes_agent_version(),
             "endpoints": {
                 "control": endpoints.control,
                 "workers": endpoints.worker,

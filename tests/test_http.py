@@ -38,9 +38,14 @@ class Endpoint:
     sup: object  # tests.conftest.Supervisor
     proc: subprocess.Popen[bytes] | None
     log_path: Path
+    prefix: str = ""  # the namespace of the key's sessions
 
     def headers(self, **extra: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}", **extra}
+
+    def session(self, id_: str) -> str:
+        """The session key a client's id becomes for this key."""
+        return self.prefix + id_
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -79,9 +84,11 @@ def endpoint_factory(supervisor_factory):
 
     def make(*serve_args: str) -> Endpoint:
         sup = supervisor_factory(*serve_args, "--http", "127.0.0.1:0", start=False)
-        key = KeyStore(sup.data_dir).generate("test")
+        keys = KeyStore(sup.data_dir)
+        key = keys.generate("test")
         sup.start()
-        return Endpoint(wait_ready(sup.log_path, None), key, sup, None, sup.log_path)
+        url = wait_ready(sup.log_path, None)
+        return Endpoint(url, key, sup, None, sup.log_path, keys.tenant("test").prefix)
 
     return make
 
@@ -167,8 +174,8 @@ def test_each_conversation_is_its_own_worker(endpoint) -> None:
     assert len(pids) == 2  # two workers
     assert say("env SECRET", **alice) == "alice-only"
     assert say("env SECRET", **bob) == ""  # never another session's export
-    assert say("env HERMES_SESSION_KEY", **alice) == "alice"
-    assert say("env HERMES_SESSION_KEY", **bob) == "webui:bob"  # the key header wins
+    assert say("env HERMES_SESSION_KEY", **alice) == endpoint.session("alice")
+    assert say("env HERMES_SESSION_KEY", **bob) == endpoint.session("webui:bob")  # the key header
     assert say("pid", **alice) in pids and say("pid", **bob) in pids
 
     # The front end's system prompt, earlier messages and conversation id go
@@ -189,8 +196,8 @@ def test_each_conversation_is_its_own_worker(endpoint) -> None:
         "history": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
     }
 
-    # A client that resends the whole history and names no session gets the
-    # id Hermes derives from the conversation's start: one worker per chat.
+    # A client that resends the whole history and names no session gets a
+    # session of its own, which its next turn finds again: one worker per chat.
     history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "pid"}]
     first = client.chat.completions.create(model="m", messages=history)
     pid = first.choices[0].message.content
@@ -202,16 +209,18 @@ def test_each_conversation_is_its_own_worker(endpoint) -> None:
 
     # An id that breaks the key rules still gets its own session, named readably.
     odd = "chat 42/#1"
-    assert say("env HERMES_SESSION_KEY", **{"X-Hermes-Session-Id": odd}).startswith("chat_42_")
+    named = say("env HERMES_SESSION_KEY", **{"X-Hermes-Session-Id": odd})
+    assert named.startswith(endpoint.session("chat_42_"))
     with endpoint.sup.client() as client:
         rows = {row["key"]: row for row in client.sessions()}
-    assert {"alice", "webui:bob"} <= set(rows)
-    assert any(k.startswith("api-") for k in rows)
-    mapped = next(k for k in rows if k.startswith("chat_42__1="))
+    alice_key = endpoint.session("alice")
+    assert {alice_key, endpoint.session("webui:bob")} <= set(rows)
+    assert any(k.startswith(endpoint.session("api-")) for k in rows)
+    mapped = next(k for k in rows if k.startswith(endpoint.session("chat_42__1=")))
     assert 'id="chat 42/#1"' in endpoint.log()  # the exact id, for the operator
     # ... and as the session's label, in `list` and `inspect`; an id that is
     # its own key needs none.
-    assert rows[mapped]["label"] == odd and rows["alice"]["label"] is None
+    assert rows[mapped]["label"] == odd and rows[alice_key]["label"] is None
     state = ["--state-dir", endpoint.sup.state_dir]
     listed = hs(*state, "list", "--no-trunc")
     assert listed.returncode == 0 and odd in listed.stdout, listed.stderr
@@ -292,7 +301,7 @@ def test_the_responses_api_chains_to_one_session(endpoint) -> None:
         json={"input": "env HERMES_SESSION_KEY"},
         headers=endpoint.headers(**{"X-Hermes-Session-Key": "webui:r1"}),
     )
-    assert keyed.json()["output"][-1]["content"][0]["text"] == "webui:r1"
+    assert keyed.json()["output"][-1]["content"][0]["text"] == endpoint.session("webui:r1")
     assert keyed.headers["X-Hermes-Session-Key"] == "webui:r1"
 
     def error(body: dict, status: int, code: str) -> None:
@@ -393,7 +402,7 @@ def test_a_client_that_hangs_up_on_a_whole_answer_cancels_its_turn(endpoint) -> 
     with httpx.Client(timeout=30) as http, endpoint.sup.client() as hs:
         first = {"messages": [{"role": "user", "content": "pid"}]}
         assert http.post(chat, json=first, headers=headers).status_code == 200
-        watched = hs.watch("quitter", replay=1)
+        watched = hs.watch(endpoint.session("quitter"), replay=1)
         next(watched)  # watching from now on: the cancelled reply is seen live
         long = {"messages": [{"role": "user", "content": "sleep 60"}]}
         with pytest.raises(httpx.ReadTimeout):  # and httpx closes the connection
@@ -414,7 +423,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_turn(endpoint) -> None
     with httpx.Client(timeout=30) as http, endpoint.sup.client() as hs:
         first = {"messages": [{"role": "user", "content": "pid"}]}
         assert http.post(chat, json=first, headers=headers).status_code == 200
-        watched = hs.watch("leaver", replay=1)
+        watched = hs.watch(endpoint.session("leaver"), replay=1)
         next(watched)  # watching from now on: the cancelled reply is seen live
         with http.stream("POST", chat, json=body, headers=headers) as response:
             next(response.iter_lines())
@@ -436,7 +445,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_turn(endpoint) -> None
     with httpx.Client(timeout=30) as http, endpoint.sup.client() as hs:
         first = {"input": "pid", "conversation": "leaver-2"}
         assert http.post(responses, json=first, headers=endpoint.headers()).status_code == 200
-        watched = hs.watch("leaver-2", replay=1)
+        watched = hs.watch(endpoint.session("leaver-2"), replay=1)
         next(watched)  # watching from now on: the cancelled reply is seen live
         with http.stream("POST", responses, json=body, headers=endpoint.headers()) as response:
             lines = response.iter_lines()
@@ -505,7 +514,11 @@ def test_approvals_on_chat_completions_are_denied_as_webui_sends_it(endpoint) ->
                 content.append(chunk["choices"][0]["delta"].get("content") or "")
     assert "".join(content) == "denied: touch should-not-exist"
     with endpoint.sup.client() as hs:
-        listed = [e.line for e in hs.run("webui:w7", "sh ls").events if hasattr(e, "line")]
+        listed = [
+            e.line
+            for e in hs.run(endpoint.session("webui:w7"), "sh ls").events
+            if hasattr(e, "line")
+        ]
     assert "should-not-exist" not in listed
     assert "http_approval_denied" in endpoint.log()
 
@@ -579,7 +592,11 @@ def test_runs_with_approvals_and_stop(endpoint) -> None:
     httpx.post(f"{url}/v1/runs/{allowed}/approval", json={"choice": "approve"}, headers=auth)
     assert run_events(endpoint, allowed, "run.completed")[-1]["output"] == "exit 0"
     with endpoint.sup.client() as hs:
-        shown = [e.line for e in hs.run("webui:w1", "sh ls").events if hasattr(e, "line")]
+        shown = [
+            e.line
+            for e in hs.run(endpoint.session("webui:w1"), "sh ls").events
+            if hasattr(e, "line")
+        ]
     assert "allowed.txt" in shown and "denied.txt" not in shown
 
     # Stopped: the run ends cancelled, long before its sleep would.
@@ -671,11 +688,15 @@ def test_hermes_gateway_proxy_mode_runs_each_chat_in_its_own_worker(endpoint, wo
     )
     assert done.returncode == 0, done.stderr
     replies = json.loads(done.stdout.strip().splitlines()[-1])
-    assert replies["1"] == ["TOKEN=one", "one", "tg-1", "streamed to one"]
+    assert replies["1"] == ["TOKEN=one", "one", endpoint.session("tg-1"), "streamed to one"]
     # Chat 2 never sees chat 1's export (Hermes shows an empty reply so).
-    assert replies["2"][:3] == ["(No response from remote agent)", "tg-2", "streamed to two"]
+    assert replies["2"][:3] == [
+        "(No response from remote agent)",
+        endpoint.session("tg-2"),
+        "streamed to two",
+    ]
     with endpoint.sup.client() as hs:
-        assert hs.run("tg-1", "pid").text != replies["2"][3]
+        assert hs.run(endpoint.session("tg-1"), "pid").text != replies["2"][3]
 
 
 # ------------------------------------------------------------------ running it
@@ -691,7 +712,8 @@ def test_serve_http_needs_a_key_and_ends_with_its_supervisor(supervisor_factory,
     made = hs("keys", "http", "generate", "ops", data_dir=sup.data_dir)
     assert made.returncode == 0 and made.stdout.startswith("hsk-")
     key = made.stdout.strip()
-    assert hs("keys", "http", "list", data_dir=sup.data_dir).stdout.split() == ["ops"]
+    listed = hs("keys", "http", "list", data_dir=sup.data_dir).stdout
+    assert listed.startswith("ops  sessions ops+") and "reaches its own sessions" in listed
     sup.start()
     url = wait_ready(sup.log_path, None)
     pid = int(re.search(r"http_ready .* pid=(\d+)", sup.log()).group(1))
@@ -700,8 +722,10 @@ def test_serve_http_needs_a_key_and_ends_with_its_supervisor(supervisor_factory,
     auth = {"Authorization": f"Bearer {key}"}
     turn = {"messages": [{"role": "user", "content": "pid"}]}
     assert httpx.post(chat, json=turn, headers=auth).status_code == 200
+    prefix = KeyStore(sup.data_dir).tenant("ops").prefix
     with sup.client() as client:
-        client.kill(httpx.post(chat, json=turn, headers=auth).headers["X-Hermes-Session-Id"])
+        made = httpx.post(chat, json=turn, headers=auth).headers["X-Hermes-Session-Id"]
+        client.kill(prefix + made)
     # A worker's exit makes the supervisor cull children it does not know: not this one.
     assert httpx.post(chat, json=turn, headers=auth).status_code == 200
     # Revoked: refused at the next request, no restart.
@@ -773,7 +797,7 @@ def test_the_endpoint_on_its_own_against_a_remote_supervisor(supervisor_factory,
             messages=[{"role": "user", "content": "env HERMES_SESSION_KEY"}],
             extra_headers={"X-Hermes-Session-Id": "far"},
         )
-        assert reply.choices[0].message.content == "far"
+        assert reply.choices[0].message.content == KeyStore(front).tenant("web").prefix + "far"
         assert httpx.get(url + "/health").json()["status"] == "ok"
     finally:
         proc.terminate()

@@ -256,9 +256,10 @@ def test_serve_http_takes_allowed_origins_from_the_environment(
 # ------------------------------------------------------------------ Idempotency-Key
 
 
-def turns_of(endpoint, conversation: str) -> int:
-    """How many turns the supervisor ran for a conversation's session."""
-    key = key_for(conversation)
+def turns_of(endpoint, conversation: str, prefix: str | None = None) -> int:
+    """How many turns the supervisor ran for a conversation's session (of
+    the endpoint's key, or of the key whose namespace is `prefix`)."""
+    key = (endpoint.prefix if prefix is None else prefix) + key_for(conversation)
     with endpoint.sup.client() as hs:
         found = [s for s in hs.sessions(prefix=key) if s["key"] == key]
     return found[0]["turns"] if found else 0
@@ -280,12 +281,14 @@ def test_a_repeated_idempotency_key_gets_the_first_answer_without_a_turn(endpoin
         changed = http.post(chat, json=other, headers=headers)
         assert changed.json()["id"] != first.json()["id"] and turns_of(endpoint, "idem") == 2
 
-        # Another bearer key never gets this key's answer.
-        theirs = KeyStore(endpoint.sup.data_dir).generate("other")
+        # Another bearer key never gets this key's answer (nor its session).
+        keys = KeyStore(endpoint.sup.data_dir)
+        theirs = keys.generate("other")
         stranger = {**headers, "Authorization": f"Bearer {theirs}"}
         own = http.post(chat, json=other, headers=stranger)
         assert own.status_code == 200 and own.json()["id"] != changed.json()["id"]
-        assert turns_of(endpoint, "idem") == 3
+        assert turns_of(endpoint, "idem") == 2
+        assert turns_of(endpoint, "idem", keys.tenant("other").prefix) == 1
 
         # The Responses API, not streaming, too.
         responses = endpoint.url + "/v1/responses"

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 
 import httpx
 import pytest
 
 from hermes_sup.httpapi.keys import KeyStore
 
-from .fake_model import FakeModel
+from .fake_model import FakeModel, _text
 from .test_http import wait_ready
 
 pytest.importorskip("run_agent", reason="hermes-agent is not installed")
@@ -37,7 +38,7 @@ def hermes_http(supervisor_factory, workdir):
     key = KeyStore(sup.data_dir).generate("test")
     sup.start()
     try:
-        yield wait_ready(sup.log_path, None), key
+        yield wait_ready(sup.log_path, None), key, model
     finally:
         model.close()
 
@@ -74,7 +75,7 @@ async def chat(url: str, key: str, session: str, text: str) -> tuple[str, list[d
 
 
 def test_sessions_behind_the_endpoint_never_bleed(hermes_http) -> None:
-    url, key = hermes_http
+    url, key, _ = hermes_http
 
     async def main() -> tuple:
         a_set = await chat(url, key, "tg-a", "run: export LEAK=from-a; echo exported")
@@ -96,13 +97,13 @@ def test_sessions_behind_the_endpoint_never_bleed(hermes_http) -> None:
     }
     assert "exported" in a_set[0]
     # Session A's shell keeps its export; session B's never sees it, nor A's key.
-    assert "again=from-a" in a_again[0] and "key=tg-a" in a_again[0]
-    assert "leak= key=tg-b" in b_seen[0]
+    assert "again=from-a" in a_again[0] and re.search(r"key=test\+[0-9a-f]{12}\+tg-a\b", a_again[0])
+    assert re.search(r"leak= key=test\+[0-9a-f]{12}\+tg-b\b", b_seen[0])
     assert "from-a" not in b_seen[0] and "tg-a" not in b_seen[0]
 
 
 def test_the_responses_api_streams_tool_calls_as_function_call_items(hermes_http) -> None:
-    url, key = hermes_http
+    url, key, _ = hermes_http
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
@@ -126,7 +127,7 @@ def test_the_responses_api_streams_tool_calls_as_function_call_items(hermes_http
         model="m", input="run: echo key=$HERMES_SESSION_KEY", previous_response_id=final.id
     )
     assert [i.type for i in again.output] == ["function_call", "function_call_output", "message"]
-    assert f"key={final.id}" in again.output_text
+    assert re.search(rf"key=test\+[0-9a-f]{{12}}\+{final.id}\b", again.output_text)
     # A conversation named with characters Hermes cannot take as an id (a
     # `/`) still keeps its history from turn to turn.
     named = [
@@ -154,7 +155,7 @@ def run_events(url: str, key: str, text: str) -> list[dict]:
 
 
 def test_runs_report_the_models_reasoning_as_reasoning_available(hermes_http) -> None:
-    url, key = hermes_http
+    url, key, _ = hermes_http
     thought = run_events(url, key, "think: weigh it first, then answer ;; yes")
     kinds = [e["event"] for e in thought]
     assert kinds[-1] == "run.completed" and thought[-1]["output"] == "said: yes"
@@ -170,3 +171,61 @@ def test_runs_report_the_models_reasoning_as_reasoning_available(hermes_http) ->
         "tool.started",
         "tool.completed",
     ]
+
+
+def test_chats_that_name_no_session_are_exactly_what_their_client_sent(hermes_http) -> None:
+    """Clients that resend the whole history and send no session header
+    (Open WebUI, the plain openai SDK): each model request holds exactly
+    the conversation its client sent, never another's that began alike,
+    never a message twice after a regenerate or an edit; a conversation
+    that goes on as it was left keeps its worker."""
+    url, key, model = hermes_http
+    system = {"role": "system", "content": "You are helpful."}
+
+    def turn(*said: str) -> tuple[str, list[str], str]:
+        """One turn of a chat holding `said` (user, assistant, ..., user):
+        the reply, the user messages of the model's request, all of it."""
+        messages = [system] + [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": text}
+            for i, text in enumerate(said)
+        ]
+        before = len(model.requests)
+        answer = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "hermes-agent", "messages": messages},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+        asked = model.requests[before:][-1]
+        users = [_text(m) for m in asked["messages"] if m.get("role") == "user"]
+        return answer.json()["choices"][0]["message"]["content"], users, json.dumps(asked)
+
+    secret = "my password is X-SECRET-32717"
+    x1, users, _ = turn("hi")
+    assert users == ["hi"]
+    x2, users, _ = turn("hi", x1, secret)
+    assert users == ["hi", secret]
+    y1, users, request = turn("hi")  # another client, the same start
+    assert users == ["hi"] and "X-SECRET" not in request
+    y2, users, request = turn("hi", y1, "what is my password?")
+    assert users == ["hi", "what is my password?"] and "X-SECRET" not in request
+    # X regenerates its last answer, then edits its message: each once.
+    _, users, _ = turn("hi", x1, secret)
+    assert users == ["hi", secret]
+    _, users, request = turn("hi", x1, "my password is different")
+    assert users == ["hi", "my password is different"] and "X-SECRET" not in request
+
+    # A conversation that goes on as it was left stays in its worker, and so
+    # does a regenerate or an edit of its last message (a new conversation
+    # there, with the history sent); X's, that began like Y's, did not.
+    ask = "run: echo key=$HERMES_SESSION_KEY"
+    z1, users, _ = turn(ask)
+    z2, users, _ = turn(ask, z1, ask + " again")
+    assert users == [ask, ask + " again"]
+    z3, users, _ = turn(ask, z1, ask + " again")
+    assert users == [ask, ask + " again"]
+    z4, users, _ = turn(ask, z1, ask + " edited")
+    assert users == [ask, ask + " edited"]
+    keys = [re.search(r"key=([\w.+:=@-]+)", z).group(1) for z in (z1, z2, z3, z4)]
+    assert len(set(keys)) == 1 and keys[0].startswith("test+"), (z1, z2, z3, z4)

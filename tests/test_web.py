@@ -30,9 +30,10 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def web(supervisor, workdir):
     """The endpoint in front of `supervisor`, serving examples/web at /:
-    (its URL, a key)."""
+    (its URL, a key, the namespace of that key's sessions)."""
     front = workdir / "front"
-    key = KeyStore(front).generate("web")
+    keys = KeyStore(front)
+    key = keys.generate("web")
     log_path = workdir / "web.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -41,7 +42,7 @@ def web(supervisor, workdir):
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        yield wait_ready(log_path, proc) + "/", key
+        yield wait_ready(log_path, proc) + "/", key, keys.tenant("web").prefix
     finally:
         proc.terminate()
         try:
@@ -109,7 +110,7 @@ def answer(page, text: str, choice: str):
 def test_two_tabs_chat_with_two_sessions_streaming_and_approving(
     web, browser, supervisor, workdir
 ) -> None:
-    url, key = web
+    url, key, prefix = web
     # The page is static files, served without a key, locked to its own origin.
     with urllib.request.urlopen(url, timeout=10) as page:
         assert page.status == 200
@@ -130,6 +131,8 @@ def test_two_tabs_chat_with_two_sessions_streaming_and_approving(
     assert bubble.locator(".text").inner_text() == "one two three four five"
 
     # Each tab is its own session, in its own process, with its own values.
+    # The page's session ids are the key's: sessions in its namespace.
+    key_a, key_b = prefix + key_a, prefix + key_b
     assert say(tab_b, "env HERMES_SESSION_KEY").locator(".text").inner_text() == key_b
     assert say(tab_a, "env HERMES_SESSION_KEY").locator(".text").inner_text() == key_a
     pid_a = say(tab_a, "pid").locator(".text").inner_text()
