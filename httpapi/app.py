@@ -100,11 +100,16 @@ class Api:
         if pid != supervisor_pid or now - at > AGENT_INFO_TTL:
             status = await self.client().status()
             agent = status.get("hermes_agent")
+            sealed = status.get("sealed") or {}
             info = {
                 "version": agent or version(),
                 "hermes_agent": agent,
                 "hermes_sup": version(),
                 "runtime": status.get("runtime"),
+                # Whether sessions are a boundary (README, "Sealed sessions"),
+                # and the supervisor's warning when they are not.
+                "sealed": sealed.get("mode"),
+                "warning": sealed.get("warning"),
             }
             self._agent_info = (supervisor_pid, now, info)
         return info
@@ -237,9 +242,10 @@ def _peer(request: Request) -> str:
 # ---------------------------------------------------------------- handlers
 
 
-def _capabilities(api: Api) -> dict[str, Any]:
+def _capabilities(api: Api, agent: dict[str, Any]) -> dict[str, Any]:
     """What this endpoint serves, in Hermes's capabilities contract: only
-    what works here is advertised."""
+    what works here is advertised. `agent`: what the supervisor said of its
+    workers (api.agent_info), or nothing if it did not answer."""
     endpoints = {
         "health": ("GET", "/health"),
         "models": ("GET", "/v1/models"),
@@ -265,6 +271,10 @@ def _capabilities(api: Api) -> dict[str, Any]:
                 "hermes-sup: each conversation is served by its own Hermes agent in its own "
                 "process, with its own environment, working directory and HERMES_HOME."
             ),
+            # "root"/"user": each session sealed in namespaces of its own;
+            # None: unsealed, and `warning` says why and what it means.
+            "sealed": agent.get("sealed"),
+            "warning": agent.get("warning"),
         },
         "features": {
             "chat_completions": True,
@@ -397,7 +407,12 @@ def create_app(
         )
 
     async def capabilities(request: Request) -> Response:
-        return JSONResponse(_capabilities(api))
+        try:
+            pong = await api.client().ping(timeout=5.0)
+            agent = await api.agent_info(pong.pid)
+        except (ClientError, ApiError):
+            agent = {}
+        return JSONResponse(_capabilities(api, agent))
 
     async def completions(request: Request) -> Response:
         return await chat.chat_completions(api, request)

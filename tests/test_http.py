@@ -145,6 +145,8 @@ def test_the_openai_sdk_chats_streaming_and_not(endpoint) -> None:
         "type": "bearer",
         "required": True,
     }
+    # Sessions are sealed by default, and the endpoint says so.
+    assert caps["runtime"]["sealed"] in ("root", "user") and caps["runtime"]["warning"] is None
     features = caps["features"]
     assert features["chat_completions"] and features["chat_completions_streaming"]
     assert features["approval_events"] and features["run_approval_response"]
@@ -697,6 +699,17 @@ def test_hermes_gateway_proxy_mode_runs_each_chat_in_its_own_worker(endpoint, wo
     ]
     with endpoint.sup.client() as hs:
         assert hs.run(endpoint.session("tg-1"), "pid").text != replies["2"][3]
+
+
+def test_an_unsealed_supervisor_is_named_so_to_http_clients(endpoint_factory) -> None:
+    """A client that decides what to let sessions do learns that they are
+    no boundary here, from /v1/capabilities and /health."""
+    endpoint = endpoint_factory("--sealed", "off")
+    caps = httpx.get(endpoint.url + "/v1/capabilities", headers=endpoint.headers()).json()
+    assert caps["runtime"]["sealed"] is None
+    assert "sessions run unsealed" in caps["runtime"]["warning"]
+    health = httpx.get(endpoint.url + "/health").json()
+    assert health["sealed"] is None and "sessions run unsealed" in health["warning"]
 
 
 # ------------------------------------------------------------------ running it
