@@ -351,7 +351,7 @@ class WorkerPool:
                 "supervisor_pid": os.getpid(),
                 # Sealed: it enters its namespace at start (single-threaded),
                 # and mounts its session's directories once assigned.
-                "seal": self.sealing.spare_plan(),
+                "seal": self.sealing.spare_plan(self.ctx.settings),
             }
             # As for a worker: culls wait until it is known.
             self.ctx.spawn(self._register_spare(spare, self.fork(request)))

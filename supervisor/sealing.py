@@ -94,16 +94,38 @@ class Sealing:
             "the supervisor's key and environment and reach every other session"
         )
 
-    def spare_plan(self) -> dict[str, Any] | None:
-        """What a spare needs to enter its namespace at its start."""
+    def spare_plan(self, settings: Settings) -> dict[str, Any] | None:
+        """What a spare needs to enter its namespace at its start, and the
+        settings every session's view is made of (seal.View: a spare works
+        it out before it has a session)."""
         if self.mode is None:
             return None
-        return {"mode": self.mode, "fault": self.fault}
+        return self._view_plan(settings)
 
     def plan(self, settings: Settings, session: Session, uid: int | None) -> dict[str, Any] | None:
         """What a session's worker seals itself with (None: unsealed)."""
         if self.mode is None:
             return None
+        return {
+            **self._view_plan(settings),
+            # The session's /tmp (and /var/tmp, /dev/shm): a tmpfs this big,
+            # or 0: its tmp/ on disk.
+            "tmp_bytes": (settings.tmp_limit_mb or 0) * 1024 * 1024,
+            "socket": str(settings.state_dir.absolute() / statedir.WORKER_SOCKET),
+            "session_dir": str(session.dir),
+            "user_dir": str(session.user),
+            # Where a git worktree workspace's repository may be (seal.py
+            # keeps it visible; anything else a `.git` file names is not):
+            # the session's own, and where new sessions' may be.
+            "repos": [r for r in (session.repo, settings.repo, *settings.repo_roots) if r],
+            "uid": uid,
+            "gid": uid,
+            "groups": [SESSIONS_GID] if self.mode == "root" else [],
+        }
+
+    def _view_plan(self, settings: Settings) -> dict[str, Any]:
+        """What is the same for every session of these settings."""
+        assert self.mode is not None
         # The repository's own checkout too: a session works in its own
         # worktree and sees of the repository only its git directory.
         hide = [*settings.workspace_roots, *settings.repo_roots, *filter(None, [settings.repo])]
@@ -116,25 +138,12 @@ class Sealing:
             hide.extend(_runtime_dirs())
         return {
             "mode": self.mode,
-            # The session's /tmp (and /var/tmp, /dev/shm): a tmpfs this big,
-            # or 0: its tmp/ on disk.
-            "tmp_bytes": (settings.tmp_limit_mb or 0) * 1024 * 1024,
             "data_dir": str(settings.data_dir.absolute()),
             "state_dir": str(settings.state_dir.absolute()),
-            "socket": str(settings.state_dir.absolute() / statedir.WORKER_SOCKET),
-            "session_dir": str(session.dir),
-            "user_dir": str(session.user),
             "hide": hide,
-            # Where a git worktree workspace's repository may be (seal.py
-            # keeps it visible; anything else a `.git` file names is not):
-            # the session's own, and where new sessions' may be.
-            "repos": [r for r in (session.repo, settings.repo, *settings.repo_roots) if r],
             # Read by every session, shown read-only even where hidden: the
             # operator's template home (a front end's own is not trusted).
             "read": [t for t in (settings.runtime_config.get("template_home"),) if t],
-            "uid": uid,
-            "gid": uid,
-            "groups": [SESSIONS_GID] if self.mode == "root" else [],
             "fault": self.fault,
         }
 

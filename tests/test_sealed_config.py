@@ -68,8 +68,10 @@ def test_what_a_worker_is_told_to_seal_itself_with(tmp_path: Path) -> None:
     # A session on another repository (from before a restart) keeps it visible.
     session.repo = "/srv/old"
     assert sealing.Sealing(mode="user").plan(settings, session, None)["repos"][0] == "/srv/old"
-    assert sealing.Sealing(mode="user").spare_plan() == {"mode": "user", "fault": None}
-    assert sealing.Sealing().spare_plan() is None
+    spare = sealing.Sealing(mode="user").spare_plan(settings)
+    assert spare is not None and spare["mode"] == "user" and "/srv/repos" in spare["hide"]
+    assert "uid" not in spare and "session_dir" not in spare  # nothing of any session
+    assert sealing.Sealing().spare_plan(settings) is None
 
 
 def test_the_fixed_paths_are_under_the_data_dir(tmp_path: Path) -> None:

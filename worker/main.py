@@ -98,6 +98,7 @@ def _boot(req: dict[str, Any]) -> int:
                 entered = seal.enter(req["seal"]["mode"], req["seal"].get("fault"))["mode"]
             except seal.SealError as exc:
                 return _seal_failed("(spare)", exc)
+            seal.plan_view(req["seal"])  # what every session hides, worked out now
         link = Link(req)
         turns = None
         if entered is None:

@@ -364,7 +364,63 @@ def _remount_readonly(step: str, target: Path) -> None:
 
 
 def _under(path: Path, parents: Iterable[Path]) -> bool:
-    return any(path == p or p in path.parents for p in parents)
+    """Whether `path` is one of `parents` or below one (as strings: pathlib's
+    `parents` made this a good part of a spare's assignment)."""
+    text = str(path)
+    for parent in parents:
+        top = str(parent)
+        if text == top or text.startswith(top if top.endswith("/") else top + "/"):
+            return True
+    return False
+
+
+# What no session may see of a temporary directory shared by the machine.
+COMMON_TMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+
+
+@dataclass(frozen=True)
+class View:
+    """What every session of one supervisor's settings hides (tmpfs over
+    each, shallowest first) and which of the service's code comes back at
+    its own path (read-only): the same for all its sessions, so worked out
+    once (a spare, before it has a session)."""
+
+    hidden: tuple[Path, ...]
+    code: tuple[Path, ...]
+
+
+@functools.lru_cache(maxsize=4)
+def view_for(
+    mode: str, data_dir: str, state_dir: str, hide: tuple[str, ...], shared: tuple[str, ...]
+) -> View:
+    """The View of a plan's settings (`shared`: the directories every
+    session reads, such as an agent's template home, that exist)."""
+    shared_paths = [Path(p) for p in shared]
+    codes = (*code_paths(), *shared_paths)
+    own = [Path(data_dir), Path(state_dir)]
+    hide_set = {*own, *(Path(p) for p in hide)}
+    if mode == "root":
+        hide_set |= _closed_code_ancestors() | closed_ancestors(shared_paths)
+    hidden = tuple(sorted(hide_set, key=lambda p: len(p.parts)))
+    code = []
+    for path in codes:
+        if _under(path, own) or any(_under(p, [path]) for p in own):
+            continue  # nothing of the data or state dir comes back this way
+        # Hidden code comes back; not root, all of it comes back read-only:
+        # the session's uid may own it, and a worker must not change what
+        # the next supervisor or zygote will run.
+        if mode == "user" or _under(path, [*hidden, *COMMON_TMP]):
+            code.append(path)
+    return View(hidden=hidden, code=tuple(code))
+
+
+def plan_view(plan: dict[str, Any]) -> View:
+    """The View of a sealing plan (or of a spare's, which carries the same
+    settings: see supervisor/sealing.py)."""
+    shared = tuple(p for p in plan.get("read", ()) if os.path.isdir(p))
+    return view_for(
+        plan["mode"], plan["data_dir"], plan["state_dir"], tuple(plan.get("hide", ())), shared
+    )
 
 
 @functools.cache
@@ -549,14 +605,8 @@ def mount_session(
             fds[name] = _open_path("session", path)
         if not tmp_bytes:
             fds["tmp"] = _open_path("session", dirs.tmp)
-        # The service's code, and what the operator's settings name for
-        # every session to read (an agent's template home).
-        shared = [Path(p) for p in plan.get("read", ()) if os.path.isdir(p)]
-        codes = (*code_paths(), *shared)
-        hide = {data_dir, state_dir, *(Path(p) for p in plan.get("hide", ()))}
-        if plan["mode"] == "root":
-            hide |= _closed_code_ancestors() | closed_ancestors(shared)
-        hidden = sorted(hide, key=lambda p: len(p.parts))
+        view = plan_view(plan)
+        hidden = view.hidden
         # What must stay at its own path: (name, source, target, read-only).
         keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True)]
         if not _under(dirs.workspace, [dirs.dir]):
@@ -568,17 +618,10 @@ def mount_session(
         if common is not None:
             fds["git"] = _open_path("session", common)
             keep.append(("git", common, False))
-        own = [data_dir, state_dir]
-        for i, code in enumerate(codes):
-            if _under(code, own) or any(_under(p, [code]) for p in own):
-                continue  # nothing of the data or state dir comes back this way
-            # Hidden code comes back; not root, all of it comes back
-            # read-only: the session's uid may own it, and a worker must not
-            # change what the next supervisor or zygote will run.
-            shown = not _under(code, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")])
-            if not shown or plan["mode"] == "user":
-                fds[f"code{i}"] = _open_path("session", code)
-                keep.append((f"code{i}", code, True))
+        # The service's code (and what every session reads) that is hidden.
+        for i, code in enumerate(view.code):
+            fds[f"code{i}"] = _open_path("session", code)
+            keep.append((f"code{i}", code, True))
 
         # The session's tmp is every shared temporary directory: a tmpfs of
         # its own, bounded and gone with the session's last process, or
@@ -614,7 +657,7 @@ def mount_session(
         # What stays visible at its own path, shallowest first.
         _check_fault("bind", fault)
         for name, path, readonly in sorted(keep, key=lambda k: len(k[1].parts)):
-            hidden_here = _under(path, [*hidden, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")])
+            hidden_here = _under(path, [*hidden, *COMMON_TMP])
             if not hidden_here and not name.startswith("code"):
                 continue  # never hidden
             _makedirs("bind", path)
