@@ -154,13 +154,15 @@ def landlock_restrict_self(ruleset_fd: int) -> None:
 # A small classic-BPF filter, as container runtimes install: the calls a
 # sealed session never needs and that widen what its shell can reach in the
 # kernel are refused with EPERM. New namespaces (unshare, setns, clone with
-# a CLONE_NEW* flag: a nested user namespace is where most unprivileged
-# kernel exploits start), mounts (no capability is left to make one, but
-# the calls are refused before the kernel parses anything), the kernel
-# keyrings, bpf, userfaultfd, perf events and io_uring. clone3 passes its
-# flags in memory a filter cannot read: it fails with ENOSYS, and libc
-# falls back to clone, whose flags are checked. Calls made through another
-# ABI (32-bit, x32) are refused whole: their numbers differ.
+# a CLONE_NEW* flag): a nested user namespace would give its shell every
+# capability again there, and is where most unprivileged kernel exploits
+# start. The kernel keyrings, bpf, userfaultfd, perf events and io_uring.
+# (Mounts are left to the kernel, which refuses them to a process without
+# capabilities: the worker installs the filter before it mounts its
+# session's view.) clone3 passes its flags in memory a filter cannot read:
+# it fails with ENOSYS, and libc falls back to clone, whose flags are
+# checked. Calls made through another ABI (32-bit, x32) are refused whole:
+# their numbers differ.
 
 _SECCOMP_SET_MODE_FILTER = 1
 _SECCOMP_FILTER_FLAG_TSYNC = 1
@@ -177,11 +179,9 @@ _SECCOMP_ABI = {
         56,
         435,
         {
-            "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155,
+            "unshare": 272, "setns": 308,
             "keyctl": 250, "add_key": 248, "request_key": 249, "bpf": 321,
             "userfaultfd": 323, "perf_event_open": 298, "io_uring_setup": 425,
-            "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
-            "fsmount": 432, "fspick": 433, "mount_setattr": 442,
         },
     ),
     "aarch64": (
@@ -190,11 +190,9 @@ _SECCOMP_ABI = {
         220,
         435,
         {
-            "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
+            "unshare": 97, "setns": 268,
             "keyctl": 219, "add_key": 217, "request_key": 218, "bpf": 280,
             "userfaultfd": 282, "perf_event_open": 241, "io_uring_setup": 425,
-            "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
-            "fsmount": 432, "fspick": 433, "mount_setattr": 442,
         },
     ),
 }  # fmt: skip

@@ -16,10 +16,12 @@ the calling thread):
    mounts), `/` made private so nothing we mount reaches the host, a /proc
    of the worker's own PID namespace; then the bounding set
    emptied (before any setresuid: after it, PR_CAPBSET_DROP fails),
-   no_new_privs, and a Landlock domain that keeps signals (and abstract unix
-   sockets) inside the session where the kernel has it. All of these are
-   per thread and inherited by threads created later, which is why they
-   come before the zmq context starts its threads.
+   no_new_privs, a Landlock domain that keeps signals (and abstract unix
+   sockets) inside the session where the kernel has it, and a seccomp
+   filter (no new namespaces, keyrings, bpf, ...: see
+   hermes_sup.local.syscalls). All of these are per thread and inherited by
+   threads created later, which is why they come before the zmq context
+   starts its threads.
 2. `mount_session`: a tmpfs of its own (size-limited) over /tmp, /var/tmp
    and /dev/shm; a read-only tmpfs over the data dir (every other session,
    the zygote's home), over the state dir (the signing key, the sockets)
@@ -38,11 +40,10 @@ the calling thread):
    open connections to exhaust its descriptors.
 3. `drop`: as root, setgroups([]), setresgid/setresuid to the session's
    own uid (glibc applies them to every thread: a spare's zmq threads
-   too), capabilities cleared; not root, capabilities cleared; then a
-   seccomp filter (no new namespaces, mounts, keyrings, bpf, ...: see
-   hermes_sup.local.syscalls). The parent-death signal is cleared by the
-   kernel when credentials change: the caller sets it again. Only then
-   does a forked worker create its zmq context and connect: as root,
+   too), capabilities cleared; not root, capabilities cleared. The
+   parent-death signal is cleared by the kernel when credentials change:
+   the caller sets it again. Only then does a forked worker create its zmq
+   context and connect: as root,
    the supervisor made the worker socket connectable by any uid
    (supervisor/sealing.py says why only sealed workers could reach it).
 
@@ -317,6 +318,15 @@ def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
     except OSError as exc:
         raise SealError("harden", f"prctl(PR_SET_NO_NEW_PRIVS): {exc.strerror}") from None
     scoped = _scope_signals("harden")
+    # The seccomp filter now, while we have one thread (a spare's zmq
+    # threads inherit it): it keeps mount, which the session's mounts still
+    # need; a session has no capability left to mount with.
+    _check_fault("filter", fault)
+    if syscalls.seccomp_supported():
+        try:
+            syscalls.restrict_syscalls()
+        except OSError as exc:
+            raise _fail("filter", "seccomp filter", exc.errno) from None
     return {"mode": mode, "signals_scoped": scoped}
 
 
@@ -740,12 +750,6 @@ def drop(
     except OSError as exc:
         raise SealError("drop", f"clear ambient capabilities: {exc.strerror}") from None
     _capset_zero("drop")
-    _check_fault("filter", fault)
-    if syscalls.seccomp_supported():
-        try:
-            syscalls.restrict_syscalls()
-        except OSError as exc:
-            raise _fail("filter", "seccomp filter", exc.errno) from None
     if mode == "root":
         # A uid change made us non-dumpable, which turns our /proc files
         # root's (the session's own shell could not read /proc/self/fd).
