@@ -105,13 +105,16 @@ def clone_flag_names(flags: int) -> str:
     return "|".join(names)
 
 
+# capset's arguments for "no capability at all", made once (in the zygote,
+# which imports this before it forks): this thread's header, and two
+# {effective, permitted, inheritable} u32 triples of zeros.
+_CAPSET_HEADER = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
+_CAPSET_ZEROS = bytes(24)
+
+
 def capset_zero() -> None:
     """Clear this thread's effective, permitted and inheritable capabilities."""
-    header = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
-    data = bytes(24)  # two {effective, permitted, inheritable} u32 triples
-    hdr_buf = ctypes.create_string_buffer(header, len(header))
-    data_buf = ctypes.create_string_buffer(data, len(data))
-    if _libc.capset(hdr_buf, data_buf) != 0:
+    if _libc.capset(_CAPSET_HEADER, _CAPSET_ZEROS) != 0:
         raise _refused("capset(0, 0, 0)")
 
 

@@ -328,7 +328,7 @@ def _seal(
     if mode == "root":
         assert uid is not None and gid is not None
         # Before the mounts: no walking into them.
-        seal.chown_session(dirs, uid, gid, plan.get("repos", ()))
+        seal.chown_session(dirs, uid, gid, plan.get("repos", ()), tmp=not plan.get("tmp_bytes"))
     paths = seal.SealedPaths.for_data_dir(plan["data_dir"])
     socket_fd = seal.mount_session(plan, dirs, paths, keep_socket)["socket_fd"]
     try:

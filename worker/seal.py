@@ -696,7 +696,11 @@ def mount_session(
 
 
 def chown_session(
-    dirs: SessionDirs, uid: int, gid: int, repos: Iterable[str | os.PathLike[str]] = ()
+    dirs: SessionDirs,
+    uid: int,
+    gid: int,
+    repos: Iterable[str | os.PathLike[str]] = (),
+    tmp: bool = True,
 ) -> None:
     """Give the session's uid its own directories (as root, before `drop`).
     Whole trees only when their top is not the uid's yet (the first sealed
@@ -704,8 +708,9 @@ def chown_session(
     directory itself stays root's: session.json and the logs are the
     supervisor's. A git worktree workspace's own directory in the
     repository (`worktrees/<name>`) is the session's too: git refuses to
-    work in a worktree whose directories another user owns."""
-    tops = [dirs.home, dirs.workspace, dirs.tmp, dirs.user]
+    work in a worktree whose directories another user owns. `tmp`: its tmp/
+    on disk is its /tmp (not a tmpfs)."""
+    tops = [dirs.home, dirs.workspace, dirs.user, *([dirs.tmp] if tmp else [])]
     repo_paths = [Path(r) for r in repos if r]
     common = git_common_dir(dirs.workspace, repo_paths) if repo_paths else None
     admin = own_worktree_admin(common, dirs.workspace) if common is not None else None
@@ -716,6 +721,10 @@ def chown_session(
             st = os.lstat(top)
             if st.st_uid == uid and st.st_gid == gid:
                 continue
+            os.lchown(top, uid, gid)
+            with os.scandir(top) as entries:
+                if next(entries, None) is None:
+                    continue  # a new session's: empty
             for root, subdirs, files in os.walk(top):
                 os.lchown(root, uid, gid)
                 for name in subdirs + files:
