@@ -273,9 +273,13 @@ def bench(count: int, pythons: dict[str, str], spares: bool) -> dict[str, Any]:
         "count": count,
         "runs": {},
     }
-    modes = [("unsealed", ["--sealed", "off"]), ("sealed", ["--sealed", "on"])]
+    modes = [
+        ("unsealed", ["--sealed", "off", "--spare-workers", "0"]),
+        ("sealed", ["--sealed", "on", "--spare-workers", "0"]),
+    ]
     if spares:
-        modes.append(("sealed+spares", ["--sealed", "on", "--spare-workers", "2"]))
+        # The default configuration: sealed (auto) with its spare workers.
+        modes.append(("default", []))
     try:
         for py_label, python in pythons.items():
             for label, args in modes:
