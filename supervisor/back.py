@@ -124,7 +124,7 @@ class Back:
         # Spares are made after a turn, not on a new session's way to its reply.
         if len(self.pool.spares) < self.ctx.settings.spare_workers:
             self.pool.fill_spares()
-        self.lifecycle.table.refill_spare_dirs()
+        self.lifecycle.table.store.refill_spare_dirs()
 
     def _too_large(self, session: Session, signature: bytes, payload: bytes) -> bool:
         """A message of `session`'s worker over the frame limit: said in a

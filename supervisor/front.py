@@ -289,9 +289,9 @@ class Front:
         delete_branch = bool(msg.body.get("delete_branch", False))
 
         async def kill_and_reply() -> None:
-            pid, reason = await self.lifecycle.kill_session(session, force=force)
+            pid, reason = await self.lifecycle.killer.kill_session(session, force=force)
             if purge and session.state is State.EXITED and self.table.get(key) is session:
-                note = await self.lifecycle.purge(session, delete_branch)
+                note = await self.lifecycle.preparation.purge(session, delete_branch)
                 reason += ", data purged" + note
             self.endpoints.to_client(client, msg.reply(Kind.KILLED, {"pid": pid, "reason": reason}))
 
@@ -310,7 +310,7 @@ class Front:
         # Sessions an earlier run left on disk are exited ones, too.
         stored = [
             s
-            for key, s in self.table.stored.items()
+            for key, s in self.table.store.stored.items()
             if key.startswith(prefix) and state in (None, State.EXITED.value)
         ]
         self.ctx.spawn(self._list_reply(client, msg, chosen, stored))

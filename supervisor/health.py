@@ -67,7 +67,7 @@ class Health:
             ):
                 idle = wall - session.last_activity
                 self.ctx.spawn(
-                    self.lifecycle.kill_session(
+                    self.lifecycle.killer.kill_session(
                         session, force=False, reason=f"idle for {idle:.0f}s"
                     )
                 )
@@ -94,7 +94,7 @@ class Health:
         session.proc.send_signal(signal.SIGABRT)
         asyncio.get_running_loop().call_later(
             self.ctx.settings_for(session).abort_grace,
-            self.lifecycle.kill_now,
+            self.lifecycle.killer.kill_now,
             session,
             session.generation,
         )
@@ -135,13 +135,13 @@ class Health:
                 continue
             s = self.ctx.settings_for(session)
             if s.memory_limit_mb and use.memory > s.memory_limit_mb * MIB:
-                self.lifecycle.terminate(
+                self.lifecycle.killer.terminate(
                     session,
                     f"went over its memory limit ({use.memory / MIB:.0f} MiB PSS with its "
                     f"children > {s.memory_limit_mb} MiB) and was recycled",
                 )
             elif s.max_procs and use.procs > s.max_procs:
-                self.lifecycle.terminate(
+                self.lifecycle.killer.terminate(
                     session,
                     f"went over its process limit ({use.procs} processes > "
                     f"{s.max_procs}) and was recycled",

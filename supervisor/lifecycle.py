@@ -20,11 +20,10 @@ back-off, the failed session's cool-down, or a fresh worker if turns are
 waiting. Every timer checks the session's generation, so a timer armed for
 one worker never acts on its successor.
 
-A kill stops a worker and everything it started: a polite `stop`, then
-SIGTERM to its process group, then SIGKILL, with the process tree taken
-before the first signal (once a parent dies, its children's links are gone).
+A kill (kills.py) stops a worker and everything it started: a polite
+`stop`, then SIGTERM to its process group, then SIGKILL.
 
-Admission also takes the session's lease (table.claim) before a worker may
+Admission also takes the session's lease (ownership.claim) before a worker may
 start, and refuses with `moved` on a draining node: a draining node lets
 its running turns (and those queued behind them) finish and stops each
 session as it goes idle (`drain`). A session whose lease was taken over by
@@ -35,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -53,25 +51,18 @@ from hermes_sup.protocol import (
 
 from .context import Context
 from .endpoints import Endpoints
+from .kills import Killer
 from .metrics import exit_category
 from .pool import WorkerPool, new_identity
-from .process import WorkerProcess, kill_processes
-from .sealing import SESSIONS_GID
+from .prepare import Preparation
+from .process import WorkerProcess
 from .session import Session
+from .spare_workers import Spare
 from .spawner import ZygoteError
 from .states import Event, State, backoff_delay, exit_event
 from .table import SessionTable
 from .turns import Turns
-from .worktrees import (
-    GitRunner,
-    WorktreeError,
-    Worktrees,
-    commit_problem,
-    home_is_empty,
-    placeholder_values,
-    seed_home,
-    worktree_ready,
-)
+from .worktrees import WorktreeError
 
 log = logging.getLogger("hermes_sup.supervisor")
 
@@ -106,21 +97,13 @@ class Lifecycle:
         # The runtimes (name and config) whose workers have said hello: a
         # first turn is handed over in the spawn request only to those.
         self.runtimes_started: set[str] = set()
-        # git runs as our child: the pool holds its orphan cull meanwhile and
-        # hands over the exit status if the supervisor's reaper took it.
-        self.worktrees = Worktrees(
-            GitRunner(
-                ctx.environ,
-                self._hold_cull,
-                pool.forked,
-                lambda pid: self.pool.unclaimed_exits.pop(pid, None),
-            )
-        )
-        # Repositories already checked for whether sealed sessions can commit.
-        self._commit_checked: set[str] = set()
+        # What is made for a session before its worker (worktree, home).
+        self.preparation = Preparation(ctx, table, pool, self._hold_cull)
+        # What stops a worker and everything it started.
+        self.killer = Killer(ctx, table, turns, pool, endpoints)
         # A lease names where this node is reached (its TCP endpoint, once bound).
-        table.leases.endpoint = lambda: getattr(endpoints, "tcp", None)
-        table.on_lease_lost = self._lease_lost
+        table.ownership.leases.endpoint = lambda: getattr(endpoints, "tcp", None)
+        table.ownership.on_lease_lost = self._lease_lost
         table.on_drained_idle = self._stop_when_idle
 
     def _hold_cull(self) -> None:
@@ -154,7 +137,7 @@ class Lifecycle:
             )
         if session.state in (State.EXITED, State.BACKOFF):
             self.make_room(session)
-            self.table.claim(session)
+            self.table.ownership.claim(session)
 
     def make_room(self, session: Session) -> None:
         """Before a new worker: stop the least recently used idle session if
@@ -169,7 +152,7 @@ class Lifecycle:
             )
         log.info(kv("evict", session=victim.key, for_session=session.key))
         self.ctx.spawn(
-            self.kill_session(
+            self.killer.kill_session(
                 victim,
                 force=False,
                 reason=f"evicted to make room (max_sessions {self.ctx.max_sessions})",
@@ -180,7 +163,7 @@ class Lifecycle:
 
     def start_worker(self, session: Session) -> None:
         """Start a worker for the session (admitted: its lease is held)."""
-        self.table.claim(session)  # held already, but never a worker without it
+        self.table.ownership.claim(session)  # held already, but never a worker without it
         if session.retry_timer is not None:
             session.retry_timer.cancel()
             session.retry_timer = None
@@ -188,10 +171,8 @@ class Lifecycle:
         pool = self.pool
         # A worktree to make or a home to seed first: the worker starts
         # once they are there (_prepare_and_fork), not before.
-        template = self._template_to_seed(session)
-        prepare = template is not None or (
-            session.repo is not None and not worktree_ready(session.workspace)
-        )
+        template = self.preparation.template_to_seed(session)
+        prepare = self.preparation.needed(session, template)
         spare = None if prepare else pool.take_spare()
         token, worker_id = (spare.token, spare.worker_id) if spare else new_identity()
         pool.identify(session, token, worker_id)
@@ -227,32 +208,32 @@ class Lifecycle:
             turn = self.turns.hand_over(session)
             request["turn"] = {"id": turn.id, "text": turn.text}
         if prepare:
-            self.table.save_new(session)  # the directory the worktree goes in
+            self.table.store.save_new(session)  # the directory the worktree goes in
             self.ctx.spawn(self._prepare_and_fork(session, session.generation, request, template))
             return
         self.table.refresh_peers(session)
         # Asked now, not when the task first runs: the fork starts sooner.
-        if spare is not None:
-            if pool.assign(session, spare, request):
-                assert spare.proc is not None
-                self._adopt(session, spare.proc, spare.out_fd)
-            else:
-                spare = None  # gone meanwhile: fork one, under a routing id of its own
-                token, worker_id = new_identity()
-                pool.identify(session, token, worker_id)
-                request.update(token=token, worker_id=worker_id)
-        if spare is None:
-            forked = pool.fork(request)
-            self.ctx.spawn(self._register(session, session.generation, forked))
-        self.table.save_new(session)
+        self._spare_or_fork(session, request, spare)
+        self.table.store.save_new(session)
 
-    def _template_to_seed(self, session: Session) -> Path | None:
-        """The template its home is to be copied from, if it has one and
-        its home is still empty (a new session)."""
-        template = self.ctx.settings.runtime_config.get("template_home")
-        if not template or not home_is_empty(session.home):
-            return None
-        return Path(template)
+    def _spare_or_fork(
+        self, session: Session, request: dict[str, Any], spare: Spare | None
+    ) -> None:
+        """Hand the session's spawn request to `spare` (its token and routing
+        id are the session's already), or, with none or one gone meanwhile,
+        to a new fork under an identity of its own."""
+        if spare is not None:
+            if self.pool.assign(session, spare, request):
+                assert spare.proc is not None
+                status = self._adopt(session, spare.proc, spare.out_fd)
+                if status is not None:
+                    self.on_exit(spare.proc.pid, status)
+                return
+            token, worker_id = new_identity()
+            self.pool.identify(session, token, worker_id)
+            request.update(token=token, worker_id=worker_id)
+        forked = self.pool.fork(request)
+        self.ctx.spawn(self._register(session, session.generation, forked))
 
     async def _prepare_and_fork(
         self,
@@ -265,12 +246,7 @@ class Lifecycle:
         home from the template), then fork it; a failure fails the session
         with the reason, as a runtime that cannot load does."""
         try:
-            if session.repo is not None and session.branch is not None:
-                await self.worktrees.ensure(session.repo, session.workspace, session.branch)
-                self._check_commits(session.repo)
-            if template is not None:
-                values = placeholder_values(session.key, session.options.session_env)
-                await asyncio.to_thread(seed_home, template, session.home, values)
+            await self.preparation.prepare(session, template)
         except (WorktreeError, OSError) as exc:
             if session.generation == generation and session.proc is None:
                 reason = f"could not be started: {exc}"
@@ -288,50 +264,7 @@ class Lifecycle:
         if spare is not None:
             self.pool.identify(session, spare.token, spare.worker_id)
             request.update(token=spare.token, worker_id=spare.worker_id)
-            if self.pool.assign(session, spare, request):
-                assert spare.proc is not None
-                status = self._adopt(session, spare.proc, spare.out_fd)
-                if status is not None:
-                    self.on_exit(spare.proc.pid, status)
-                return
-            token, worker_id = new_identity()
-            self.pool.identify(session, token, worker_id)
-            request.update(token=token, worker_id=worker_id)
-        await self._register(session, generation, self.pool.fork(request))
-
-    def _check_commits(self, repo: str) -> None:
-        """Say once per repository if sealed sessions could not commit to it."""
-        if self.pool.sealing.mode != "root" or repo in self._commit_checked:
-            return
-        self._commit_checked.add(repo)
-        problem = commit_problem(repo, SESSIONS_GID)
-        if problem is not None:
-            log.warning(kv("repo_not_writable_by_sessions", repo=repo, hint=problem))
-
-    async def purge(self, session: Session, delete_branch: bool) -> str:
-        """Delete a stopped session's data (kill --purge): first its
-        worktree (git worktree remove, prune; its branch only if asked),
-        then the rest. A note on what stayed, for the reply."""
-        note = ""
-        if session.key in self.table.purging:
-            return " (by another kill, still removing its worktree)"
-        if session.repo is not None and session.branch is not None:
-            self.table.purging.add(session.key)
-            try:
-                problems = await self.worktrees.remove(
-                    session.repo, session.workspace, session.branch, delete_branch
-                )
-            finally:
-                self.table.purging.discard(session.key)
-            if problems:
-                note = " (" + "; ".join(problems) + ")"
-            elif not delete_branch:
-                note = f", branch {session.branch} kept"
-            else:
-                note = f", branch {session.branch} deleted"
-        if self.table.get(session.key) is session:
-            note += self.table.purge(session)
-        return note
+        self._spare_or_fork(session, request, spare)
 
     async def _register(
         self, session: Session, generation: int, forked: asyncio.Future[tuple[int, int | None]]
@@ -364,7 +297,7 @@ class Lifecycle:
 
     def _check_started(self, session: Session, generation: int) -> None:
         if session.generation == generation and session.state is State.STARTING:
-            self.terminate(
+            self.killer.terminate(
                 session,
                 f"did not say hello within {self.ctx.settings_for(session).start_timeout:g}s of its start",
             )
@@ -533,12 +466,12 @@ class Lifecycle:
         proc = session.proc
         if proc is None or proc.returncode is not None:  # still being forked
             self.ctx.spawn(
-                self.kill_session(session, force=True, reason=reason, code=ErrorCode.MOVED)
+                self.killer.kill_session(session, force=True, reason=reason, code=ErrorCode.MOVED)
             )
             return
         session.kill_reason, session.kill_code = reason, ErrorCode.MOVED.value
         self.table.transition(session, Event.KILL, reason)
-        self.kill_now(session, session.generation)
+        self.killer.kill_now(session, session.generation)
 
     def _stop_when_idle(self, session: Session) -> None:
         """While draining: stop a session that went idle with nothing queued
@@ -553,7 +486,7 @@ class Lifecycle:
             and not session.queue
         ):
             self.ctx.spawn(
-                self.kill_session(
+                self.killer.kill_session(
                     session,
                     force=False,
                     reason=f"node {self.ctx.node} is draining",
@@ -570,106 +503,3 @@ class Lifecycle:
         if on:
             for session in list(self.table.sessions.values()):
                 self._stop_if_idle(session)
-
-    # --------------------------------------------------------------- kill
-
-    async def kill_session(
-        self,
-        session: Session,
-        force: bool,
-        reason: str = "killed by request",
-        code: ErrorCode = ErrorCode.SESSION_KILLED,
-    ) -> tuple[int | None, str]:
-        """Stop a session's worker and everything it started; return (pid, how).
-        Also clears a backed-off or failed session."""
-        if session.state in (State.BACKOFF, State.FAILED):
-            self.turns.fail_queue(session, code, f"the session was stopped: {reason}")
-            self.table.transition(session, Event.CLEAR, reason)
-            session.fast_failures = 0
-            if session.retry_timer is not None:
-                session.retry_timer.cancel()
-                session.retry_timer = None
-            return None, "cleared"
-        if session.state is State.EXITED:
-            return None, "not running"
-        if session.state is State.STOPPING:
-            await session.exited.wait()
-            return (session.proc.pid if session.proc else None), "was already stopping"
-        session.kill_reason = reason
-        session.kill_code = code.value
-        self.table.transition(session, Event.KILL, reason)
-        self.turns.fail_queue(
-            session, code, f"the session was stopped before this turn ran: {reason}"
-        )
-        s = self.ctx.settings_for(session)
-        # A worker still being forked has no pid yet; wait for it (bounded).
-        deadline = time.monotonic() + s.start_timeout
-        while session.proc is None and not session.exited.is_set():
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.005)
-        proc = session.proc
-        if proc is None:
-            await session.exited.wait()
-            return None, "never started"
-        # Snapshot the whole tree before the first signal: once a parent dies,
-        # its children's parent links are gone.
-        tree = proc.descendants()
-        how = "stopped"
-        if not (force or self.ctx.forced) and self.endpoints.to_worker(
-            session, Message(Kind.STOP, {}, session=session.key)
-        ):
-            await self._wait_exit(session, s.stop_timeout)
-        if not session.exited.is_set():
-            tree += proc.descendants()
-            how = "terminated"
-            proc.signal_group(signal.SIGTERM)
-            proc.terminate()
-            if not (force or self.ctx.forced):
-                await self._wait_exit(session, s.term_timeout)
-        if not session.exited.is_set():
-            tree += proc.descendants()
-            how = "killed"
-            proc.signal_group(signal.SIGKILL)
-            proc.kill()
-        killed = kill_processes(tree)
-        await session.exited.wait()
-        if killed:
-            log.info(kv("descendants_killed", session=session.key, count=killed))
-        log.info(kv("killed", session=session.key, pid=proc.pid, how=how, reason=reason))
-        return proc.pid, how
-
-    async def _wait_exit(self, session: Session, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(session.exited.wait(), timeout)
-        except TimeoutError:
-            pass
-
-    def terminate(self, session: Session, reason: str) -> None:
-        """End a worker for a reason of the supervisor's own (a limit, a hang)."""
-        if session.proc is None or session.proc.returncode is not None:
-            return
-        log.warning(kv("terminating", session=session.key, pid=session.proc.pid, reason=reason))
-        session.kill_reason = reason
-        self.kill_now(session, session.generation)
-
-    def kill_now(self, session: Session, generation: int) -> None:
-        """SIGKILL the worker of this generation and its whole tree."""
-        proc = session.proc
-        if session.generation != generation or proc is None or proc.returncode is not None:
-            return
-        tree = proc.descendants()
-        proc.signal_group(signal.SIGKILL)
-        proc.kill()
-        kill_processes(tree)
-
-    def force_kill_all(self) -> None:
-        """Told twice to shut down: SIGKILL every worker now."""
-        self.ctx.forced = True
-        self.pool.kill_spares()
-        for session in self.table.sessions.values():
-            if session.proc is not None and session.proc.returncode is None:
-                session.kill_reason = "the supervisor was told twice to shut down"
-                session.kill_code = ErrorCode.SHUTTING_DOWN.value
-                session.proc.signal_group(signal.SIGKILL)
-                session.proc.kill()

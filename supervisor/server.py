@@ -109,7 +109,7 @@ class Supervisor:
             self.table,
             self.endpoints,
             self.watchers,
-            terminate=lambda session, reason: self.lifecycle.terminate(session, reason),
+            terminate=lambda session, reason: self.lifecycle.killer.terminate(session, reason),
         )
         self.pool = WorkerPool(ctx, self.endpoints, WorkerRecords(s.state_dir), self.watchers)
         self.lifecycle = Lifecycle(ctx, self.table, self.turns, self.pool, self.endpoints)
@@ -143,7 +143,7 @@ class Supervisor:
         try:
             self._compose(statedir.load_or_create_key(s.state_dir))
             pool = self.pool
-            self.table.spare_dirs.reset()
+            self.table.store.spare_dirs.reset()
             for line in pool.records.stop_leftovers():
                 log.warning(kv("leftover_worker", detail=line))
             self._size_for_fd_limit()
@@ -273,7 +273,7 @@ class Supervisor:
                     shutdown = asyncio.create_task(self._shutdown())
                 elif arg == signal.SIGINT and not self.ctx.forced:
                     log.warning(kv("shutdown_forced", signal=name))
-                    self.lifecycle.force_kill_all()
+                    self.lifecycle.killer.force_kill_all()
 
     def _reap(self) -> None:
         """Collect every child that has exited (workers, orphans, the zygote)."""
@@ -411,7 +411,7 @@ class Supervisor:
         live = [s for s in sessions.values() if s.state in LIVE_STATES]
         await asyncio.gather(
             *(
-                self.lifecycle.kill_session(
+                self.lifecycle.killer.kill_session(
                     s,
                     force=ctx.forced,
                     reason="the supervisor is shutting down",

@@ -325,7 +325,7 @@ class Turns:
         if not handed:
             # Who else works on its repository, as of this turn (see
             # worktrees.py); a handed turn's was written before its fork.
-            self.table.refresh_peers(session)
+            self.table.refresh_peers(session, checked=True)  # fenced by the transition
             body: dict[str, Any] = {"text": turn.text}
             if turn.context:
                 body["context"] = turn.context

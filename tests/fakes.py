@@ -203,13 +203,13 @@ class Rig:
         endpoints: Any = self.endpoints
         self.watchers = Watchers(endpoints)
         self.table = SessionTable(self.ctx, self.watchers, SpareDirs(self.settings.data_dir))
-        self.table.spare_dirs.reset()
+        self.table.store.spare_dirs.reset()
         self.turns = Turns(
             self.ctx,
             self.table,
             endpoints,
             self.watchers,
-            terminate=lambda session, reason: self.lifecycle.terminate(session, reason),
+            terminate=lambda session, reason: self.lifecycle.killer.terminate(session, reason),
         )
         self.pool = FakePool(self.ctx, self.endpoints)
         pool: Any = self.pool

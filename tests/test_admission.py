@@ -61,7 +61,7 @@ def test_killing_a_failed_session_clears_it_at_once(rig) -> None:
         await h.forked("a")
         h.exit("a", exited_with(71))
         session = h.table.require("a")
-        pid, how = await h.lifecycle.kill_session(session, force=False)
+        pid, how = await h.lifecycle.killer.kill_session(session, force=False)
         assert (pid, how) == (None, "cleared")
         assert session.state is State.EXITED and session.fast_failures == 0
         h.send("a", "again")

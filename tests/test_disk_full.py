@@ -162,19 +162,19 @@ def test_a_session_json_that_cannot_be_written_does_not_fail_the_request(
     disk): its turn runs, with one line saying so, not an internal error."""
     import errno
 
-    from hermes_sup.supervisor import table as table_module
+    from hermes_sup.supervisor import store as store_module
 
     from .fakes import Rig
 
     rig = Rig(tmp_path, monkeypatch)
     rig.table.find_or_create("stored", None)
-    rig.table.save_new(rig.table.require("stored"))  # on disk, as an earlier run left it
+    rig.table.store.save_new(rig.table.require("stored"))  # on disk, as an earlier run left it
     rig.table.sessions.clear()
 
     def full(session) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(table_module, "save_session_meta", full)
+    monkeypatch.setattr(store_module, "save_session_meta", full)
 
     async def scenario() -> None:
         req = rig.send("stored", "hi")

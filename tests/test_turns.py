@@ -291,7 +291,7 @@ def test_the_count_of_waiting_turns_follows_every_queue(rig) -> None:
         h.send("a", "four")
         h.send("a", "five")
         consistent()
-        await h.lifecycle.kill_session(h.table.require("b"), force=False)  # clears BACKOFF
+        await h.lifecycle.killer.kill_session(h.table.require("b"), force=False)  # clears BACKOFF
         consistent()
         for session in h.table.sessions.values():
             h.turns.fail_queue(session, ErrorCode.SHUTTING_DOWN, "stopping")
