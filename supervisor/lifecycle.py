@@ -186,7 +186,7 @@ class Lifecycle:
         session.settings = self.ctx.settings
         self.table.transition(session, Event.SPAWN)
         request = pool.spawn_request(session)
-        # The supervisor seeds the home (worktrees.seed_home), with the
+        # The supervisor seeds the home (homes.seed_home), with the
         # session's own values: the runtime must not copy the template again.
         request["runtime_config"].pop("template_home", None)
         session.runtime_kind = repr((request["runtime"], sorted(request["runtime_config"].items())))

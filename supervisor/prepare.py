@@ -21,15 +21,8 @@ from .pool import WorkerPool
 from .sealing import SESSIONS_GID
 from .session import Session
 from .table import SessionTable
-from .worktrees import (
-    GitRunner,
-    Worktrees,
-    commit_problem,
-    home_is_empty,
-    placeholder_values,
-    seed_home,
-    worktree_ready,
-)
+from .homes import home_is_empty, placeholder_values, seed_home
+from .worktrees import GitRunner, Worktrees, commit_problem, worktree_ready
 
 log = logging.getLogger("hermes_sup.supervisor")
 
