@@ -17,11 +17,11 @@ from pathlib import Path
 from hermes_sup.local.logfmt import kv
 
 from .context import Context
+from .homes import home_is_empty, placeholder_values, seed_home
 from .pool import WorkerPool
 from .sealing import SESSIONS_GID
 from .session import Session
 from .table import SessionTable
-from .homes import home_is_empty, placeholder_values, seed_home
 from .worktrees import GitRunner, Worktrees, commit_problem, worktree_ready
 
 log = logging.getLogger("hermes_sup.supervisor")

@@ -32,6 +32,7 @@ from hermes_sup.local import syscalls
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.prctl import can_fork_to_parent, fork_with
 from hermes_sup.worker import seal
+from hermes_sup.worker.seal_calls import FAULT_ENV
 
 from . import statedir
 from .config import Settings
@@ -63,7 +64,7 @@ class Sealing:
     signals_scoped: bool = False  # Landlock keeps each worker's signals in
     pid_namespaces: bool = False  # each worker the init of its own (the zygote says)
     syscall_filter: bool = False  # seccomp refuses namespaces, mounts, keyrings, ...
-    fault: str | None = None  # seal.FAULT_ENV, for tests
+    fault: str | None = None  # FAULT_ENV, for tests
 
     def describe(self) -> dict[str, Any]:
         """For status and logs."""
@@ -208,7 +209,7 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
     """Whether sessions can be sealed here. Call before any thread or zmq
     context exists (it forks). Raises SealingUnavailable for sealed = on."""
     asked = settings.sealed
-    fault = environ.get(seal.FAULT_ENV) or None
+    fault = environ.get(FAULT_ENV) or None
     if asked == "off":
         unsealed = Sealing(asked=asked)
         log.warning(kv("unsealed", warning=unsealed.warning()))

@@ -27,6 +27,7 @@ from hermes_sup.local.syscalls import landlock_abi
 from hermes_sup.protocol import session_dir_name
 from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.worker import seal
+from hermes_sup.worker.seal_calls import FAULT_ENV
 
 from .test_sealed import as_nobody_with_the_interpreter_reachable, sh
 from .test_worktrees import make_repo
@@ -593,7 +594,7 @@ def test_the_operators_memory_provider_config_is_not_a_sessions(lab: Lab) -> Non
 def test_a_supervisor_that_cannot_seal_says_so_everywhere(supervisor_factory) -> None:
     """Where sessions cannot be sealed, auto runs them unsealed: start,
     status and list say so, naming the cause and the fix."""
-    env = {**os.environ, seal.FAULT_ENV: "unshare"}
+    env = {**os.environ, FAULT_ENV: "unshare"}
     sup = supervisor_factory(env=env)
     with sup.client() as client:
         warning = client.status()["sealed"]["warning"]
@@ -619,7 +620,7 @@ def test_a_supervisor_that_cannot_seal_says_so_everywhere(supervisor_factory) ->
 def test_sealed_on_refuses_where_a_pid_namespace_cannot_be_made(supervisor_factory) -> None:
     """Nothing starts half-sealed: a kernel that refuses the session's own
     /proc fails sealed = on at start, naming the step."""
-    env = {**os.environ, seal.FAULT_ENV: "proc"}
+    env = {**os.environ, FAULT_ENV: "proc"}
     sup = supervisor_factory("--sealed", "on", env=env, start=False)
     sup.start(wait=False)
     assert sup.proc.wait(60) != 0  # type: ignore[attr-defined]

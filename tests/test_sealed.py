@@ -18,6 +18,7 @@ import pytest
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import WorkerExit, session_dir_name
 from hermes_sup.worker import seal
+from hermes_sup.worker.seal_calls import FAULT_ENV
 
 from . import waiting
 from .test_spares import spare_pids
@@ -143,7 +144,7 @@ def test_escape_tries_from_a_sealed_shell_are_refused(supervisor_factory) -> Non
 
 
 def test_a_failing_seal_step_fails_the_session_closed(supervisor_factory, workdir) -> None:
-    env = {**os.environ, seal.FAULT_ENV: "session"}
+    env = {**os.environ, FAULT_ENV: "session"}
     sup = supervisor_factory("--sealed", "on", env=env)
     marker = workdir / "ran"
     with sup.client(timeout=60) as client:

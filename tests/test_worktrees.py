@@ -16,8 +16,8 @@ import pytest
 
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import Kind
-from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.supervisor.homes import placeholder_values, safe_value
+from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.supervisor.worktrees import branch_for, peers_text, repository_problem
 
 from .test_spares import spare_pids

@@ -61,7 +61,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import stat
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,17 +87,25 @@ from hermes_sup.local.syscalls import (
     PR_CAPBSET_DROP,
     PR_SET_DUMPABLE,
     PR_SET_NO_NEW_PRIVS,
-    STATVFS_TO_MS,
     landlock_abi,
 )
 
-# For tests: make one step fail as if the kernel had refused it (EPERM).
-# The supervisor reads it from its own environment and passes it on.
-FAULT_ENV = "HERMES_SUP_SEAL_FAULT"
+from .seal_calls import (
+    MOUNTPOINT_MODE,
+    SealError,
+    _capset_zero,
+    _check_fault,
+    _fail,
+    _makedirs,
+    _mount,
+    _open_path,
+    _remount_readonly,
+    _under,
+    _unshare,
+    _write,
+)
+from .seal_git import _protect_git, git_common_dir, own_worktree_admin
 
-# Mount points made in tmpfs or in the session's tmp: traversable by the
-# session's uid, listable by nobody.
-MOUNTPOINT_MODE = 0o711
 # The tmpfs over what a session may not see: empty, tiny, read-only once
 # its mount points are made.
 TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
@@ -117,15 +124,6 @@ TMP_FLAGS = MS_NOSUID | MS_NODEV
 BORN_INTO = 0
 _OUTSIDE_PID: int | None = None
 _OUTSIDE_IDS: tuple[int, int] | None = None
-
-
-class SealError(Exception):
-    """A step of sealing failed; the worker must not run its session."""
-
-    def __init__(self, step: str, message: str) -> None:
-        super().__init__(f"{step}: {message}")
-        self.step = step
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -161,50 +159,6 @@ class SessionDirs:
 
 
 # ------------------------------------------------------------------ syscalls
-
-
-def _fail(step: str, what: str, err: int | None) -> SealError:
-    err = errno.EIO if err is None else err  # never None from hermes_sup.local.syscalls
-    return SealError(step, f"{what}: {os.strerror(err)} (errno {errno.errorcode.get(err, err)})")
-
-
-def _check_fault(step: str, fault: str | None) -> None:
-    if fault == step:
-        raise _fail(step, f"injected failure ({FAULT_ENV}={fault})", errno.EPERM)
-
-
-def _mount(
-    step: str, source: str | None, target: str, fstype: str | None, flags: int, data: str = ""
-) -> None:
-    try:
-        syscalls.mount(source, target, fstype, flags, data)
-    except OSError as exc:
-        raise _fail(
-            step, f"mount {source or fstype or '(remount)'} on {target}", exc.errno
-        ) from None
-
-
-def _unshare(step: str, flags: int) -> None:
-    try:
-        syscalls.unshare(flags)
-    except OSError as exc:
-        raise _fail(step, f"unshare({syscalls.clone_flag_names(flags)})", exc.errno) from None
-
-
-def _write(step: str, path: str, text: str) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as exc:
-        raise SealError(step, f"write {text.strip()!r} to {path}: {exc.strerror}") from None
-
-
-def _capset_zero(step: str) -> None:
-    """Clear this thread's effective, permitted and inheritable capabilities."""
-    try:
-        syscalls.capset_zero()
-    except OSError as exc:
-        raise _fail(step, "capset(0, 0, 0)", exc.errno) from None
 
 
 def _signal_ruleset(step: str) -> int:
@@ -330,60 +284,6 @@ def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
     return {"mode": mode, "signals_scoped": scoped}
 
 
-def _open_path(step: str, path: Path) -> int:
-    try:
-        return os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SealError(step, f"open {path}: {exc.strerror}") from None
-
-
-def _makedirs(step: str, path: Path) -> None:
-    """mkdir -p, each directory made MOUNTPOINT_MODE whatever the umask
-    (mount_session runs under umask 0): the session's uid must be able to
-    pass through to what is mounted. Most of these are new: try first."""
-    try:
-        os.mkdir(path, MOUNTPOINT_MODE)
-        return
-    except FileExistsError:
-        return
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise SealError(step, f"mkdir {path}: {exc.strerror}") from None
-    _makedirs(step, path.parent)
-    try:
-        os.mkdir(path, MOUNTPOINT_MODE)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise SealError(step, f"mkdir {path}: {exc.strerror}") from None
-
-
-def _remount_readonly(step: str, target: Path) -> None:
-    """Make one mount read-only, keeping the flags it has (locked ones
-    in a user namespace must be kept)."""
-    try:
-        f_flag = os.statvfs(target).f_flag
-    except OSError as exc:
-        raise SealError(step, f"statvfs {target}: {exc.strerror}") from None
-    flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-    for st, ms in STATVFS_TO_MS.items():
-        if f_flag & st:
-            flags |= ms
-    _mount(step, None, str(target), None, flags)
-
-
-def _under(path: Path, parents: Iterable[Path]) -> bool:
-    """Whether `path` is one of `parents` or below one (as strings: pathlib's
-    `parents` made this a good part of a spare's assignment)."""
-    text = str(path)
-    for parent in parents:
-        top = str(parent)
-        if text == top or text.startswith(top if top.endswith("/") else top + "/"):
-            return True
-    return False
-
-
 # What no session may see of a temporary directory shared by the machine.
 COMMON_TMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
 
@@ -490,102 +390,6 @@ def closed_ancestors(paths: Iterable[Path]) -> set[Path]:
             except OSError:
                 break
     return closed
-
-
-def _read_small(path: Path, limit: int = 4096) -> str | None:
-    """A small regular file's text, or None: never through a symlink, never
-    blocking on a FIFO (the workspace is the session's to fill)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, limit).decode()
-    except (OSError, UnicodeDecodeError):
-        return None
-    finally:
-        os.close(fd)
-
-
-def git_common_dir(workspace: Path, repos: Iterable[Path]) -> Path | None:
-    """The repository's common git directory of a worktree workspace (a
-    `.git` file naming `gitdir: ...`), which must stay visible at its own
-    path for git to work in it; None for anything else. The session wrote
-    that file, so only a directory under one of `repos` (the configured
-    repository and repository roots) counts: anything else it names (another
-    session's directory, say) is never bound into its view."""
-    text = _read_small(workspace / ".git")
-    if text is None or not text.startswith("gitdir:"):
-        return None
-    admin = Path(text.partition(":")[2].strip())
-    if not admin.is_absolute():
-        admin = workspace / admin
-    common = _read_small(admin / "commondir")
-    if common is None:
-        path = admin.resolve()
-    else:
-        named = Path(common.strip())
-        path = (named if named.is_absolute() else admin / named).resolve()
-    return path if _under(path, [Path(r).resolve() for r in repos]) else None
-
-
-# What of a repository's common git directory a session may not change:
-# what git runs (config, hooks), what decides it (info/attributes), the main
-# worktree's state and every other session's worktree. Objects, refs and
-# logs stay writable: committing to its own branch needs them. In its own
-# worktree's directory, what points git elsewhere or configures it.
-GIT_READ_ONLY = ("config", "config.worktree", "hooks", "info", "HEAD", "index", "modules")
-GIT_WORKTREES = "worktrees"
-ADMIN_READ_ONLY = ("config.worktree", "commondir", "gitdir")
-
-
-def own_worktree_admin(common: Path, workspace: Path) -> Path | None:
-    """The session's own `worktrees/<name>` directory in the common git
-    directory: the one whose `gitdir` file (written by git, read-only to
-    sessions) names this workspace, never what the workspace's `.git` file
-    says (the session can write that)."""
-    wanted = os.path.realpath(workspace / ".git")
-    try:
-        names = os.listdir(common / GIT_WORKTREES)
-    except OSError:
-        return None
-    for name in names:
-        named = _read_small(common / GIT_WORKTREES / name / "gitdir")
-        if named is not None and os.path.realpath(named.strip()) == wanted:
-            return common / GIT_WORKTREES / name
-    return None
-
-
-def _bind_read_only(step: str, path: Path) -> None:
-    """Make `path` (a file or a directory) read-only where it is: a mount
-    of itself, which can be neither written nor renamed over nor removed."""
-    _mount(step, str(path), str(path), None, MS_BIND | MS_REC)
-    _remount_readonly(step, path)
-
-
-def _protect_git(common: Path, workspace: Path) -> None:
-    """In the session's view, a repository shared by sessions executes
-    nothing one session configured in another, nor in the supervisor's
-    git: its config, hooks, attributes and the other sessions' worktree
-    directories become read-only (GIT_READ_ONLY); the session's own
-    worktree directory stays writable but for what redirects or configures
-    git (ADMIN_READ_ONLY)."""
-    own = own_worktree_admin(common, workspace)
-    own_fd = _open_path("git", own) if own is not None else None
-    try:
-        for name in (*GIT_READ_ONLY, GIT_WORKTREES):
-            if os.path.lexists(common / name):
-                _bind_read_only("git", common / name)
-        if own is not None and own_fd is not None:
-            _mount("git", f"/proc/self/fd/{own_fd}", str(own), None, MS_BIND)
-            for name in ADMIN_READ_ONLY:
-                if os.path.lexists(own / name):
-                    _bind_read_only("git", own / name)
-    finally:
-        if own_fd is not None:
-            os.close(own_fd)
 
 
 def mount_session(
