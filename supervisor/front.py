@@ -18,12 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import resource
 import signal
 import time
 from collections.abc import Callable
-
-import psutil
 
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
@@ -40,16 +37,14 @@ from hermes_sup.protocol import (
 )
 
 from . import remote
-from .configfile import hermes_agent_version
 from .context import Context
 from .endpoints import Endpoints
-from .environment import worker_env
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .logread import requested_lines
 from .pool import WorkerPool
-from .sealing import describe_limits
-from .session import LOG_FILE, Session, StoredSession, Turn
+from .reports import Reports
+from .session import Session, StoredSession, Turn
 from .states import State
 from .table import SessionTable
 from .turns import SentTurn, Turns
@@ -86,6 +81,8 @@ class Front:
         self.endpoints = endpoints
         self.reload = reload
         self.guard = ReplayGuard()
+        # What list, status and inspect answer.
+        self.reports = Reports(ctx, table, turns, pool, endpoints)
         self.handlers: dict[Kind, Callable[[bytes, Message], None]] = {
             Kind.PING: self.ping,
             Kind.OPEN: self.open_session,
@@ -324,90 +321,12 @@ class Front:
         usage: dict[int, TreeUsage] = {}
         if pids:
             usage = await asyncio.get_running_loop().run_in_executor(None, scan_trees, pids, True)
-        now = time.monotonic()
-        rows = []
-        for s in chosen:
-            row = s.describe()
-            row["node"] = self.ctx.node
-            # The session's own runtime where it chose one, else the one its
-            # worker was (or would be) started with.
-            row["runtime"] = s.options.runtime or self.ctx.settings_for(s).runtime
-            use = usage.get(s.pid) if s.pid is not None else None
-            if use is None:
-                row.update(rss=None, cpu_percent=None, procs=None)
-            else:
-                since = s.cpu_sample if s.cpu_sample is not None else (0.0, s.spawned_mono)
-                elapsed = max(now - since[1], 1e-6)
-                row.update(
-                    rss=use.rss,
-                    procs=use.procs,
-                    cpu_percent=round(max(0.0, use.cpu - since[0]) / elapsed * 100, 1),
-                )
-                s.cpu_sample = (use.cpu, now)
-            rows.append(row)
-        default_runtime = self.ctx.settings.runtime
-        for stored_session in stored:
-            row = stored_session.describe()
-            row.update(
-                node=self.ctx.node,
-                runtime=stored_session.runtime or default_runtime,
-                rss=None,
-                cpu_percent=None,
-                procs=None,
-            )
-            rows.append(row)
-        rows.sort(key=lambda row: row["key"])
+        rows = self.reports.session_rows(chosen, stored, usage, time.monotonic())
         self.endpoints.to_client(client, msg.reply(Kind.SESSIONS, {"sessions": rows}))
 
     def status(self, client: bytes, msg: Message) -> None:
-        ctx, endpoints, pool = self.ctx, self.endpoints, self.pool
-        counts = self.table.counts_by_state()
-        me = psutil.Process()
-        with me.oneshot():
-            rss, fds = me.memory_info().rss, me.num_fds()
-        info = {
-            "pid": os.getpid(),
-            "version": version(),
-            "protocol": PROTOCOL_VERSION,
-            "uptime": time.time() - ctx.started,
-            "started": ctx.started,
-            "runtime": ctx.settings.runtime,
-            "hermes_agent": hermes_agent_version(),
-            "endpoints": {
-                "control": endpoints.control,
-                "workers": endpoints.worker,
-                "tcp": endpoints.tcp,
-            },
-            "state_dir": str(ctx.settings.state_dir),
-            "data_dir": str(ctx.settings.data_dir),
-            "zygote_pid": pool.zygote.pid if pool.zygote else None,
-            "sessions": counts,
-            "total_sessions": len(self.table),
-            "max_sessions": ctx.max_sessions,
-            "spare_workers": pool.spares.ready_count(),
-            "queued": self.turns.queued_total,
-            "rss": rss,
-            "fds": fds,
-            "fd_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-            "accepting": ctx.accepting,
-            "node": self.node_info(),
-            # Whether sessions are sealed (worker/seal.py), how, and if not why.
-            "sealed": pool.sealing.describe(),
-            # How each per-session limit is enforced here.
-            "limits": describe_limits(ctx.settings, pool.sealing),
-        }
+        info = self.reports.supervisor_info()
         self.endpoints.to_client(client, msg.reply(Kind.INFO, {"supervisor": info}))
-
-    def node_info(self) -> dict[str, object]:
-        """This node, for `status` and `drain`: its name, whether it drains,
-        its capacity (max_sessions) and the sessions it holds now (with a
-        worker, or turns waiting for one)."""
-        return {
-            "name": self.ctx.node,
-            "draining": self.ctx.draining,
-            "capacity": self.ctx.max_sessions,
-            "sessions": self.table.live_count(),
-        }
 
     def watch(self, client: bytes, msg: Message) -> None:
         session = self.table.get(msg.session) if msg.session else None
@@ -487,7 +406,7 @@ class Front:
                 f"this supervisor is node {self.ctx.node!r}, not {str(named)[:64]!r}",
             )
         self.lifecycle.drain(bool(msg.body.get("on", True)))
-        self.endpoints.to_client(client, msg.reply(Kind.NODE, {"node": self.node_info()}))
+        self.endpoints.to_client(client, msg.reply(Kind.NODE, {"node": self.reports.node_info()}))
 
     # ------------------------------------------------------ one session, closer
 
@@ -514,65 +433,9 @@ class Front:
         )
 
     def inspect(self, client: bytes, msg: Message) -> None:
-        """Everything known about one session: directories, log, options,
-        the names (never the values) of its worker's environment, state
-        history, last exit."""
-        key = check_session_key(msg.session)
-        session = self.table.require(key)
-        settings = self.ctx.settings_for(session)
-        options = session.options
-        env = worker_env(
-            self.ctx.base_env,
-            settings.env,
-            options,
-            key,
-            session.home,
-            session.workspace,
-            session.tmp,
-            session.user,
-        )
-        logs = [session.log_path] + [
-            session.log_path.with_name(f"{LOG_FILE}.{i}")
-            for i in range(1, settings.log_backups + 1)
-        ]
-        history = [
-            {k: body["data"].get(k) for k in ("state", "previous", "pid", "reason")}
-            for kind, body in session.history
-            if kind == "state" and isinstance(body.get("data"), dict)
-        ]
-        info = {
-            **session.describe(),
-            "created": session.created_at,
-            "dir": str(session.dir),
-            "workspace": str(session.workspace),
-            "home": str(session.home),
-            "tmp": str(session.tmp),
-            "log": str(session.log_path),
-            "log_files": [str(p) for p in logs if p.exists()],
-            "runtime": options.runtime or settings.runtime,
-            "options": {
-                "session_env": dict(options.session_env),
-                "env": sorted(options.env),  # names only: values may be secrets
-                "agent": {k: v for k, v in options.agent.items() if "key" not in k.lower()},
-                "workspace": options.workspace,
-                "runtime": options.runtime,
-                "label": options.label,
-                "repo": options.repo,
-            },
-            "env_names": sorted(env),
-            "current_turn": session.current.id if session.current is not None else None,
-            "approvals_waiting": list(session.approvals),
-            "state_history": history,
-            # Its lease (see PROTOCOL.md, "Nodes"): held here, at which epoch.
-            "node": self.ctx.node,
-            "lease_epoch": session.lease.epoch if session.lease is not None else None,
-            # Sealed, its worker runs as this uid (as root; None otherwise).
-            "sealed": self.pool.sealing.mode is not None,
-            "uid": self.pool.sealed_uids.get(session.key),
-            # A reload since its worker started applies at its next start.
-            "settings_outdated": session.settings is not None
-            and session.settings is not self.ctx.settings,
-        }
+        """Everything known about one session (reports.session_details)."""
+        session = self.table.require(check_session_key(msg.session))
+        info = self.reports.session_details(session)
         self.endpoints.to_client(client, msg.reply(Kind.INSPECTED, {"session": info}))
 
 
