@@ -15,6 +15,7 @@ responses unless granted more.
     chat.py      POST /v1/chat/completions, streaming and not
     runs.py      the runs API: /v1/runs, status, events, approval, stop
     responses.py the Responses API: /v1/responses (streaming and not), stored responses
+    response_items.py  a response's output items (message, tool calls) and usage
     sessions.py  which session a request is (in its key's namespace), and its turn's text
     continuity.py  chats that name no session: their own, with their own history
     turns.py     reading one turn in its own task, bounded per stream

@@ -75,11 +75,11 @@ from .chat import (
     outputs_of,
     reply_of,
     rest_of_reply,
-    usage_of,
 )
 from .errors import ApiError
 from .idempotency import HUNG_UP, RESPONSES_FIELDS
 from .keys import Tenant
+from .response_items import ToolItems, message_item, shortened, text_part, usage_in_responses
 from .runs import history_of
 from .sessions import (
     SESSION_KEY_HEADER,
@@ -96,8 +96,6 @@ if TYPE_CHECKING:
 
 TRUE_STRINGS = ("1", "true", "yes", "on")
 FALSE_STRINGS = ("0", "false", "no", "off")
-KEPT_ARGUMENT = 500  # characters of a tool argument kept in a stored response
-KEPT_OUTPUT = 1000  # characters of a tool's output kept in a stored response
 _HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,256}")
 
 
@@ -235,115 +233,6 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
         store=request_bool(body.get("store"), True),
         stream=request_bool(body.get("stream"), False),
     )
-
-
-# ---------------------------------------------------------------- output
-
-
-def _result_text(result: Any) -> str:
-    return result if isinstance(result, str) else json.dumps(result)
-
-
-def _shortened(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Output items with long tool arguments and outputs cut, as Hermes cuts
-    them in `response.completed` (the events carried them whole)."""
-    out = []
-    for item in items:
-        item = dict(item)
-        if item.get("type") == "function_call":
-            try:
-                args = json.loads(item.get("arguments") or "{}")
-            except ValueError:
-                args = None
-            if isinstance(args, dict):
-                for name, value in args.items():
-                    if isinstance(value, str) and len(value) > KEPT_ARGUMENT:
-                        args[name] = f"[{len(value)} chars, cut in the stored response]"
-                item["arguments"] = json.dumps(args)
-        elif item.get("type") == "function_call_output":
-            output = item.get("output")
-            if isinstance(output, str) and len(output) > KEPT_OUTPUT:
-                item["output"] = output[: KEPT_OUTPUT // 2] + f"...[{len(output)} chars]"
-            elif isinstance(output, list):
-                item["output"] = [
-                    {**p, "text": p["text"][: KEPT_OUTPUT // 2] + f"...[{len(p['text'])} chars]"}
-                    if isinstance(p, dict)
-                    and isinstance(p.get("text"), str)
-                    and len(p["text"]) > KEPT_OUTPUT
-                    else p
-                    for p in output
-                ]
-        out.append(item)
-    return out
-
-
-class ToolItems:
-    """Tool calls as `function_call` / `function_call_output` output items,
-    paired by call id; internal tools (a leading `_`) stay off the wire, as
-    in Hermes."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, dict[str, Any]] = {}
-        self.items: list[dict[str, Any]] = []  # as they will appear in `output`
-
-    def start(self, event: ToolStart) -> dict[str, Any] | None:
-        if event.name.startswith("_"):
-            return None
-        call_id = event.id or f"call_{uuid.uuid4().hex[:24]}"
-        args = event.args if event.args is not None else {}
-        item = {
-            "id": f"fc_{uuid.uuid4().hex[:24]}",
-            "type": "function_call",
-            "status": "in_progress",
-            "name": event.name,
-            "call_id": call_id,
-            "arguments": args if isinstance(args, str) else json.dumps(args),
-        }
-        self.pending[call_id] = item
-        self.items.append(item)
-        return item
-
-    def complete(self, event: ToolComplete) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """The finished call's item and its output item; None when its start
-        was not seen (an orphaned completion is dropped, as Hermes drops it)."""
-        call = self.pending.pop(event.id, None)
-        if call is None:
-            return None
-        call["status"] = "completed"
-        output = {
-            "id": f"fco_{uuid.uuid4().hex[:24]}",
-            "type": "function_call_output",
-            "call_id": call["call_id"],
-            "output": _result_text(event.result),
-            "status": "completed",
-        }
-        self.items.append(output)
-        return call, output
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": []}
-
-
-def message_item(
-    text: str, item_id: str | None = None, status: str | None = None
-) -> dict[str, Any]:
-    item: dict[str, Any] = {"type": "message", "role": "assistant"}
-    if item_id is not None:
-        item["id"] = item_id
-    if status is not None:
-        item["status"] = status
-    item["content"] = [_text_part(text)]
-    return item
-
-
-def usage_in_responses(reply: Reply | None) -> dict[str, int]:
-    u = usage_of(reply)
-    return {
-        "input_tokens": u["prompt_tokens"],
-        "output_tokens": u["completion_tokens"],
-        "total_tokens": u["total_tokens"],
-    }
 
 
 # ---------------------------------------------------------------- handlers
@@ -484,7 +373,7 @@ class Responses:
             message_item(said, f"msg_{uuid.uuid4().hex[:24]}", "completed")
         ]
         response.update(status="completed", output=output, usage=usage_in_responses(reply))
-        kept.response = {**response, "output": _shortened(output)}
+        kept.response = {**response, "output": shortened(output)}
         keep()
         return JSONResponse(response, headers=headers)
 
@@ -530,7 +419,7 @@ class Responses:
                     item_id=message_id,
                     output_index=message_index,
                     content_index=0,
-                    part=_text_part(""),
+                    part=text_part(""),
                 ),
             ]
 
@@ -551,7 +440,7 @@ class Responses:
 
         def final_items(text: str) -> list[dict[str, Any]]:
             done = [{k: v for k, v in i.items() if k != "status"} for i in tools.items]
-            return _shortened(done) + [message_item(text)]
+            return shortened(done) + [message_item(text)]
 
         dropped = 0  # events of this stream the supervisor dropped (we lagged)
         try:
@@ -634,7 +523,7 @@ class Responses:
                             item_id=message_id,
                             output_index=message_index,
                             content_index=0,
-                            part=_text_part(said),
+                            part=text_part(said),
                         )
                         yield event(
                             "response.output_item.done",
