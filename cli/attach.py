@@ -166,7 +166,11 @@ class Attached:
         if msg.re != self.watch_id or msg.kind is not Kind.EVENT:
             return
         body = msg.body
-        kind, data, turn = body["type"], body.get("data"), body.get("turn")
+        kind, turn = body["type"], body.get("turn")
+        # What an event carries: a map for most kinds (`data`), a string for
+        # output and tokens (`raw`).
+        raw = body.get("data")
+        data: dict[str, Any] = raw if isinstance(raw, dict) else {}
         dim = bool(body.get("replayed"))
         if kind == "turn":
             if turn is not None:
@@ -176,9 +180,9 @@ class Attached:
             who = "you" if turn in self.mine else "turn"
             self.say(f"» [{who}] {data['text']}", fg="blue", dim=dim)
         elif kind == "output":
-            self.say(str(data), dim=dim)
+            self.say(str(raw), dim=dim)
         elif kind == "token":
-            self.screen.out(str(data), nl=False)
+            self.screen.out(str(raw), nl=False)
             self.mid_line = True
             self.streamed.add(turn)
         elif kind == "reply":
@@ -194,8 +198,8 @@ class Attached:
         elif kind == "state":
             self._show_state(data, dim)
         elif kind == "status":
-            if isinstance(data, dict) and data.get("state") not in QUIET_STATUS:
-                self.say(f"· {data}", dim=True)
+            if isinstance(raw, dict) and data.get("state") not in QUIET_STATUS:
+                self.say(f"· {raw}", dim=True)
         elif kind == "approval":
             self.approvals.append(data.get("id"))
             how = (
@@ -212,13 +216,12 @@ class Attached:
             self._approval_done(data.get("id"))
             self.say(f"? no answer in time: {data.get('outcome')}", fg="magenta", dim=dim)
         elif kind == "approval_answer":
-            answer = data if isinstance(data, dict) else {}
-            self._approval_done(answer.get("approval"))
-            self.say(f"· approval answered: {answer.get('choice')}", dim=True)
+            self._approval_done(data.get("approval"))
+            self.say(f"· approval answered: {data.get('choice')}", dim=True)
         elif kind in ("tool_start", "tool_complete", "tool_progress"):
-            self.say(f"· {kind}: {str(data)[:200]}", dim=True)
+            self.say(f"· {kind}: {str(raw)[:200]}", dim=True)
         else:
-            self.say(f"· {kind}: {data}", dim=True)
+            self.say(f"· {kind}: {raw}", dim=True)
 
     def _approval_done(self, approval: str | None) -> None:
         """A request was answered or timed out: it no longer waits."""

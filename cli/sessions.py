@@ -386,7 +386,7 @@ def kill(
         deadline = time.monotonic() + 120
         while pending:
             msg = client.next(timeout=max(1.0, deadline - time.monotonic()))
-            key = pending.pop(msg.re, None)
+            key = pending.pop(msg.re, None) if msg.re is not None else None
             if key is None:
                 continue
             if msg.kind is Kind.ERROR:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -397,7 +397,7 @@ class AsyncTurn:
         self._pending = pending
         self._turn_timeout = turn_timeout
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
+    async def __aiter__(self) -> AsyncGenerator[Event, None]:
         deadline = None if self._turn_timeout is None else time.monotonic() + self._turn_timeout
         try:
             msg = await self.client._wait(self._pending, self.client.timeout)

@@ -11,7 +11,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -385,7 +385,7 @@ class Client:
         {pid, grace}. It is gone once `connection.alive()` is False."""
         return self._call(core.shutdown(), timeout)
 
-    def watch(self, session: str | None = None, replay: int = 0) -> Iterator[Event]:
+    def watch(self, session: str | None = None, replay: int = 0) -> Generator[Event, None, None]:
         """Every event of one session (or of all): states, turns from any
         client, streamed events, final answers. Stops when the iterator is closed."""
         link, pending = self._start(Kind.WATCH, {"replay": replay}, session, ttl=self.timeout)

@@ -32,7 +32,7 @@ from hermes_sup.local import syscalls
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.prctl import can_fork_to_parent, fork_with
 from hermes_sup.worker import seal
-from hermes_sup.worker.seal_calls import FAULT_ENV
+from hermes_sup.worker.seal_calls import FAULT_ENV, SealError
 
 from . import statedir
 from .config import Settings
@@ -219,7 +219,7 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
         if mode == "root":
             _check_reachable(settings)
         done = _probe_in_child(mode, settings.state_dir, fault)
-    except seal.SealError as exc:
+    except SealError as exc:
         why = explain(mode, exc)
         if asked == "on":
             raise SealingUnavailable(
@@ -278,7 +278,7 @@ def _check_reachable(settings: Settings) -> None:
             except OSError:
                 continue
             if not mode & stat.S_IXOTH:
-                raise seal.SealError(
+                raise SealError(
                     "hide",
                     f"{parent} (above {top}) is not searchable by other users (mode "
                     f"{stat.S_IMODE(mode):04o}), and sealed sessions run as uids of their own; "
@@ -297,7 +297,7 @@ def _probe_in_child(mode: str, scratch: Path, fault: str | None) -> dict[str, An
     except OSError as exc:
         os.close(r)
         os.close(w)
-        raise seal.SealError(
+        raise SealError(
             "unshare", f"clone({syscalls.clone_flag_names(namespaces)}): {exc.strerror}"
         ) from None
     if pid == 0:
@@ -308,7 +308,7 @@ def _probe_in_child(mode: str, scratch: Path, fault: str | None) -> dict[str, An
             uid = SEALED_UID_BASE if mode == "root" else None
             result: dict[str, Any] = {"ok": True, **seal.probe(mode, scratch, uid, uid, fault)}
             code = 0
-        except seal.SealError as exc:
+        except SealError as exc:
             result = {"ok": False, "step": exc.step, "message": exc.message}
         except BaseException as exc:
             result = {"ok": False, "step": "probe", "message": f"{type(exc).__name__}: {exc}"}
@@ -329,7 +329,7 @@ def _probe_in_child(mode: str, scratch: Path, fault: str | None) -> dict[str, An
     except ValueError:
         result = {}
     if not result.get("ok"):
-        raise seal.SealError(
+        raise SealError(
             str(result.get("step", "probe")), str(result.get("message", "the probe child died"))
         )
     return dict(result)
@@ -349,7 +349,7 @@ def _has_cap(cap: int) -> bool:
     return False
 
 
-def explain(mode: str, exc: seal.SealError) -> str:
+def explain(mode: str, exc: SealError) -> str:
     """The cause of a failed probe, in words an operator can act on."""
     what = f"{exc.step} failed ({exc.message})"
     if mode == "root":

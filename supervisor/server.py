@@ -42,6 +42,7 @@ from typing import Any
 import psutil
 
 from hermes_sup.local.logfmt import kv
+from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
 from . import configfile, remote, sealing, statedir
@@ -50,7 +51,7 @@ from .config import Settings
 from .context import Context
 from .endpoints import Endpoints
 from .environment import allowlisted
-from .front import Front, version
+from .front import Front
 from .health import Health
 from .lifecycle import Lifecycle
 from .limits import allowed_sessions

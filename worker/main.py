@@ -53,6 +53,7 @@ from hermes_sup.protocol import (
 from . import parent, seal
 from . import runtime as runtime_mod
 from .loop import Link, TurnThread, WorkerLoop
+from .seal_calls import SealError
 
 # The signal the kernel sends us when the supervisor dies. It only wakes the
 # main loop, which checks the supervisor (worker/parent.py) and cleans up;
@@ -65,7 +66,7 @@ log = logging.getLogger("hermes_sup.worker")
 def boot(request: dict[str, Any], out_fd: int) -> NoReturn:
     """Become the session's worker; never returns. `out_fd` is the pipe to the
     supervisor that becomes stdout and stderr."""
-    code = WorkerExit.BOOT_FAILED
+    code: int = WorkerExit.BOOT_FAILED
     try:
         _redirect_output(out_fd)
         code = _boot(request)
@@ -96,7 +97,7 @@ def _boot(req: dict[str, Any]) -> int:
             # come next); the session's mounts and uid once assigned.
             try:
                 entered = seal.enter(req["seal"]["mode"], req["seal"].get("fault"))["mode"]
-            except seal.SealError as exc:
+            except SealError as exc:
                 return _seal_failed("(spare)", exc)
             seal.plan_view(req["seal"])  # what every session hides, worked out now
         link = Link(req)
@@ -194,7 +195,7 @@ def _serve_session(
     if plan:
         try:
             paths, socket_fd = _seal(req, plan, entered, keep_socket=link is None)
-        except seal.SealError as exc:
+        except SealError as exc:
             return _seal_failed(req["key"], exc)
         if socket_fd is not None:
             # Connected before anything of the session runs, through a
@@ -250,9 +251,7 @@ def _serve_session(
             hermes_seal.replay(paths)
         except Exception as exc:
             traceback.print_exc()
-            return _seal_failed(
-                req["key"], seal.SealError("replay", f"{type(exc).__name__}: {exc}")
-            )
+            return _seal_failed(req["key"], SealError("replay", f"{type(exc).__name__}: {exc}"))
 
     info = runtime_mod.SessionInfo(
         key=req["key"],
@@ -308,7 +307,7 @@ def _seal(
     if entered is None:
         seal.enter(mode, fault)  # fails by itself if we already have threads
     elif entered != mode:
-        raise seal.SealError("unshare", f"this spare was sealed as {entered}, not {mode}")
+        raise SealError("unshare", f"this spare was sealed as {entered}, not {mode}")
     dirs = seal.SessionDirs(
         dir=Path(plan["session_dir"]),
         home=Path(req["home"]),
@@ -323,7 +322,7 @@ def _seal(
         # be in the way (a symlink would lead those mkdirs elsewhere).
         with os.scandir(dirs.tmp) as entries:
             if next(entries, None) is not None:
-                raise seal.SealError("tmp", f"{dirs.tmp} could not be emptied")
+                raise SealError("tmp", f"{dirs.tmp} could not be emptied")
     uid, gid = plan.get("uid"), plan.get("gid")
     if mode == "root":
         assert uid is not None and gid is not None
@@ -342,7 +341,7 @@ def _seal(
     return paths, socket_fd
 
 
-def _seal_failed(key: str, exc: seal.SealError) -> int:
+def _seal_failed(key: str, exc: SealError) -> int:
     """Say why, and exit before anything of the session runs."""
     log.error(
         "seal failed session=%s step=%s: %s; the session does not run unsealed",
@@ -489,7 +488,8 @@ def _warm_up(token: bytes) -> None:
     # into a buffer: writing to the real stream would put a line in the log
     # of a session that does not exist yet.
     root = logging.getLogger()
-    streams = [(h, h.setStream(io.StringIO())) for h in root.handlers if _streams(h)]
+    handlers = [h for h in root.handlers if isinstance(h, logging.StreamHandler) and _streams(h)]
+    streams = [(h, h.setStream(io.StringIO())) for h in handlers]
     try:
         log.info(START_LINE, "k", 1, "r", "no")
     finally:
