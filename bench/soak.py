@@ -1,7 +1,7 @@
 """Soak: mixed load and faults against one real supervisor for N minutes.
 
     make soak                                   # 30 minutes
-    python bench/soak.py --minutes 5            # shorter
+    python -m bench.soak --minutes 5            # shorter
 
 A supervisor with the probe runtime, spare workers on and a configuration
 file, driven for `--minutes` by many sessions at once: short turns,
@@ -45,6 +45,7 @@ from typing import Any
 
 import psutil
 
+from bench.common import RESULTS, Sup, pct
 from hermes_sup.client import (
     ApprovalRequest,
     ApprovalTimeout,
@@ -55,9 +56,6 @@ from hermes_sup.client import (
     SupervisorError,
 )
 from hermes_sup.supervisor.turns import DEDUP_ENTRIES
-
-sys.path.insert(0, str(Path(__file__).parent))
-from run import RESULTS, Sup, pct  # noqa: E402  (bench/ is not a package)
 
 # Two valid settings the configuration file alternates between. What differs
 # takes effect at once for new sessions (see README, "Reload"); turn_timeout
@@ -807,10 +805,9 @@ def main() -> int:
     sup = Sup("--config", str(config))
     try:
         soak = asyncio.run(soak_run(args, sup, config))
-        log_path = sup.root / "log"
-        log = log_summary(log_path)
+        log = log_summary(sup.log)
         RESULTS.mkdir(exist_ok=True)
-        shutil.copy(log_path, RESULTS / "soak-supervisor.log")
+        shutil.copy(sup.log, RESULTS / "soak-supervisor.log")
     finally:
         sup.close()
         shutil.rmtree(confdir, ignore_errors=True)
