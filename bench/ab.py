@@ -127,6 +127,7 @@ def report(what: str, samples: dict[str, list[float]], scale: float, unit: str) 
 
 
 def main() -> None:
+    """Paired, sequential rounds, or (--once) one round of this install."""
     parser = argparse.ArgumentParser()
     parser.add_argument("other", nargs="?", help="the python of the other install")
     parser.add_argument("--rounds", type=int, default=3)

@@ -231,6 +231,7 @@ class ProxyFloor:
         return proc
 
     def close(self) -> None:
+        """Close the client, kill the floor's processes, remove the temp dir."""
         self.client.close(0)
         self.ctx.term()
         for p in self.procs:

@@ -214,6 +214,7 @@ class Usage:
         self.before = (cpu_seconds(router), cpu_seconds(streams))
 
     def finish(self, got: dict[str, Any], sessions: int) -> dict[str, Any]:
+        """The figures of what `read` got, with the CPU spent since the start."""
         router = cpu_seconds(self.router) - self.before[0]
         streams = cpu_seconds(self.streams) - self.before[1]
         events, lags = got["events"], got["lags"]
@@ -250,6 +251,7 @@ def fanin(sessions: int, raw_total: int, paced_seconds: float, slow: int) -> dic
 
 
 def print_rows(result: dict[str, Any]) -> None:
+    """One count of sessions' figures as a table."""
     n = result["sessions"]
     print(f"\n{n} sessions (raw: {result['raw_events_per_session']} lines each)")
     print(
@@ -268,6 +270,7 @@ def print_rows(result: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    """Measure each count of sessions; print and write fanin.json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--raw-total", type=int, default=64_000, help="raw lines, all sessions")

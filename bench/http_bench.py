@@ -173,6 +173,7 @@ def _commit() -> str:
 
 
 def main() -> None:
+    """Run the parts asked for; print them and write http.json."""
     parser = argparse.ArgumentParser(
         prog="python -m bench.http_bench", description=__doc__.split("\n")[0]
     )

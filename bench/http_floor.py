@@ -131,6 +131,7 @@ class FloorApp:
 
 
 def main() -> None:
+    """Serve the echo or bridge app, or the endpoint itself on uvloop."""
     if sys.argv[1:2] == ["--endpoint-on-uvloop"]:
         import uvloop
 

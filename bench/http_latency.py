@@ -47,6 +47,7 @@ class RawHttp:
         self.buffer = b""
 
     def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        """POST `body` and return the answer's body (200 only)."""
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         request = f"POST {path} HTTP/1.1\r\n{self.head}{extra}Content-Length: {len(body)}\r\n\r\n"
         self.sock.sendall(request.encode() + body)
@@ -73,6 +74,7 @@ class RawHttp:
         self.buffer += piece
 
     def close(self) -> None:
+        """Close the connection."""
         self.sock.close()
 
 

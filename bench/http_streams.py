@@ -58,13 +58,16 @@ class Tally:
         self.results: list[dict[str, Any]] = []
 
     def opened(self) -> None:
+        """A stream opened."""
         self.open += 1
         self.peak = max(self.peak, self.open)
 
     def closed(self) -> None:
+        """A stream closed."""
         self.open -= 1
 
     def summary(self, wall: float) -> dict[str, Any]:
+        """The streams' outcomes, errors and times, `wall` seconds in all."""
         outcomes = Counter(r["outcome"] for r in self.results)
         errors = Counter(r["error"] for r in self.results if r["error"])
         firsts = [r["first_token_s"] for r in self.results if r["first_token_s"] is not None]

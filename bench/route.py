@@ -323,6 +323,7 @@ def round_trips(turns: int, out: Path) -> None:
 
 
 def main() -> None:
+    """Round trips, --scale, --failover, or (--proxy) the floor's process."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=2000)
     parser.add_argument("--proxy", nargs=2, help=argparse.SUPPRESS)

@@ -101,6 +101,7 @@ def hermes_bench(count: int) -> dict[str, Any] | None:
 
 
 def main() -> int:
+    """Every figure (or --only one) beside its floor; print and write the results."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small counts (smoke run)")
     parser.add_argument("--skip-scale", action="store_true")

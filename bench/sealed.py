@@ -222,6 +222,7 @@ def bench(count: int, pythons: dict[str, str], spares: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every mode on each Python (or --record-modules); print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--record-modules", action="store_true")
     parser.add_argument("--count", type=int, default=8, help="sessions per mode (default 8)")

@@ -36,6 +36,7 @@ def spawn_ms(client: Client, key: str) -> float:
 
 
 def main() -> int:
+    """Spawns alternated between a sealed and an unsealed supervisor."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--sessions", type=int, default=40)
     parser.add_argument("--spares", type=int, default=0)

@@ -135,6 +135,7 @@ async def soak_run(args: argparse.Namespace, sup: Sup, config: Path) -> Soak:
 
 
 def main() -> int:
+    """Soak one supervisor (or --replot); exit 1 if a turn was lost."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="length of the load (30)")
     parser.add_argument("--drivers", type=int, default=10, help="turns in flight at once (10)")

@@ -84,9 +84,11 @@ class Soak:
     drained_at: float = 0.0  # when the last turn of the load ended (or was given up)
 
     def now(self) -> float:
+        """Seconds since the load started."""
         return time.monotonic() - self.started
 
     def loading(self) -> bool:
+        """Whether the load is still on."""
         return time.monotonic() < self.load_until
 
     def unanswered_asks(self) -> int:

@@ -252,6 +252,7 @@ def plot_svg(result: dict[str, Any]) -> str:
 
 
 def print_summary(result: dict[str, Any], plot_path: str) -> None:
+    """The summary of a soak, a few lines for a person."""
     s = result["summary"]
     sup = s["supervisor"]
     print(
