@@ -57,14 +57,15 @@ clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # Benchmarks, never part of the tests: results in bench/results/latest.json,
-# summarised in BENCHMARKS.md.
+# summarised in BENCHMARKS.md. Every benchmark runs as `python -m bench.NAME`
+# from here (bench/ is a package; see bench/__init__.py for the others).
 bench: install
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python bench/run.py
+	$(BIN)/python -m bench.run
 
 # The soak: 30 minutes of mixed load and faults against one supervisor
 # (MINUTES=5 make soak for less); bench/results/soak.json and soak.png.
 MINUTES ?= 30
 soak: install
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python bench/soak.py --minutes $(MINUTES)
+	$(BIN)/python -m bench.soak --minutes $(MINUTES)

@@ -4,8 +4,8 @@ machine falls on both alike.
     # B: a second checkout installed in its own venv, e.g.
     git worktree add /tmp/before <commit> && python3 -m venv /tmp/bv \\
         && /tmp/bv/bin/pip install -e /tmp/before
-    .venv/bin/python bench/ab.py /tmp/bv/bin/python --paired
-    .venv/bin/python bench/ab.py /tmp/bv/bin/python --rounds 3
+    .venv/bin/python -m bench.ab /tmp/bv/bin/python --paired
+    .venv/bin/python -m bench.ab /tmp/bv/bin/python --rounds 3
 
 --paired (the sharper test) runs both supervisors at once and alternates
 single requests between them: each round trip and each spawn of one has a
@@ -17,29 +17,33 @@ for both, so it compares supervisors and workers, not clients.
 
 Without it, each round runs `ab.py --once` under this interpreter, then
 under the other: 200 spawns and 1,000 round trips with 1 and 64 sessions.
+Run from the repository root: the other interpreter runs this checkout's
+bench/ against its own install of hermes_sup.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-sys.path.insert(0, str(Path(__file__).parent))
+from bench.common import REPO, Sup, context_switches, cpu_seconds, pct, summary
+from bench.round_trip import routed
+from bench.spawn import spawn_hermes_sup
+from hermes_sup.client import Client
+from hermes_sup.protocol import Kind
 
 
 def once() -> dict[str, float]:
-    import run as b
-
-    sup = b.Sup()
+    """One round of the sequential A/B, under this interpreter's install."""
+    sup = Sup()
     try:
-        spawn = b.summary(b.spawn_hermes_sup(sup, 200, "sp"))["p50_ms"]
-        one = b.routed(sup, 1, 1000, 256)
-        many = b.routed(sup, 64, 1000, 256)
+        spawn = summary(spawn_hermes_sup(sup, 200, "sp"))["p50_ms"]
+        one = routed(sup, 1, 1000, 256)
+        many = routed(sup, 64, 1000, 256)
     finally:
         sup.close()
     return {
@@ -55,23 +59,13 @@ def once() -> dict[str, float]:
     }
 
 
-def switches(pid: int) -> int:
-    """Context switches of every thread of a process, so far."""
-    total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        for line in status.read_text().splitlines():
-            if "ctxt_switches:" in line:
-                total += int(line.split()[1])
-    return total
-
-
 def paired(other: str, round_trips: int, spawns: int, sup_args: list[str], idle: int = 0) -> None:
-    import run as b
-
-    from hermes_sup.protocol import Kind
-
-    sides = {"this": b.Sup(*sup_args), "other": b.Sup(*sup_args, python=other)}
+    """Both supervisors at once, single requests alternated between them."""
+    sides: dict[str, Sup] = {}
+    clients: dict[str, Client] = {}
     try:
+        sides["this"] = Sup(*sup_args)
+        sides["other"] = Sup(*sup_args, python=other)
         clients = {name: sup.client() for name, sup in sides.items()}
         pids = {}
         for name, c in clients.items():
@@ -94,7 +88,7 @@ def paired(other: str, round_trips: int, spawns: int, sup_args: list[str], idle:
             clients[name].run(f"sp{i}", "x")
             return time.perf_counter() - started
 
-        def alternate(measure, n: int) -> dict[str, list[float]]:  # noqa: ANN001
+        def alternate(measure: Callable[[str, int], float], n: int) -> dict[str, list[float]]:
             out: dict[str, list[float]] = {"this": [], "other": []}
             for i in range(n):
                 order = ("this", "other") if i % 2 == 0 else ("other", "this")
@@ -103,9 +97,9 @@ def paired(other: str, round_trips: int, spawns: int, sup_args: list[str], idle:
             return out
 
         alternate(lambda name, i: round_trip(name), 300)  # warm-up
-        before = {n: (b.cpu_seconds(p), sum(map(switches, p))) for n, p in pids.items()}
+        before = {n: (cpu_seconds(p), sum(map(context_switches, p))) for n, p in pids.items()}
         rtt = alternate(lambda name, i: round_trip(name), round_trips)
-        after = {n: (b.cpu_seconds(p), sum(map(switches, p))) for n, p in pids.items()}
+        after = {n: (cpu_seconds(p), sum(map(context_switches, p))) for n, p in pids.items()}
         report("round trip", rtt, 1e6, "us")
         for name in sides:
             cpu = (after[name][0] - before[name][0]) / round_trips * 1e6
@@ -121,17 +115,19 @@ def paired(other: str, round_trips: int, spawns: int, sup_args: list[str], idle:
 
 
 def report(what: str, samples: dict[str, list[float]], scale: float, unit: str) -> None:
+    """Each side's p50, the p50 of the paired differences, and the wins."""
     this, other = samples["this"], samples["other"]
     diffs = [(a - o) * scale for a, o in zip(this, other, strict=True)]
     faster = sum(d < 0 for d in diffs)
     print(
-        f"{what}: this p50 {statistics.median(this) * scale:.1f} {unit}, other p50 "
-        f"{statistics.median(other) * scale:.1f} {unit}; paired difference p50 "
-        f"{statistics.median(diffs):+.1f} {unit}; this faster in {faster} of {len(diffs)}"
+        f"{what}: this p50 {pct(this, 50) * scale:.1f} {unit}, other p50 "
+        f"{pct(other, 50) * scale:.1f} {unit}; paired difference p50 "
+        f"{pct(diffs, 50):+.1f} {unit}; this faster in {faster} of {len(diffs)}"
     )
 
 
 def main() -> None:
+    """Paired, sequential rounds, or (--once) one round of this install."""
     parser = argparse.ArgumentParser()
     parser.add_argument("other", nargs="?", help="the python of the other install")
     parser.add_argument("--rounds", type=int, default=3)
@@ -155,7 +151,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for label, python in (("this", sys.executable), ("other", args.other)):
             out = subprocess.run(
-                [python, __file__, "--once"], capture_output=True, text=True, check=True
+                [python, "-m", "bench.ab", "--once"],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=REPO,
             )
             figures = json.loads(out.stdout.strip().splitlines()[-1])
             print(label, " ".join(f"{k}={v:.2f}" for k, v in figures.items()), flush=True)

@@ -1,7 +1,7 @@
 """Event fan-in: many sessions streaming at once, through one supervisor.
 
-    python bench/fanin.py                       # 64 and 512 sessions, raw and paced
-    python bench/fanin.py --sessions 64 --quick # a smoke run
+    python -m bench.fanin                        # 64 and 512 sessions, raw and paced
+    python -m bench.fanin --sessions 64 --quick  # a smoke run
 
 For each count of sessions, every session runs one streaming turn at the
 same time and one reader takes every event:
@@ -32,48 +32,24 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import psutil
 import zmq
 
-sys.path.insert(0, str(Path(__file__).parent))
+from bench.common import RESULTS, MemorySampler, ProxyFloor, Sup, cpu_seconds, pct
+from hermes_sup.local import statedir
+from hermes_sup.protocol import Kind, Message, encode
 
-import run  # noqa: E402  (bench/run.py: Sup, pct, cpu_seconds)
-
-from hermes_sup.local import statedir  # noqa: E402
-from hermes_sup.protocol import Kind, Message, encode  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 TOKENS_PER_S = 50  # the probe's `stream` pace (STREAM_DELAY)
 
 
 # ------------------------------------------------------------------ the floor
-
-FAN_PROXY = r"""
-import sys, zmq
-ctx = zmq.Context()
-front = ctx.socket(zmq.ROUTER); front.bind(sys.argv[1])
-back = ctx.socket(zmq.ROUTER); back.bind(sys.argv[2])
-for s in (front, back):
-    s.setsockopt(zmq.SNDHWM, 100000); s.setsockopt(zmq.RCVHWM, 100000)
-poller = zmq.Poller(); poller.register(front, zmq.POLLIN); poller.register(back, zmq.POLLIN)
-while True:
-    for sock, _ in poller.poll():
-        if sock is front:   # [client, stream, payload] -> [stream, client, payload]
-            client, stream, payload = front.recv_multipart()
-            back.send_multipart([stream, client, payload])
-        else:               # [stream, client, payload] -> [client, stream, payload]
-            stream, client, payload = back.recv_multipart()
-            front.send_multipart([client, stream, payload])
-"""
 
 # One process of the floor's streams: a DEALER per stream, each told `go`
 # by the reader, then all of them sending in turn (raw: as fast as zmq
@@ -103,12 +79,9 @@ time.sleep(1)
 
 def floor(sessions: int, events: int, paced: bool) -> dict[str, Any]:
     """The same fan-in through a bare proxy (see the module docstring)."""
-    tmp = Path(tempfile.mkdtemp(prefix="hsf-", dir="/tmp"))
-    front_ep, back_ep = f"ipc://{tmp}/front", f"ipc://{tmp}/back"
-    procs = [subprocess.Popen([sys.executable, "-c", FAN_PROXY, front_ep, back_ep])]
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reader = ctx.socket(zmq.DEALER)
-    reader.setsockopt(zmq.LINGER, 0)
+    # Room for every stream's burst at once: zmq's default high-water mark is 1,000.
+    proxy = ProxyFloor("hsf-", hwm=100_000)
+    reader = proxy.client
     reader.setsockopt(zmq.RCVHWM, 0)
     try:
         time.sleep(0.3)
@@ -116,21 +89,15 @@ def floor(sessions: int, events: int, paced: bool) -> dict[str, Any]:
         rate = TOKENS_PER_S if paced else 0
         for first in range(0, sessions, per):
             count = min(per, sessions - first)
-            args = [back_ep, str(first), str(count), str(events), str(rate)]
-            procs.append(subprocess.Popen([sys.executable, "-c", STREAMER, *args]))
-        reader.connect(front_ep)
+            proxy.start(STREAMER, proxy.back, str(first), str(count), str(events), str(rate))
+        reader.connect(proxy.front)
         time.sleep(1.0 + sessions * 0.004)  # the streams connect and say ready
-        usage = Usage([procs[0].pid], [p.pid for p in procs[1:]])
+        usage = Usage([proxy.procs[0].pid], [p.pid for p in proxy.procs[1:]])
         for i in range(sessions):
             reader.send_multipart([f"s{i}".encode(), b"go"])
         return usage.finish(read(reader, sessions, lambda frames: frames[1]), sessions)
     finally:
-        reader.close(0)
-        ctx.term()
-        for p in procs:
-            p.kill()
-            p.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        proxy.close()
 
 
 # --------------------------------------------------------------- hermes-sup
@@ -147,7 +114,7 @@ def hermes(
     # default queue when a client that never reads is what is measured.
     queue = "" if slow else "client_queue = 1000000\n"
     config.write_text(f"stream_coalesce_ms = {coalesce_ms}\n{queue}")
-    sup = run.Sup("--config", str(config))
+    sup = Sup("--config", str(config))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     socks: list[zmq.Socket[bytes]] = []
     try:
@@ -171,10 +138,10 @@ def hermes(
         usage = Usage([sup.proc.pid], pids)
         for k in keys:
             reader.send_multipart(encode(Message(Kind.SEND, {"text": text}, session=k), key))
-        peak = Peak(sup.proc.pid)
+        peak = MemorySampler({"supervisor": sup.proc.pid}, every=0.05, fds=False)
         got = read(reader, sessions, lambda frames: frames[2], skip_status=True)
         out = usage.finish(got, sessions)
-        out["supervisor_peak_rss_mib"] = peak.stop()
+        out["supervisor_peak_rss_mib"] = peak.stop()["supervisor"]["rss_peak_mib"]
         return out
     finally:
         for s in socks:
@@ -199,7 +166,10 @@ def _dealer(
 
 
 def read(
-    sock: zmq.Socket[bytes], finals: int, payload_of: Any, skip_status: bool = False
+    sock: zmq.Socket[bytes],
+    finals: int,
+    payload_of: Callable[[list[bytes]], bytes],
+    skip_status: bool = False,
 ) -> dict[str, Any]:
     """Read until `finals` final answers came: events, the lines or tokens
     they carry, and each event's lag from its `ts`."""
@@ -241,11 +211,12 @@ class Usage:
 
     def __init__(self, router: list[int], streams: list[int]) -> None:
         self.router, self.streams = router, streams
-        self.before = (run.cpu_seconds(router), run.cpu_seconds(streams))
+        self.before = (cpu_seconds(router), cpu_seconds(streams))
 
     def finish(self, got: dict[str, Any], sessions: int) -> dict[str, Any]:
-        router = run.cpu_seconds(self.router) - self.before[0]
-        streams = run.cpu_seconds(self.streams) - self.before[1]
+        """The figures of what `read` got, with the CPU spent since the start."""
+        router = cpu_seconds(self.router) - self.before[0]
+        streams = cpu_seconds(self.streams) - self.before[1]
         events, lags = got["events"], got["lags"]
         return {
             "sessions": sessions,
@@ -256,33 +227,9 @@ class Usage:
             "units_per_s": got["units"] / got["seconds"],
             "router_cpu_us_per_event": router / max(1, events) * 1e6,
             "streams_cpu_us_per_event": streams / max(1, events) * 1e6,
-            "lag_p50_ms": run.pct(lags, 50) * 1000 if lags else None,
-            "lag_p99_ms": run.pct(lags, 99) * 1000 if lags else None,
+            "lag_p50_ms": pct(lags, 50) * 1000 if lags else None,
+            "lag_p99_ms": pct(lags, 99) * 1000 if lags else None,
         }
-
-
-class Peak:
-    """The highest RSS of a process, sampled every 50 ms until `stop`."""
-
-    def __init__(self, pid: int) -> None:
-        self.proc = psutil.Process(pid)
-        self.peak = self.proc.memory_info().rss
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done.wait(0.05):
-            try:
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-            except psutil.Error:
-                return
-
-    def stop(self) -> float:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        return self.peak / 2**20
 
 
 # ---------------------------------------------------------------------- main
@@ -304,6 +251,7 @@ def fanin(sessions: int, raw_total: int, paced_seconds: float, slow: int) -> dic
 
 
 def print_rows(result: dict[str, Any]) -> None:
+    """One count of sessions' figures as a table."""
     n = result["sessions"]
     print(f"\n{n} sessions (raw: {result['raw_events_per_session']} lines each)")
     print(
@@ -322,6 +270,7 @@ def print_rows(result: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    """Measure each count of sessions; print and write fanin.json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--raw-total", type=int, default=64_000, help="raw lines, all sessions")

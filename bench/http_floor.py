@@ -1,4 +1,4 @@
-"""Floors for the HTTP endpoint's figures (bench/http.py): the least an
+"""Floors for the HTTP endpoint's figures (bench/http_bench.py): the least an
 HTTP server in front of chat turns can cost, served by uvicorn exactly as
 the endpoint is (httpapi/serve.py: the same `bind`, the same
 `uvicorn.Config`), so that what the endpoint adds on top is ours.
@@ -20,8 +20,7 @@ the endpoint is (httpapi/serve.py: the same `bind`, the same
   endpoint calls `asyncio.run` itself, so uvicorn's `loop="auto"` never
   installs uvloop there; this shows what installing it would change.
 
-Run with `-m` from the repository root, never as `python bench/http_floor.py`:
-bench/http.py would shadow the standard library's `http` package.
+bench/http_stack.py starts them, with `-m` from the repository root.
 """
 
 from __future__ import annotations
@@ -34,15 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # a script's directory first on sys.path would shadow `http`
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+from starlette.types import Receive, Scope, Send
 
-from starlette.types import Receive, Scope, Send  # noqa: E402
-
-from hermes_sup.client import AsyncClient  # noqa: E402
-from hermes_sup.httpapi.app import ApiSettings  # noqa: E402
-from hermes_sup.httpapi.serve import bind, parse_listen, uvicorn_config  # noqa: E402
+from hermes_sup.client import AsyncClient
+from hermes_sup.httpapi.app import ApiSettings
+from hermes_sup.httpapi.serve import bind, parse_listen, uvicorn_config
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -136,6 +131,7 @@ class FloorApp:
 
 
 def main() -> None:
+    """Serve the echo or bridge app, or the endpoint itself on uvloop."""
     if sys.argv[1:2] == ["--endpoint-on-uvloop"]:
         import uvloop
 

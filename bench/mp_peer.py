@@ -3,6 +3,9 @@ that answers over zmq. A script of its own, so that the children re-import
 this small module and not the benchmark with everything it imports.
 
     python bench/mp_peer.py METHOD COUNT    # prints a JSON list of seconds
+
+Run by its path, not as part of the bench package: a `spawn` child then
+imports only this file.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from typing import Any
 
 import zmq
 
@@ -27,14 +31,16 @@ def child_answer(endpoint: str) -> None:
     ctx.term()
 
 
-def answer_ping(router: zmq.Socket) -> None:
+def answer_ping(router: zmq.Socket[bytes]) -> None:
+    """The parent's side: take a child's hello, ping it, take its echo."""
     ident, _hello = router.recv_multipart()
     router.send_multipart([ident, b"ping"])
     router.recv_multipart()
 
 
 def measure(method: str, count: int) -> list[float]:
-    mpctx = mp.get_context(method)
+    """`count` processes started by `method`, each until it answered."""
+    mpctx: Any = mp.get_context(method)  # spawn or forkserver: both have Process
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)

@@ -1,7 +1,7 @@
-"""A routed turn against a direct one, in the same run (issue 20).
+"""A routed turn against a direct one, in the same run.
 
 One supervisor (probe runtime, --tcp) and one router in front of it
-(`hermes-sup route` with that node). Three ways to the same warm session,
+(`hermes-sup route` with that node). One warm session reached four ways,
 alternating one turn at a time so the noise of a shared machine falls on
 all alike:
 
@@ -19,7 +19,7 @@ plus one hop); routed - direct-ipc is what a local front end pays for
 going through a router. p50 and p90 in ms; results in
 bench/results/route.json.
 
-    .venv/bin/python bench/route.py [--turns 2000]
+    .venv/bin/python -m bench.route [--turns 2000]     # from the repository root
 
 With --failover N: two nodes on one shared data directory behind a
 router, N sessions spread over them by key (each with one turn done);
@@ -41,49 +41,26 @@ more nodes are what a node gets of a shared machine, not of its own.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
+from bench.common import REPO, Sup, answers, free_port, pct, stop, wait_until
+from hermes_sup.client import AsyncClient, Client, SupervisorError
 from hermes_sup.client.connection import Connection
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def hs(*args: str, **kw: object) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", *args], **kw)  # type: ignore[call-overload]
-
-
-def wait_ping(make: object, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with make() as c:  # type: ignore[operator]
-                c.ping()
-                return
-        except (NotRunning, Timeout):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+from hermes_sup.cluster.placement import Candidate, rendezvous
 
 
 def proxy_main(front: str, conn_file: str) -> None:
     """The floor's process: zmq.proxy between an ipc ROUTER and the node."""
     import zmq
-
-    from hermes_sup.client.connection import Connection
 
     conn = Connection.from_file(conn_file)
     assert conn.curve is not None
@@ -99,81 +76,91 @@ def proxy_main(front: str, conn_file: str) -> None:
     zmq.proxy(router, dealer)
 
 
-def start_cluster(
-    root: Path, names: list[str], shared: bool, log: object
-) -> dict[str, subprocess.Popen[bytes]]:
-    """One supervisor per name (probe runtime, --tcp, `node = name`), on one
-    shared data directory or each on its own, and a router in front of them
-    (state directory root/r), once every node answers through it."""
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    lines = []
-    for name in names:
-        port = free_port()
-        data = root / ("d" if shared else f"d{name}")
-        (root / f"{name}.toml").write_text(f'node = "{name}"\n')
-        procs[name] = hs(
-            "hermes_sup.cli", "--state-dir", str(root / f"s{name}"), "serve", "--data-dir",
-            str(data), "--tcp", str(port), "--config", str(root / f"{name}.toml"),
-            "--log-level", "warning", stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        wait_ping(lambda n=name: Client(root / f"s{n}", timeout=2.0))  # type: ignore[misc]
+class Cluster:
+    """Supervisors (probe runtime, --tcp, `node = name`) behind one router,
+    all on `root`, their output in root/log; `close` stops the router first."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.nodes: dict[str, Sup] = {}
+        self.ports: dict[str, int] = {}
+        self.data: dict[str, Path] = {}
+        self.router: subprocess.Popen[bytes] | None = None
+
+    def start(
+        self,
+        names: list[str],
+        shared: bool,
+        poll: str | None = "0.2",
+        node_log_level: str | None = "warning",
+    ) -> None:
+        """One supervisor per name, on one shared data directory or each on
+        its own, then the router (state directory root/r), once every node
+        answers through it. `poll` is the router's --poll (None: its default)."""
+        root = self.root
+        lines = []
+        for name in names:
+            self.ports[name] = free_port()
+            self.data[name] = root / ("d" if shared else f"d{name}")
+            (root / f"{name}.toml").write_text(f'node = "{name}"\n')
+            self.nodes[name] = Sup(
+                "--tcp", str(self.ports[name]), "--config", str(root / f"{name}.toml"),
+                root=root, state=root / f"s{name}", data=self.data[name], log=root / "log",
+                log_level=node_log_level, timeout=60,
+            )  # fmt: skip
+            connection = self.key(f"router-{name}", name)
+            lines.append(f'[[node]]\nname = "{name}"\nconnection = "{connection}"\n')
+        (root / "nodes.toml").write_text("\n".join(lines))
+        cmd = [sys.executable, "-m", "hermes_sup.cli.route", "--nodes", str(root / "nodes.toml")]
+        cmd += ["--state-dir", str(root / "r"), "--log-level", "WARNING"]
+        cmd += ["--poll", poll] if poll else []
+        with open(root / "log", "ab") as log:
+            self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        wait_until(lambda: answers(root / "r", timeout=2.0), "the router", self.router)
+        deadline = time.monotonic() + 60
+        while True:
+            with Client(root / "r", timeout=10.0) as c:
+                nodes = c.status()["nodes"]
+            if len(nodes) == len(names) and all(n["answered"] for n in nodes):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nodes not all live through the router: {nodes}")
+            time.sleep(0.1)
+
+    def key(self, name: str, node: str) -> Path:
+        """A connection file (a client key) for `node` over TCP + CURVE."""
+        path = self.root / f"{name}.json"
         subprocess.run(
-            [sys.executable, "-m", "hermes_sup.cli", "keys", "generate", f"router-{name}",
-             "--endpoint", f"127.0.0.1:{port}", "-o", str(root / f"{name}.json"),
-             "--data-dir", str(data)], check=True, capture_output=True,
+            [sys.executable, "-m", "hermes_sup.cli", "keys", "generate", name,
+             "--endpoint", f"127.0.0.1:{self.ports[node]}", "-o", str(path),
+             "--data-dir", str(self.data[node])], check=True, capture_output=True,
         )  # fmt: skip
-        lines.append(f'[[node]]\nname = "{name}"\nconnection = "{root / f"{name}.json"}"\n')
-    (root / "nodes.toml").write_text("\n".join(lines))
-    procs["router"] = hs(
-        "hermes_sup.cli.route", "--nodes", str(root / "nodes.toml"), "--state-dir",
-        str(root / "r"), "--poll", "0.2", "--log-level", "WARNING", stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    wait_ping(lambda: Client(root / "r", timeout=2.0))
-    deadline = time.monotonic() + 60
-    while True:
-        with Client(root / "r", timeout=10.0) as c:
-            nodes = c.status()["nodes"]
-        if len(nodes) == len(names) and all(n["answered"] for n in nodes):
-            return procs
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"nodes not all live through the router: {nodes}")
-        time.sleep(0.1)
+        return path
 
-
-def stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each process (the router first), SIGKILL one that lingers."""
-    for proc in reversed(list(procs.values())):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def close(self) -> None:
+        """SIGTERM the router, then each node; SIGKILL one that lingers."""
+        if self.router is not None:
+            stop(self.router, timeout=30)
+        for sup in reversed(self.nodes.values()):
+            sup.close()
 
 
 def scale(per_node: int, counts: list[int], in_flight: int, out: Path) -> None:
     """Spawns and turns a second, and what each node holds, with 1, 2, 3 nodes."""
-    import asyncio
-
     results = []
     for count in counts:
-        root = Path(tempfile.mkdtemp(prefix="hss-", dir="/tmp"))
-        log = open(root / "log", "ab")  # noqa: SIM115
-        procs: dict[str, subprocess.Popen[bytes]] = {}
+        cluster = Cluster(Path(tempfile.mkdtemp(prefix="hss-", dir="/tmp")))
         names = [chr(ord("a") + i) for i in range(count)]
         try:
-            procs = start_cluster(root, names, False, log)
+            cluster.start(names, shared=False)
             keys = [f"sc:{i}" for i in range(per_node * count)]
 
-            result = asyncio.run(measure_scale(root / "r", keys, count, in_flight))
+            result = asyncio.run(measure_scale(cluster.root / "r", keys, count, in_flight))
             print(json.dumps(result), flush=True)
             results.append(result)
         finally:
-            stop_all(procs)
-            log.close()
-            shutil.rmtree(root, ignore_errors=True)
+            cluster.close()
+            shutil.rmtree(cluster.root, ignore_errors=True)
     summary = {"per_node": per_node, "in_flight": in_flight, "runs": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
@@ -183,10 +170,6 @@ async def measure_scale(
     router: Path, keys: list[str], count: int, in_flight: int
 ) -> dict[str, object]:
     """New sessions through the router, then one turn to each held session."""
-    import asyncio
-
-    from hermes_sup.client import AsyncClient
-
     async with AsyncClient(router, timeout=120.0) as c:
         gate = asyncio.Semaphore(in_flight)
 
@@ -209,11 +192,11 @@ async def measure_scale(
         "sessions": len(keys),
         "spawns_per_s": round(len(keys) / spawn_wall, 1),
         "spawns_per_s_per_node": round(len(keys) / spawn_wall / count, 1),
-        "spawn_p50_ms": round(statistics.median(spawns), 1),
-        "spawn_p99_ms": round(pct(spawns, 0.99), 1),
+        "spawn_p50_ms": round(pct(spawns, 50), 1),
+        "spawn_p99_ms": round(pct(spawns, 99), 1),
         "turns_per_s": round(len(keys) / turn_wall, 1),
         "turns_per_s_per_node": round(len(keys) / turn_wall / count, 1),
-        "turn_p50_ms": round(statistics.median(turns), 2),
+        "turn_p50_ms": round(pct(turns, 50), 2),
         "held": {
             n["name"]: {
                 "sessions": n["status"]["node"]["sessions"],
@@ -228,17 +211,9 @@ async def measure_scale(
 
 def failover(sessions: int, out: Path) -> None:
     """Time from a node's SIGKILL to each of its keys answered again."""
-    import asyncio
-    import os
-
-    from hermes_sup.client import AsyncClient
-    from hermes_sup.cluster.placement import Candidate, rendezvous
-
-    root = Path(tempfile.mkdtemp(prefix="hsf-", dir="/tmp"))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    log = open(root / "log", "ab")  # noqa: SIM115
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="hsf-", dir="/tmp")))
     try:
-        procs = start_cluster(root, ["a", "b"], True, log)
+        cluster.start(["a", "b"], shared=True)
         keys = [f"fo:{i}" for i in range(sessions)]
         on_b = [k for k in keys if rendezvous(k, [Candidate("a"), Candidate("b")]) == "b"]
 
@@ -246,7 +221,7 @@ def failover(sessions: int, out: Path) -> None:
         floor: list[float] = []
 
         async def run() -> list[float]:
-            async with AsyncClient(root / "r", timeout=120.0) as c:
+            async with AsyncClient(cluster.root / "r", timeout=120.0) as c:
                 await asyncio.gather(*(c.run(k, "hello") for k in keys))
                 # The floor: as many new sessions started at once on node a.
                 fresh = [
@@ -261,7 +236,7 @@ def failover(sessions: int, out: Path) -> None:
                     return (time.perf_counter() - begin) * 1000
 
                 floor[:] = await asyncio.gather(*(timed(k) for k in fresh))
-                os.kill(procs["b"].pid, signal.SIGKILL)
+                os.kill(cluster.nodes["b"].proc.pid, signal.SIGKILL)
                 start = time.perf_counter()
 
                 async def again(key: str) -> float:
@@ -279,109 +254,41 @@ def failover(sessions: int, out: Path) -> None:
         result = {
             "sessions": sessions,
             "moved": len(on_b),
-            "p50_ms": round(statistics.median(times), 1),
+            "p50_ms": round(pct(times, 50), 1),
             "last_ms": round(max(times), 1),
             "errors_before_served": retries,
-            "floor_new_sessions_at_once_p50_ms": round(statistics.median(floor), 1),
+            "floor_new_sessions_at_once_p50_ms": round(pct(floor, 50), 1),
             "floor_last_ms": round(max(floor), 1),
         }
         print(json.dumps(result, indent=2))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
     finally:
-        stop_all(procs)
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
+        cluster.close()
+        shutil.rmtree(cluster.root, ignore_errors=True)
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--turns", type=int, default=2000)
-    parser.add_argument("--proxy", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--failover", type=int, default=0, metavar="N")
-    parser.add_argument("--scale", type=int, default=0, metavar="N", help="sessions per node")
-    parser.add_argument("--scale-nodes", default="1,2,3", help="node counts for --scale")
-    parser.add_argument("--in-flight", type=int, default=32, help="requests at once (--scale)")
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "route.json"
-    )
-    args = parser.parse_args()
-    if args.proxy:
-        proxy_main(*args.proxy)
-        return
-    if args.scale:
-        counts = [int(n) for n in args.scale_nodes.split(",")]
-        scale(args.scale, counts, args.in_flight, args.out.with_name("route_scale.json"))
-        return
-    if args.failover:
-        failover(args.failover, args.out.with_name("route_failover.json"))
-        return
-
-    root = Path(tempfile.mkdtemp(prefix="hsr-", dir="/tmp"))
-    procs: list[subprocess.Popen[bytes]] = []
-    log = open(root / "log", "ab")  # noqa: SIM115
+def round_trips(turns: int, out: Path) -> None:
+    """One warm session reached four ways, one turn of each in turn."""
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="hsr-", dir="/tmp")))
+    proxy: subprocess.Popen[bytes] | None = None
     try:
-        port = free_port()
-        (root / "node.toml").write_text('node = "a"\n')
-        procs.append(
-            hs(
-                "hermes_sup.cli",
-                "--state-dir",
-                str(root / "s"),
-                "serve",
-                "--data-dir",
-                str(root / "d"),
-                "--tcp",
-                str(port),
-                "--config",
-                str(root / "node.toml"),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        )
-        wait_ping(lambda: Client(root / "s", timeout=2.0))
-        for name in ("router", "bench", "proxy"):
-            subprocess.run(
-                [sys.executable, "-m", "hermes_sup.cli", "keys", "generate", name, "--endpoint",
-                 f"127.0.0.1:{port}", "-o", str(root / f"{name}.json"), "--data-dir",
-                 str(root / "d")], check=True, capture_output=True,
-            )  # fmt: skip
-        (root / "nodes.toml").write_text(
-            f'[[node]]\nname = "a"\nconnection = "{root / "router.json"}"\n'
-        )
-        procs.append(
-            hs(
-                "hermes_sup.cli.route",
-                "--nodes",
-                str(root / "nodes.toml"),
-                "--state-dir",
-                str(root / "r"),
-                "--log-level",
-                "WARNING",
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        )
-        wait_ping(lambda: Client(root / "r", timeout=2.0))
+        # The router polls its node at its default pace; the node logs at
+        # its default level.
+        cluster.start(["a"], shared=False, poll=None, node_log_level=None)
+        root = cluster.root
+        direct_tcp, proxy_key = cluster.key("bench", "a"), cluster.key("proxy", "a")
         front = f"ipc://{root / 'proxy.sock'}"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "--proxy", front, str(root / "proxy.json")],
-                stdout=log,
-                stderr=subprocess.STDOUT,
+        with open(root / "log", "ab") as log:
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "bench.route", "--proxy", front, str(proxy_key)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             )  # fmt: skip
-        )
-        node_key = Connection.from_file(root / "proxy.json").key
-        proxied = Connection(front, node_key)
-        wait_ping(lambda: Client(connection=proxied, timeout=2.0))
+        proxied = Connection(front, Connection.from_file(proxy_key).key)
+        wait_until(lambda: answers(connection=proxied, timeout=2.0), "the proxy", proxy)
         clients = {
-            "direct-ipc": Client(root / "s", timeout=30.0),
-            "direct-tcp": Client.from_connection_file(root / "bench.json", timeout=30.0),
+            "direct-ipc": Client(cluster.nodes["a"].state, timeout=30.0),
+            "direct-tcp": Client.from_connection_file(direct_tcp, timeout=30.0),
             "routed": Client(root / "r", timeout=30.0),
             "proxy": Client(connection=proxied, timeout=30.0),
         }
@@ -390,43 +297,51 @@ def main() -> None:
         for c in clients.values():  # warm: the worker, the sockets, the CURVE handshakes
             for _ in range(50):
                 c.run(key, "hello")
-        for _ in range(args.turns):
+        for _ in range(turns):
             for name, c in clients.items():
                 start = time.perf_counter()
                 c.run(key, "hello")
                 times[name].append((time.perf_counter() - start) * 1000)
         for c in clients.values():
             c.close()
-        result = {
-            name: {
-                "p50_ms": round(statistics.median(v), 3),
-                "p90_ms": round(pct(v, 0.9), 3),
-                "turns": len(v),
-            }
+        p50 = {name: round(pct(v, 50), 3) for name, v in times.items()}
+        result: dict[str, object] = {
+            name: {"p50_ms": p50[name], "p90_ms": round(pct(v, 90), 3), "turns": len(v)}
             for name, v in times.items()
         }
-        result["routed_minus_direct_tcp_p50_ms"] = round(
-            result["routed"]["p50_ms"] - result["direct-tcp"]["p50_ms"], 3
-        )
-        result["routed_minus_proxy_p50_ms"] = round(
-            result["routed"]["p50_ms"] - result["proxy"]["p50_ms"], 3
-        )
-        result["routed_minus_direct_ipc_p50_ms"] = round(
-            result["routed"]["p50_ms"] - result["direct-ipc"]["p50_ms"], 3
-        )
+        for other in ("direct-tcp", "proxy", "direct-ipc"):
+            name = f"routed_minus_{other.replace('-', '_')}_p50_ms"
+            result[name] = round(p50["routed"] - p50[other], 3)
         print(json.dumps(result, indent=2))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
     finally:
-        for proc in reversed(procs):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
+        if proxy is not None:
+            stop(proxy, timeout=30)
+        cluster.close()
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+def main() -> None:
+    """Round trips, --scale, --failover, or (--proxy) the floor's process."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=2000)
+    parser.add_argument("--proxy", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--failover", type=int, default=0, metavar="N")
+    parser.add_argument("--scale", type=int, default=0, metavar="N", help="sessions per node")
+    parser.add_argument("--scale-nodes", default="1,2,3", help="node counts for --scale")
+    parser.add_argument("--in-flight", type=int, default=32, help="requests at once (--scale)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "route.json")
+    args = parser.parse_args()
+    if args.proxy:
+        proxy_main(*args.proxy)
+    elif args.scale:
+        counts = [int(n) for n in args.scale_nodes.split(",")]
+        scale(args.scale, counts, args.in_flight, args.out.with_name("route_scale.json"))
+    elif args.failover:
+        failover(args.failover, args.out.with_name("route_failover.json"))
+    else:
+        round_trips(args.turns, args.out)
 
 
 if __name__ == "__main__":

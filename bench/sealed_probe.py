@@ -1,7 +1,7 @@
 """Sealed mode must not make the probe runtime slower: spawn p50, sealed
 against unsealed, in one run.
 
-    python bench/sealed_probe.py [--sessions 40] [--spares 0]
+    python -m bench.sealed_probe [--sessions 40] [--spares 0]
 
 Two supervisors (probe runtime, one `--sealed on`, one `--sealed off`) run
 side by side on this machine; new sessions are started on each in turn, one
@@ -17,58 +17,17 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from hermes_sup.client import Client, NotRunning, Timeout
-
-HERE = Path(__file__).resolve().parent
-
-
-STATE_DIRS: dict[Path, Path] = {}
-
-
-def state_dir(root: Path) -> Path:
-    return STATE_DIRS[root]
-
-
-def start(root: Path, sealed: str, spares: int) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "hermes_sup.cli",
-        "--state-dir",
-        str(state_dir(root)),
-        "serve",
-        "--data-dir",
-        str(root / "d"),
-        "--sealed",
-        sealed,
-        "--spare-workers",
-        str(spares),
-        "--log-level",
-        "warning",
-    ]
-    log = open(root / "log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with Client(state_dir(root), timeout=1.0) as c:
-                c.ping()
-                return proc
-        except (NotRunning, Timeout):
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit(f"{sealed}: the supervisor did not start; see {root / 'log'}")
+from bench.common import RESULTS, Sup, pct
+from hermes_sup.client import Client
 
 
 def spawn_ms(client: Client, key: str) -> float:
+    """A new key's first turn, send to reply, in ms."""
     started = time.perf_counter()
     reply = client.run(key, "pid")
     took = (time.perf_counter() - started) * 1000
@@ -77,6 +36,7 @@ def spawn_ms(client: Client, key: str) -> float:
 
 
 def main() -> int:
+    """Spawns alternated between a sealed and an unsealed supervisor."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--sessions", type=int, default=40)
     parser.add_argument("--spares", type=int, default=0)
@@ -92,16 +52,21 @@ def main() -> int:
         run = Path(tempfile.mkdtemp(prefix="hsb-", dir=os.environ.get("XDG_RUNTIME_DIR", base)))
     for path in (base, run):
         path.chmod(0o711)  # sealed sessions run as other uids and pass through
-    roots = {mode: base / mode for mode in ("off", "on")}
-    procs = {}
+    sups: dict[str, Sup] = {}
     try:
-        for mode, root in roots.items():
-            root.mkdir()
-            STATE_DIRS[root] = run / mode
-            procs[mode] = start(root, mode, args.spares)
+        for mode in ("off", "on"):
+            (base / mode).mkdir()
+            sups[mode] = Sup(
+                "--sealed",
+                mode,
+                "--spare-workers",
+                str(args.spares),
+                root=base / mode,
+                state=run / mode,
+            )
         times: dict[str, list[float]] = {"off": [], "on": []}
-        clients = {mode: Client(state_dir(root), timeout=30) for mode, root in roots.items()}
-        for mode in roots:  # one warm-up each: first imports, first page faults
+        clients = {mode: sup.client(timeout=30) for mode, sup in sups.items()}
+        for mode in sups:  # one warm-up each: first imports, first page faults
             spawn_ms(clients[mode], "warm-up")
         for i in range(args.sessions):
             order = ("off", "on") if i % 2 == 0 else ("on", "off")
@@ -112,21 +77,12 @@ def main() -> int:
         for c in clients.values():
             c.close()
     finally:
-        for proc in procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for sup in sups.values():
+            sup.close()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
     result = {
-        mode: {
-            "p50_ms": round(statistics.median(t), 2),
-            "p90_ms": round(statistics.quantiles(t, n=10)[-1], 2),
-            "n": len(t),
-        }
+        mode: {"p50_ms": round(pct(t, 50), 2), "p90_ms": round(pct(t, 90), 2), "n": len(t)}
         for mode, t in times.items()
     }
     ratio = result["on"]["p50_ms"] / result["off"]["p50_ms"]
@@ -139,7 +95,7 @@ def main() -> int:
         "load": os.getloadavg()[0],
     }
     print(json.dumps(summary, indent=2))
-    out = HERE / "results" / "sealed_probe.json"
+    out = RESULTS / "sealed_probe.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"spawn p50 sealed/unsealed = {ratio:.2f} (goal <= 1.2)")

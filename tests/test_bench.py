@@ -4,26 +4,23 @@ assert what each measurement returns, never how fast anything is."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from types import ModuleType
 
 import psutil
 import pytest
 
-from .conftest import wait_gone
+from bench.common import pct
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from .conftest import wait_gone
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import run
+def bench() -> ModuleType:
+    """bench/run.py, with the measuring pieces it runs (its name marks the
+    tests that use it e2e: they start supervisors and peers' workers)."""
+    from bench import run
 
-        yield run
-    finally:
-        sys.path.remove(str(BENCH))
+    return run
 
 
 def test_floors_and_peers_measure(bench) -> None:
@@ -59,14 +56,11 @@ def test_hermes_sup_measures_and_leaves_nothing(bench) -> None:
 
 
 @pytest.fixture(scope="module")
-def fanin(bench):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import fanin
+def fanin(bench: ModuleType) -> ModuleType:
+    """bench/fanin.py (through `bench`, so that its tests are e2e too)."""
+    from bench import fanin
 
-        yield fanin
-    finally:
-        sys.path.remove(str(BENCH))
+    return fanin
 
 
 def test_fanin_measures_the_floor_and_the_supervisor(fanin) -> None:
@@ -77,3 +71,14 @@ def test_fanin_measures_the_floor_and_the_supervisor(fanin) -> None:
     assert raw["router_cpu_us_per_event"] >= 0 and raw["supervisor_peak_rss_mib"] > 0
     paced = fanin.hermes(2, 5, paced=True, coalesce_ms=10, slow=2000)
     assert paced["units"] == 10 and paced["lag_p50_ms"] is not None
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    # The smallest value with at least p% of them at or below it: never an
+    # interpolation, and never a rank rounded down.
+    assert pct([5, 1, 4, 2, 3], 50) == 3
+    assert pct(list(range(1, 11)), 50) == 5
+    assert pct(list(range(1, 201)), 99) == 198
+    assert pct(list(range(1, 61)), 99) == 60
+    assert pct(list(range(1, 2001)), 90) == 1800
+    assert pct([7.0], 1) == pct([7.0], 100) == 7.0

@@ -1,4 +1,4 @@
-"""The HTTP endpoint's benchmark (bench/http.py), run tiny, so that it
+"""The HTTP endpoint's benchmark (bench/http_bench.py), run tiny, so that it
 cannot rot between the runs that record BENCHMARKS.md. These assert what
 each measurement returns (counts, streams in order, structure), never how
 fast anything is."""
@@ -8,7 +8,10 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from bench import http as bench_http
+from bench.http_latency import round_trips, turns_per_second
+from bench.http_profile import summarize_profile
+from bench.http_stack import Stack
+from bench.http_streams import streams, verdict
 
 from .conftest import wait_gone
 
@@ -17,20 +20,20 @@ pytestmark = pytest.mark.e2e
 
 
 def test_http_bench_measures_every_path_and_leaves_nothing() -> None:
-    stack = bench_http.Stack()
+    stack = Stack()
     try:
-        rt = bench_http.round_trips(stack, rounds=5, warmup=2)
+        rt = round_trips(stack, rounds=5, warmup=2)
         for name in ("zmq", "http", "http_stream", "echo_floor", "bridge_floor", "http_uvloop"):
             assert rt[name]["n"] == 5 and rt[name]["p50_ms"] > 0
         assert set(rt["http"]) >= {"added_p50_ms", "paired_added_p50_ms", "p90_ms", "p99_ms"}
         assert all(us >= 0 for us in rt["cpu_us_per_request"].values())
 
-        tp = bench_http.turns_per_second(stack, concurrency=2, total=10, repeats=1)
+        tp = turns_per_second(stack, concurrency=2, total=10, repeats=1)
         for name in ("echo_floor", "http", "http_uvloop", "bridge_floor", "zmq"):
             assert tp[name]["turns_per_s"] > 0 and tp[name]["client_cpu_us_per_turn"] >= 0
         assert tp["http"]["ratio_to_echo_floor"] > 0
 
-        st = bench_http.streams(stack, counts=(4,), words=3, runs=2, timeout=60, gate=0.5)
+        st = streams(stack, counts=(4,), words=3, runs=2, timeout=60, gate=0.5)
         # 4 chat streams (a session each), through the endpoint and through
         # the Python client, and 4 runs-events streams (2 runs, 2 watchers).
         for figures in (st["chat_4"]["http"], st["chat_4"]["zmq"], st["runs"]):
@@ -60,7 +63,7 @@ def test_profile_summary_charges_samples_to_the_deepest_known_frame() -> None:
             f"{loop};select (selectors.py:468) 10",
         ]
     )
-    prof = bench_http.summarize_profile(raw, turns=2)
+    prof = summarize_profile(raw, turns=2)
     assert prof["samples"] == 4 and prof["idle_samples"] == 10
     assert prof["share_pct"] == {"uvicorn": 75.0, "pyzmq": 25.0}
     assert prof["samples_per_turn"] == 2
@@ -68,8 +71,8 @@ def test_profile_summary_charges_samples_to_the_deepest_known_frame() -> None:
 
 def test_a_stream_is_judged_by_order_and_end() -> None:
     expected = ["w0", " w1", " w2"]
-    assert bench_http.verdict(expected, expected, ended=True) == "complete"
-    assert bench_http.verdict(["w0 w1", " w2"], expected, ended=True) == "complete"  # merged
-    assert bench_http.verdict(["w0", " w2"], expected, ended=True) == "gaps"
-    assert bench_http.verdict([" w1", "w0"], expected, ended=True) == "out_of_order"
-    assert bench_http.verdict(expected, expected, ended=False) == "unfinished"
+    assert verdict(expected, expected, ended=True) == "complete"
+    assert verdict(["w0 w1", " w2"], expected, ended=True) == "complete"  # merged
+    assert verdict(["w0", " w2"], expected, ended=True) == "gaps"
+    assert verdict([" w1", "w0"], expected, ended=True) == "out_of_order"
+    assert verdict(expected, expected, ended=False) == "unfinished"
