@@ -1,6 +1,6 @@
 """A Hermes runtime that records the modules a worker loaded after a turn.
 
-bench/sealed.py --record-modules puts this file alone on the workers'
+python -m bench.sealed --record-modules puts this file alone on the workers'
 path, as `hsb_sealed.py`, and starts a supervisor with `--agent
 hsb_sealed:recording_hermes`: a worker imports it by that name, so it
 imports nothing of bench/ (the standard library and hermes_sup only).

@@ -67,7 +67,7 @@ BASE_MODULES = (
     "tools.approval",
 )
 # The modules a first turn of a Hermes session loads, recorded from a real
-# worker (bench/sealed.py --record-modules); one name a line.
+# worker (python -m bench.sealed --record-modules); one name a line.
 MODULES_FILE = Path(__file__).with_name("hermes_modules.txt")
 
 # The memos hermes-agent 0.19 fills at import, keyed by a path under P, that
