@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install test-tools run test test-fast lint typecheck clean bench soak
+.PHONY: install test-tools run test test-fast lint typecheck settings-doc clean bench soak
 
 $(BIN)/python:
 	@echo "making $(VENV) with $(PYTHON)..."
@@ -47,6 +47,11 @@ typecheck: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/mypy --strict protocol
 	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli client httpapi cluster
+
+# The README's table of settings, made from their declarations in
+# supervisor/config.py (tests/test_config.py fails while the two differ).
+settings-doc: $(BIN)/python
+	$(BIN)/python -m hermes_sup.supervisor.config README.md
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -635,9 +635,9 @@ class Settings:
         metadata=setting(
             "--sealed",
             "each worker in its own mount and PID namespaces, seeing only its own session's "
-            'files and processes (see "Sealed sessions"): `auto` seals where the kernel '
+            'files and processes (see "Sealed sessions"): `"auto"` seals where the kernel '
             "allows it and otherwise runs unsealed with a warning at start, in `status`, "
-            "`list` and the HTTP endpoint; `on` refuses to start without it; `off` runs "
+            '`list` and the HTTP endpoint; `"on"` refuses to start without it; `"off"` runs '
             "unsealed by choice, and a session is then no boundary",
             choices=SEALED_CHOICES,
             reload=False,

@@ -190,6 +190,13 @@ def test_the_readme_documents_every_configuration_key() -> None:
         assert f"| `{field.name}` |" in table, field.name
 
 
+def test_the_readme_configuration_table_is_made_from_the_settings() -> None:
+    from hermes_sup.supervisor.config import with_reference_table
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert with_reference_table(readme) == readme, "the README differs: run make settings-doc"
+
+
 # ---------------------------------------------------------------- flags
 
 
