@@ -36,6 +36,8 @@ test-tools:
 test: install test-tools
 	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
 
+# The fast tier: in-process tests and fakes, no supervisor (tests marked e2e
+# start the real processes); well under a minute.
 test-fast: install
 	$(BIN)/python -m pytest -n $(JOBS) -m "not e2e"
 

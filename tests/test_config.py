@@ -13,14 +13,11 @@ import pytest
 from hermes_sup.supervisor import configfile
 from hermes_sup.supervisor.config import SETTINGS, Settings
 
+from .clirunner import hermes_sup
+
 
 def check(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", "config", "check", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return hermes_sup("config", "check", str(path))
 
 
 GOOD = """
