@@ -165,7 +165,7 @@ class Setting:
 
     @property
     def optional(self) -> bool:
-        """Its value may be None, which 0 stands for outside."""
+        """Its value may be None, written 0 in the file and on the command line."""
         return type(None) in typing.get_args(self.type)
 
     @property
