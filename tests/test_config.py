@@ -248,24 +248,24 @@ def test_a_flag_reads_its_value_as_the_file_does(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "args, words",
+    "args, words, line",
     [
-        (["--max-frame-size", "1000"], "'1000' is less than 1024"),
-        (["--max-queue", "0"], "'0' is less than 1"),
-        (["--log-backups", "-1"], "'-1' is negative"),
-        (["--tcp", "*:7788"], "write 0.0.0.0 to listen on every interface"),
-        (["--sealed", "sometimes"], "'sometimes' is not one of 'off', 'auto', 'on'"),
+        (["--max-frame-size", "1000"], "'1000' is less than 1024", "max_frame_size = 1000"),
+        (["--max-queue", "0"], "'0' is less than 1", "max_queue = 0"),
+        (["--log-backups", "-1"], "'-1' is negative", "log_backups = -1"),
+        (["--tcp", "*:7788"], "write 0.0.0.0 to listen on every interface", 'tcp = "*:7788"'),
+        (["--sealed", "sometimes"], "'sometimes' is not one of", 'sealed = "sometimes"'),
     ],
 )
-def test_a_flag_refuses_what_the_file_refuses(args: list[str], words: str, tmp_path) -> None:
+def test_a_flag_refuses_what_the_file_refuses(
+    args: list[str], words: str, line: str, tmp_path: Path
+) -> None:
     import click
 
     with pytest.raises(click.BadParameter) as err:
         serve_values(*args)
     assert words in err.value.format_message()
     path = tmp_path / "c.toml"
-    key = SETTINGS[next(s.name for s in SETTINGS.values() if s.flag == args[0])].file_key
-    value = args[1] if not args[1].lstrip("-").isdigit() else int(args[1])
-    path.write_text(f"{key} = {value!r}\n".replace("'", '"'))
+    path.write_text(line + "\n")
     with pytest.raises(configfile.ConfigError):
         configfile.load(path)
