@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install test-tools run test test-fast lint typecheck clean bench soak
+.PHONY: install test-tools run test test-fast lint typecheck settings-doc clean bench soak
 
 $(BIN)/python:
 	@echo "making $(VENV) with $(PYTHON)..."
@@ -42,6 +42,8 @@ test-tools:
 test: install test-tools
 	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
 
+# The fast tier: in-process tests and fakes, no supervisor (tests marked e2e
+# start the real processes); well under a minute.
 test-fast: install
 	$(BIN)/python -m pytest -n $(JOBS) -m "not e2e"
 
@@ -52,6 +54,11 @@ lint: install
 # top-level folders is checked as what it is (pyproject.toml's [tool.mypy]).
 typecheck: install
 	MYPYPATH=$$(echo build/__editable__.hermes_sup-*) $(BIN)/mypy -p hermes_sup
+
+# The README's table of settings, made from their declarations in
+# supervisor/config.py (tests/test_config.py fails while the two differ).
+settings-doc: $(BIN)/python
+	$(BIN)/python -m hermes_sup.supervisor.config README.md
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

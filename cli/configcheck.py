@@ -12,7 +12,6 @@ must parse.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import tomllib
@@ -20,20 +19,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hermes_sup.protocol import RemoteProtocolError
 from hermes_sup.supervisor import configfile
-from hermes_sup.supervisor.environment import parse_options
 from hermes_sup.supervisor.worktrees import repository_problem
 
 # What the hermes runtime imports in its worker (worker/hermes.py): present
 # only with hermes-agent installed.
 HERMES_MODULES = ("run_agent", "gateway", "hermes_state", "tools")
-
-
-def _file_keys() -> list[str]:
-    # The keys `serve --config` accepts at the top level, besides the tables.
-    keys = getattr(configfile, "_FILE_KEYS", None)
-    return list(keys) if keys else []
 
 
 def check_keys(
@@ -43,26 +34,13 @@ def check_keys(
     and one error line per bad one."""
     values: dict[str, Any] = {}
     errors: list[str] = []
-    known = _file_keys()
-    check_value: Callable[[Path, str, Any], Any] = configfile._check_value  # noqa: SLF001
     for key, value in raw.items():
         try:
-            if key == "agent":
-                values["runtime_config"] = configfile.check_agent_config(
-                    value, f"{path}: [agent]", environ
-                )
-            elif key == "session_defaults":
-                values["session_defaults"] = parse_options(value).to_wire()
-            elif key in known:
-                values[key] = check_value(path, key, value)
-            else:
-                close = difflib.get_close_matches(key, [*known, "agent", "session_defaults"], 1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                errors.append(f"{path}: unknown key {key!r}{hint}")
+            name, checked = configfile.read_key(path, key, value, environ)
         except configfile.ConfigError as exc:
             errors.append(str(exc))
-        except RemoteProtocolError as exc:
-            errors.append(f"{path}: [{key}]: {exc.message}")
+        else:
+            values[name] = checked
     return values, errors
 
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from hermes_sup.supervisor.config import STATE_DIR_ENV, default_state_dir
+from hermes_sup.supervisor.config import SETTINGS, default_state_dir
 
 C = TypeVar("C", bound=click.Command)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,9 +46,8 @@ class Seconds(click.ParamType):  # type: ignore[type-arg]
 
 
 SECONDS = Seconds()
-STATE_DIR_HELP = (
-    f"Sockets, key and lock [env {STATE_DIR_ENV}; default per user, /run/hermes-sup as root]."
-)
+# The state_dir setting's, as every command's --state-dir names it.
+STATE_DIR_HELP = SETTINGS["state_dir"].option_help()
 TIMEOUT_HELP = "Seconds to wait for the supervisor to answer [10]."
 CONNECTION_HELP = (
     f"Talk to a remote supervisor through this connection file (hermes-sup keys "
@@ -136,12 +135,12 @@ def client_options(command: C) -> C:
     return command
 
 
-# Options two commands declare alike: `serve` and `http` (which `serve
-# --http` starts in a process of its own, passing these on).
+# Options of `http`, which `serve --http` starts in a process of its own,
+# passing these on: its --log-level is the log_level setting's.
 LOG_LEVEL = click.option(
     "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
+    type=click.Choice(SETTINGS["log_level"].choices),
+    default=SETTINGS["log_level"].default,
     show_default=True,
 )
 WEB_DIR_HELP = (

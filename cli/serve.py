@@ -1,26 +1,29 @@
-"""`hermes-sup serve` and its settings: one flag per lifecycle setting
-(TUNABLES), the merge of what the command line sets over the --config file,
-and `hermes-sup config check`, which reads that file as serve would."""
+"""`hermes-sup serve` and its settings: one flag per setting, made from
+the table in supervisor/config.py (`SETTINGS`), the merge of what the
+command line sets over the --config file, and `hermes-sup config check`,
+which reads that file as serve would."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from hermes_sup.supervisor.config import (
-    DATA_DIR_ENV,
-    DEFAULT_PASS_ENV,
+    SETTINGS,
+    Setting,
     Settings,
     default_data_dir,
     default_state_dir,
 )
-from hermes_sup.supervisor.configfile import OPTIONAL_FIELDS
 
-from .options import LOG_LEVEL, web_dir_option
+from .options import web_dir_option
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
@@ -34,141 +37,113 @@ def parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
     return out
 
 
-# Lifecycle settings, one flag each: (flag, Settings field, type, help).
-# "none" or 0 turns off a limit that may be off.
-TUNABLES: list[tuple[str, str, Any, str]] = [
-    ("--max-sessions", "max_sessions", int, "Live workers at most [default: from the fd limit]."),
-    (
-        "--spare-workers",
-        "spare_workers",
-        int,
-        "Workers forked ahead, waiting for new sessions; 0: none [one per CPU, at most 8].",
-    ),
-    (
-        "--idle-timeout",
-        "idle_timeout",
-        float,
-        "Stop sessions idle this many seconds [default: never].",
-    ),
-    ("--turn-timeout", "turn_timeout", float, "Cancel turns running longer [default: no limit]."),
-    ("--heartbeat-timeout", "heartbeat_timeout", float, "A worker silent this long is hung [10]."),
-    (
-        "--idle-heartbeat-interval",
-        "idle_heartbeat_interval",
-        float,
-        "Seconds between an idle worker's heartbeats; 3 missed: hung [15].",
-    ),
-    (
-        "--memory-limit",
-        "memory_limit_mb",
-        int,
-        "MiB of memory per session: PSS of the worker and its children [2048].",
-    ),
-    (
-        "--max-procs",
-        "max_procs",
-        int,
-        "Processes per session besides the worker; sealed, also its RLIMIT_NPROC [256].",
-    ),
-    ("--max-open-files", "max_open_files", int, "Open-file rlimit of each worker [1024]."),
-    ("--cpu-seconds", "cpu_seconds", int, "CPU-time rlimit of each worker [default: none]."),
-    (
-        "--file-size-limit",
-        "file_size_limit_mb",
-        int,
-        "MiB of the largest file a session may write (RLIMIT_FSIZE) [4096].",
-    ),
-    (
-        "--tmp-limit",
-        "tmp_limit_mb",
-        int,
-        "Sealed: MiB of the tmpfs that is a session's /tmp; 0: its tmp/ on disk [256].",
-    ),
-    ("--min-uptime", "min_uptime", float, "A worker dying sooner is a fast failure [2]."),
-    ("--backoff-base", "backoff_base", float, "First back-off delay in seconds; doubles [0.5]."),
-    ("--backoff-cap", "backoff_cap", float, "Longest back-off delay in seconds [30]."),
-    ("--max-fast-failures", "max_fast_failures", int, "Fast failures before failed [5]."),
-    (
-        "--failed-cooldown",
-        "failed_cooldown",
-        float,
-        "Seconds a failed session refuses turns [300].",
-    ),
-    ("--shutdown-grace", "shutdown_grace", float, "Seconds running turns get at shutdown [10]."),
-    ("--max-queued-total", "max_queued_total", int, "Turns waiting across all sessions [10000]."),
-    ("--log-max-bytes", "log_max_bytes", int, "Rotate a session log at this size [10 MiB]."),
-    ("--history", "history", int, "Recent events per session replayed to attach [200]."),
-]
+class SettingNumber(click.ParamType):  # type: ignore[type-arg]
+    """A number setting's value: not negative, at least its minimum, and
+    for one that may be off (or derived), 0 or "none" is None."""
+
+    def __init__(self, setting: Setting) -> None:
+        self.setting = setting
+        self.kind = setting.base
+        self.name = self.kind.__name__
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        optional = self.setting.optional
+        if isinstance(value, str) and value.lower() == "none" and optional:
+            return None
+        try:
+            number = self.kind(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if number < 0:
+            self.fail(f"{value!r} is negative", param, ctx)
+        if number < self.setting.minimum:
+            self.fail(f"{value!r} is less than {self.setting.minimum:g}", param, ctx)
+        return None if number == 0 and optional else number
 
 
-def _tunable_type(field: str, kind: Any) -> Any:
-    class Tunable(click.ParamType):  # type: ignore[type-arg]
-        name = kind.__name__
-
-        def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-            if isinstance(value, str) and value.lower() == "none" and field in OPTIONAL_FIELDS:
-                return None
-            try:
-                number = kind(value)
-            except (TypeError, ValueError):
-                self.fail(f"{value!r} is not a number", param, ctx)
-            if number < 0:
-                self.fail(f"{value!r} is negative", param, ctx)
-            if number == 0 and field in OPTIONAL_FIELDS:
-                return None
-            return number
-
-    return Tunable()
+def _option_type(setting: Setting) -> Any:
+    if setting.table:  # --agent-config: the file that holds the table
+        return click.Path(dir_okay=False, exists=True, path_type=Path)
+    if setting.base in (int, float):
+        return SettingNumber(setting)
+    if setting.base is Path:
+        return click.Path(file_okay=False, path_type=Path)
+    if setting.choices:
+        return click.Choice(setting.choices)
+    return click.STRING
 
 
-def tunables(func: Any) -> Any:
-    """Add one option per TUNABLES row; unset ones keep Settings' defaults."""
-    for flag, field, kind, help_text in reversed(TUNABLES):
-        func = click.option(
-            flag, field, type=_tunable_type(field, kind), default=None, help=help_text
-        )(func)
+def from_command_line(setting: Setting, value: Any) -> Any:
+    """A flag's value as Settings holds it (a usage error if it cannot be)."""
+    if setting.name == "runtime_config":
+        from hermes_sup.supervisor import configfile
+
+        try:
+            return configfile.load_agent_config(value)
+        except configfile.ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint=setting.flag) from None
+    if setting.path:
+        # Absolute: the zygote and workers run in other directories than ours.
+        if isinstance(value, tuple):
+            value = tuple(str(Path(v).absolute()) for v in value)
+        elif isinstance(value, Path):
+            value = value.absolute()
+        elif value:
+            value = str(Path(value).absolute())
+    if setting.base == dict[str, str]:
+        value = parse_pairs(value, setting.flag)
+    if setting.extends:
+        value = setting.default + value
+    why = setting.check(value) if setting.check else None
+    if why is not None:
+        raise click.BadParameter(why, param_hint=setting.flag)
+    return value
+
+
+def _convert(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    # Only what was given: the rest stays None (or ()), for the file and
+    # the defaults to decide.
+    if value is None or value == ():
+        return value
+    assert param.name is not None
+    return from_command_line(SETTINGS[param.name], value)
+
+
+def setting_option(setting: Setting) -> Callable[[F], F]:
+    """The option of one setting, `setting.flag` (and its aliases)."""
+    return click.option(
+        setting.flag,
+        *setting.aliases,
+        setting.name,
+        type=_option_type(setting),
+        multiple=setting.repeatable,
+        default=None,
+        envvar=setting.envvar,
+        metavar=setting.metavar,
+        callback=_convert,
+        help=setting.option_help(),
+    )
+
+
+# Every setting that has a flag, but --state-dir: every command takes that
+# one (cli/options.py), serve too.
+SERVE_SETTINGS = [s for s in SETTINGS.values() if s.flag and s.name != "state_dir"]
+
+
+def setting_options(func: F) -> F:
+    """One option per setting, in the table's order."""
+    for setting in reversed(SERVE_SETTINGS):
+        func = setting_option(setting)(func)
     return func
 
 
 @click.command()
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar=DATA_DIR_ENV,
-    help=f"Session workspaces and homes [env {DATA_DIR_ENV}].",
-)
-@click.option(
-    "--agent",
-    "runtime",
-    default="probe",
-    show_default=True,
-    help="Agent runtime: a built-in name (probe) or module:factory.",
-)
-@click.option(
-    "--metrics",
-    default=None,
-    metavar="[HOST:]PORT",
-    help="Serve Prometheus metrics on 127.0.0.1:PORT (or HOST:PORT) [needs the metrics extra].",
-)
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     envvar="HERMES_SUP_CONFIG",
     default=None,
     help="TOML file with any of these settings (flags override it) [env HERMES_SUP_CONFIG].",
-)
-@click.option(
-    "--agent-config",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="TOML or JSON settings for the runtime (hermes: model, base_url, provider, "
-    "toolsets, template_home, api_key_env or api_key_file).",
-)
-@click.option(
-    "--tcp",
-    default=None,
-    help="Also serve remote front ends on TCP with CURVE: PORT (127.0.0.1) or HOST:PORT; "
-    "0.0.0.0:PORT listens on every interface. Clients need `hermes-sup keys generate`.",
 )
 @click.option(
     "--http",
@@ -180,74 +155,6 @@ def tunables(func: Any) -> Any:
 )
 @web_dir_option("--http-web", "http_web", "With --http, also")
 @click.option(
-    "--workspace-root",
-    "workspace_roots",
-    multiple=True,
-    help="A directory under which front ends may choose a session's workspace (repeat).",
-)
-@click.option(
-    "--allow-runtime",
-    "runtimes",
-    multiple=True,
-    help="A runtime front ends may choose per session besides --agent (repeat).",
-)
-@click.option(
-    "--allow-env",
-    "allow_env",
-    multiple=True,
-    help="A variable that decides the agent's approvals (HERMES_EXEC_ASK, "
-    "HERMES_GATEWAY_SESSION, HERMES_YOLO_MODE) that front ends may set all the same (repeat).",
-)
-@click.option(
-    "--sealed",
-    type=click.Choice(["off", "auto", "on"]),
-    default=None,
-    help="Each worker in its own mount and PID namespaces, seeing only its session's files "
-    "and processes: auto (where the kernel allows, else a warning), on (refuse to start "
-    "without it) or off (a session is then no boundary) [auto].",
-)
-@click.option(
-    "--repo",
-    default=None,
-    metavar="PATH",
-    help="A git repository: each session works in its own worktree of it, on its own branch.",
-)
-@click.option(
-    "--repo-root",
-    "repo_roots",
-    multiple=True,
-    help="A directory under which front ends may name a session's repository (repeat).",
-)
-@click.option("--preload", multiple=True, help="Module the zygote imports before forking (repeat).")
-@click.option(
-    "--pass-env",
-    multiple=True,
-    help="Also pass this variable (or PREFIX*) from our environment to workers (repeat).",
-)
-@click.option("--env", "env_pairs", multiple=True, help="Set NAME=VALUE in every worker (repeat).")
-@click.option(
-    "--max-frame-size",
-    type=click.IntRange(1024),
-    default=16 * 1024 * 1024,
-    show_default=True,
-    help="Largest frame a peer may send, in bytes.",
-)
-@click.option(
-    "--stop-timeout",
-    type=click.FloatRange(0),
-    default=5.0,
-    show_default=True,
-    help="Seconds a worker gets to stop before SIGTERM (then SIGKILL).",
-)
-@click.option(
-    "--max-queue",
-    type=click.IntRange(1),
-    default=256,
-    show_default=True,
-    help="Turns one session may have waiting before senders get a busy error.",
-)
-@LOG_LEVEL
-@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     envvar="HERMES_SUP_LOG_FORMAT",
@@ -256,33 +163,15 @@ def tunables(func: Any) -> Any:
     help="json: one object a line ({ts, level, event, session, pid, ...}) for journald "
     "and log shippers [env HERMES_SUP_LOG_FORMAT].",
 )
-@tunables
+@setting_options
 @click.pass_context  # type: ignore[arg-type]
 def serve(
     ctx: click.Context,
-    data_dir: Path | None,
-    runtime: str,
-    agent_config: Path | None,
-    metrics: str | None,
     config: Path | None,
-    tcp: str | None,
     http_listen: str | None,
     http_web: Path | None,
-    workspace_roots: tuple[str, ...],
-    runtimes: tuple[str, ...],
-    allow_env: tuple[str, ...],
-    sealed: str | None,
-    repo: str | None,
-    repo_roots: tuple[str, ...],
-    preload: tuple[str, ...],
-    pass_env: tuple[str, ...],
-    env_pairs: tuple[str, ...],
-    max_frame_size: int,
-    stop_timeout: float,
-    max_queue: int,
-    log_level: str,
     log_format: str,
-    **tuned: Any,
+    **given: Any,
 ) -> None:
     """Run the supervisor in the foreground until SIGTERM or Ctrl-C.
 
@@ -295,53 +184,13 @@ def serve(
     from hermes_sup.supervisor.server import Supervisor
     from hermes_sup.supervisor.statedir import StateDirError
 
-    def given(name: str) -> bool:
-        return ctx.get_parameter_source(name) in (
-            click.core.ParameterSource.COMMANDLINE,
-            click.core.ParameterSource.ENVIRONMENT,
-        )
-
+    sources = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
     # What the command line (or its environment variables) set wins over the file.
-    overrides: dict[str, Any] = {}
-    # Absolute: the zygote and workers run in other directories than ours.
-    if ctx.obj["state_dir_given"]:
-        overrides["state_dir"] = Path(ctx.obj["state_dir"]).absolute()
-    if data_dir is not None:
-        overrides["data_dir"] = data_dir.absolute()
-    if agent_config is not None:
-        try:
-            overrides["runtime_config"] = configfile.load_agent_config(agent_config)
-        except configfile.ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--agent-config") from None
-    if preload:
-        overrides["preload"] = preload
-    if workspace_roots:
-        overrides["workspace_roots"] = tuple(str(Path(r).absolute()) for r in workspace_roots)
-    if runtimes:
-        overrides["runtimes"] = runtimes
-    if allow_env:
-        overrides["allow_env"] = allow_env
-    if sealed is not None:
-        overrides["sealed"] = sealed
-    if repo is not None:
-        overrides["repo"] = str(Path(repo).absolute()) if repo else ""
-    if repo_roots:
-        overrides["repo_roots"] = tuple(str(Path(r).absolute()) for r in repo_roots)
-    if pass_env:
-        overrides["pass_env"] = DEFAULT_PASS_ENV + pass_env
-    if env_pairs:
-        overrides["env"] = parse_pairs(env_pairs, "--env")
-    plain = {
-        "runtime": runtime,
-        "metrics": metrics,
-        "tcp": tcp,
-        "max_frame_size": max_frame_size,
-        "stop_timeout": stop_timeout,
-        "max_queue": max_queue,
-        "log_level": log_level,
-        **tuned,
+    overrides: dict[str, Any] = {
+        name: value for name, value in given.items() if ctx.get_parameter_source(name) in sources
     }
-    overrides.update({name: value for name, value in plain.items() if given(name)})
+    if ctx.obj["state_dir_given"]:
+        overrides["state_dir"] = from_command_line(SETTINGS["state_dir"], ctx.obj["state_dir"])
     base = Settings(state_dir=default_state_dir(), data_dir=default_data_dir())
     try:
         settings = configfile.build(base, config, overrides)
@@ -360,13 +209,6 @@ def serve(
             raise click.ClickException(
                 "metrics need prometheus-client: pip install 'hermes-sup[metrics]'"
             )
-    if settings.tcp:
-        from hermes_sup.supervisor.remote import RemoteError, parse_tcp
-
-        try:
-            parse_tcp(settings.tcp)
-        except RemoteError as exc:
-            raise click.BadParameter(str(exc), param_hint="--tcp") from None
     if settings.runtime == "hermes" and not settings.preload:
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
 

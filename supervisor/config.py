@@ -1,14 +1,32 @@
-"""Supervisor settings, and (re-exported) where state and data live by default."""
+"""Supervisor settings: each declared once, and (re-exported) where state and
+data live by default.
+
+Every setting of `hermes-sup serve` is a field of `Settings`, the object the
+supervisor reads. Its type and default are the field's; everything else
+about it (its flag and environment variable, bounds, help, whether a reload
+may change it) is a `Setting` in the field's metadata, as gunicorn declares
+each of its settings once in a `Setting`. From that one declaration come:
+
+- the flags of `serve` (cli/serve.py, `setting_options`),
+- the checks of the TOML file (configfile.py),
+- the README's configuration reference (`reference_table`; `make
+  settings-doc` writes it, and a test fails when the README differs).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # Where state and data live by default is the client's business too (it
 # finds the supervisor by it): hermes_sup.local holds it, re-exported here.
+from hermes_sup.local.addresses import parse_listen
 from hermes_sup.local.statedir import (
     DATA_DIR_ENV,
     STATE_DIR_ENV,
@@ -20,15 +38,21 @@ from hermes_sup.local.statedir import (
 from hermes_sup.protocol import DEFAULT_MAX_FRAME_SIZE
 
 __all__ = [
+    "AGENT_KEYS",
     "DATA_DIR_ENV",
     "DEFAULT_PASS_ENV",
+    "LOG_LEVELS",
+    "SEALED_CHOICES",
+    "SETTINGS",
     "STATE_DIR_ENV",
     "SYSTEM_DATA_DIR",
     "SYSTEM_STATE_DIR",
+    "Setting",
     "Settings",
     "default_data_dir",
     "default_spare_workers",
     "default_state_dir",
+    "reference_table",
 ]
 
 # Variables a worker inherits from the supervisor's environment by default.
@@ -47,6 +71,20 @@ DEFAULT_PASS_ENV: tuple[str, ...] = (
     "TMPDIR",
     "TERM",
 )
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SEALED_CHOICES = ("off", "auto", "on")
+# The keys of the [agent] table (and of an --agent-config file), with the
+# type each must have.
+AGENT_KEYS: dict[str, type] = {
+    "model": str,
+    "base_url": str,
+    "provider": str,
+    "toolsets": list,
+    "max_iterations": int,
+    "template_home": str,
+    "api_key_env": str,
+    "api_key_file": str,
+}
 
 
 # A burst of new sessions beyond the spares waits for forks anyway; more
@@ -68,141 +106,633 @@ def default_spare_workers() -> int:
     return max(1, min(cpus, MAX_DEFAULT_SPARES))
 
 
+def _tcp_address(value: str) -> str | None:
+    """Why `value` cannot be the TCP endpoint (naming it), or None."""
+    if value:
+        try:
+            parse_listen(value, "tcp")
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of `hermes-sup serve`, all that is said about it.
+
+    `name`, `type` and `default` are those of its `Settings` field; the rest
+    is declared in the field's metadata with `setting()`. A setting whose
+    type admits None reads 0 (in the file, or on the command line, where
+    "none" means it too) as None: `zero` says what that means ("off", "from
+    the fd limit"); for any other setting `zero` says what its 0 or "" does.
+    """
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    # "--memory-limit"; "" for a setting only the file can set.
+    flag: str
+    # More flags for the same setting, kept working for compatibility.
+    aliases: tuple[str, ...] = ()
+    envvar: str | None = None
+    zero: str | None = None
+    # Numbers: the least value allowed (0: not negative).
+    minimum: float = 0
+    choices: tuple[str, ...] = ()
+    # False: only a restart changes it (sockets, directories, the zygote's
+    # imports); a reload keeps the old value and says so.
+    reload: bool = True
+    # A filesystem path (or a list of them): made absolute on the command
+    # line, since the zygote and workers run in other directories; a list of
+    # them in the file must be absolute already.
+    path: bool = False
+    # The file's (or the flag's) list adds to the default instead of replacing it.
+    extends: bool = False
+    # Its key in the file when not its name (the [agent] table).
+    key: str = ""
+    metavar: str | None = None
+    # The README's default column, when the value itself would not say it.
+    shown: str | None = None
+    # Further check of a value from the file or the command line: why it
+    # cannot be used, or None.
+    check: Callable[[Any], str | None] | None = None
+
+    @property
+    def file_key(self) -> str:
+        """Its key in the configuration file."""
+        return self.key or self.name
+
+    @property
+    def optional(self) -> bool:
+        """Its value may be None, written 0 in the file and on the command line."""
+        return type(None) in typing.get_args(self.type)
+
+    @property
+    def base(self) -> Any:
+        """Its type without None: int, float, str, Path, tuple[str, ...], dict[...]."""
+        if self.optional:
+            return next(a for a in typing.get_args(self.type) if a is not type(None))
+        return self.type
+
+    @property
+    def table(self) -> bool:
+        """A TOML table of its own ([agent], [session_defaults])."""
+        return self.base == dict[str, Any]
+
+    @property
+    def repeatable(self) -> bool:
+        """Given once per value on the command line (--pass-env A --pass-env B)."""
+        return self.base in (tuple[str, ...], dict[str, str])
+
+    def default_text(self, markdown: bool = True) -> str:
+        """The default as the README shows it (Markdown), or as --help does
+        ("" when there is nothing to say)."""
+        if self.shown is not None:
+            return self.shown if markdown else plain(self.shown)
+        value, zero = self.default, self.zero
+        if value is None:
+            text = f"`0` ({zero})"
+        elif isinstance(value, str):
+            if not markdown:
+                return value or zero or ""
+            text = f'`"{value}"`' + (f" ({zero})" if zero and not value else "")
+        elif isinstance(value, (tuple, dict)):
+            if value:
+                text = f"`{' '.join(value)}`"
+            elif not markdown:
+                return ""
+            else:
+                text = "`[]`" if isinstance(value, tuple) else "`{}`"
+        elif zero:
+            text = f"`{value}` (0 = {zero})" if value else f"`{value}` ({zero})"
+        else:
+            text = f"`{value}`"
+        return text if markdown else plain(text)
+
+    def flag_text(self) -> str:
+        """Its flags and environment variable, in Markdown."""
+        if not self.flag:
+            return ""
+        shape = f" {self.metavar}" if self.metavar else ""
+        text = f"`{self.flag}{shape}`" + "".join(f" (or `{a}`)" for a in self.aliases)
+        return text + (f", env `{self.envvar}`" if self.envvar else "")
+
+    def meaning(self) -> str:
+        """What it means, with its bounds (Markdown)."""
+        return self.help + (f"; at least {self.minimum:g}" if self.minimum else "")
+
+    def reference_help(self) -> str:
+        """What the README says it means."""
+        return self.meaning() + ("" if self.reload else ". Needs a restart")
+
+    def option_help(self) -> str:
+        """Its --help text: the README's, as a sentence, without Markdown,
+        then its environment variable and default."""
+        text = plain(self.meaning()).removesuffix(".")
+        text = text[:1].upper() + text[1:] + (" (repeat)." if self.repeatable else ".")
+        extra = [f"env {self.envvar}"] if self.envvar else []
+        if self.default_text(markdown=False):
+            extra.append(f"default: {self.default_text(markdown=False)}")
+        return text + (f" [{'; '.join(extra)}]" if extra else "")
+
+
+def plain(markdown: str) -> str:
+    """Text without the README's code quotes."""
+    return markdown.replace("`", "")
+
+
+def setting(flag: str, help: str, **more: Any) -> dict[str, Any]:
+    """A field's metadata declaring it a setting (see `Setting`)."""
+    return {"setting": {"flag": flag, "help": help, **more}}
+
+
+def _either(names: typing.Iterable[str]) -> str:
+    quoted = [f"`{n}`" for n in names]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
 @dataclass
 class Settings:
-    """Everything `hermes-sup serve` can be told."""
+    """Everything `hermes-sup serve` can be told (see `Setting`)."""
 
-    state_dir: Path
-    data_dir: Path
-    runtime: str = "probe"
-    # Settings handed to the runtime (e.g. hermes: model, base_url, provider,
-    # toolsets, template_home, api_key resolved from api_key_env/api_key_file).
-    runtime_config: dict[str, Any] = field(default_factory=dict)
-    # Modules the zygote imports before it forks workers (shared copy-on-write).
-    preload: tuple[str, ...] = ()
-    pass_env: tuple[str, ...] = DEFAULT_PASS_ENV
-    # Fixed variables given to every worker (after the allowlisted base).
-    env: dict[str, str] = field(default_factory=dict)
-    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    state_dir: Path = field(
+        metadata=setting(
+            "--state-dir",
+            "sockets, key, lock (0700)",
+            envvar=STATE_DIR_ENV,
+            reload=False,
+            path=True,
+            shown="per user; `/run/hermes-sup` as root",
+        )
+    )
+    data_dir: Path = field(
+        metadata=setting(
+            "--data-dir",
+            "session workspaces, homes, logs (0700)",
+            envvar=DATA_DIR_ENV,
+            reload=False,
+            path=True,
+            shown="per user; `/var/lib/hermes-sup` as root",
+        )
+    )
+    runtime: str = field(
+        default="probe",
+        metadata=setting(
+            "--runtime",
+            "agent runtime: `probe`, `hermes`, or `module:factory`",
+            aliases=("--agent",),
+            reload=False,
+        ),
+    )
+    # Handed to the runtime (the api key resolved from api_key_env or
+    # api_key_file, so that the key itself never sits in a config file).
+    runtime_config: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=setting(
+            "--agent-config",
+            f"runtime settings: {_either(AGENT_KEYS)}; `--agent-config` names a TOML or JSON "
+            "file of them",
+            key="agent",
+            metavar="FILE",
+            shown="",
+        ),
+    )
+    # Imported by the zygote before it forks workers (shared copy-on-write).
+    preload: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--preload",
+            "modules the zygote imports before forking; a module of hermes-agent itself "
+            "(`run_agent`, `tools`, ...) is refused: it captures HERMES_HOME at import, so "
+            "every session's logs and state would land in the zygote's home",
+            reload=False,
+            metavar="MODULE",
+            shown="`[]` (hermes: its safe libraries)",
+        ),
+    )
+    pass_env: tuple[str, ...] = field(
+        default=DEFAULT_PASS_ENV,
+        metadata=setting(
+            "--pass-env",
+            "more variables (or `PREFIX*`) passed from our environment to workers; adds to "
+            "the default",
+            extends=True,
+            metavar="NAME",
+        ),
+    )
+    # Given to every worker after the allowlisted base.
+    env: dict[str, str] = field(
+        default_factory=dict,
+        metadata=setting("--env", "variables set in every worker", metavar="NAME=VALUE"),
+    )
+    max_frame_size: int = field(
+        default=DEFAULT_MAX_FRAME_SIZE,
+        metadata=setting(
+            "--max-frame-size",
+            "largest frame a peer may send, bytes",
+            minimum=1024,
+            reload=False,
+        ),
+    )
     # Graceful kill: ask the worker to stop, then SIGTERM its group, then SIGKILL.
-    stop_timeout: float = 5.0
-    term_timeout: float = 2.0
-    # How long a new worker may take to say hello before it counts as failed.
-    start_timeout: float = 30.0
-    # Shutdown: how long running turns may finish before workers are stopped.
-    shutdown_grace: float = 10.0
-    # Turns one session may have waiting, and all sessions together; over
-    # either, a `busy` error: nothing is dropped silently.
-    max_queue: int = 256
-    max_queued_total: int = 10_000
+    stop_timeout: float = field(
+        default=5.0,
+        metadata=setting("--stop-timeout", "seconds a worker gets to stop before SIGTERM"),
+    )
+    term_timeout: float = field(
+        default=2.0, metadata=setting("--term-timeout", "seconds after SIGTERM before SIGKILL")
+    )
+    start_timeout: float = field(
+        default=30.0,
+        metadata=setting("--start-timeout", "seconds a new worker may take to say hello"),
+    )
+    shutdown_grace: float = field(
+        default=10.0,
+        metadata=setting("--shutdown-grace", "seconds running turns get at shutdown"),
+    )
+    # Over either queue limit, a `busy` error: nothing is dropped silently.
+    max_queue: int = field(
+        default=256,
+        metadata=setting(
+            "--max-queue",
+            "turns one session may have waiting; more get a `busy` error",
+            minimum=1,
+        ),
+    )
+    max_queued_total: int = field(
+        default=10_000,
+        metadata=setting("--max-queued-total", "turns waiting across all sessions"),
+    )
     # Workers heartbeat from their main loop (never from the turn thread), so
-    # a long turn is busy, not hung. Silent this long: SIGABRT (a traceback
+    # a long turn is busy, not hung. Silent too long: SIGABRT (a traceback
     # lands in the session log), then SIGKILL after abort_grace.
-    heartbeat_interval: float = 2.0
-    heartbeat_timeout: float = 10.0
-    # An idle worker beats this often instead, and is hung only after
-    # IDLE_BEATS_PER_TIMEOUT of them are missed: a thousand idle sessions
-    # beating every 2 s kept a 2-core machine a fifth busy.
-    idle_heartbeat_interval: float = 15.0
-    abort_grace: float = 2.0
-    # A turn running longer is cancelled and reported (None: no limit, the
-    # default for agents); a runtime that ignores the cancel is killed.
-    turn_timeout: float | None = None
-    cancel_grace: float = 5.0
+    heartbeat_interval: float = field(
+        default=2.0,
+        metadata=setting(
+            "--heartbeat-interval",
+            "seconds between the heartbeats of a worker running a turn (at most a quarter "
+            "of the timeout)",
+        ),
+    )
+    heartbeat_timeout: float = field(
+        default=10.0,
+        metadata=setting("--heartbeat-timeout", "a worker silent this long during a turn is hung"),
+    )
+    # An idle worker beats less often: a thousand idle sessions beating
+    # every 2 s kept a 2-core machine a fifth busy.
+    idle_heartbeat_interval: float = field(
+        default=15.0,
+        metadata=setting(
+            "--idle-heartbeat-interval",
+            "seconds between an idle worker's heartbeats; an idle worker is hung after 3 "
+            "missed (45 s), or the timeout if longer",
+        ),
+    )
+    abort_grace: float = field(
+        default=2.0,
+        metadata=setting("--abort-grace", "seconds between SIGABRT and SIGKILL for a hung worker"),
+    )
+    # No limit by default, for agents; a runtime that ignores the cancel is killed.
+    turn_timeout: float | None = field(
+        default=None,
+        metadata=setting("--turn-timeout", "seconds before a turn is cancelled", zero="off"),
+    )
+    cancel_grace: float = field(
+        default=5.0,
+        metadata=setting(
+            "--cancel-grace", "seconds a cancelled turn may take before its worker is killed"
+        ),
+    )
     # A worker that dies sooner than min_uptime after its spawn is a fast
     # failure: back off backoff_base * 2^(n-1) seconds (at most backoff_cap);
     # after max_fast_failures in a row the session is failed until killed or
     # until failed_cooldown passes.
-    min_uptime: float = 2.0
-    backoff_base: float = 0.5
-    backoff_cap: float = 30.0
-    max_fast_failures: int = 5
-    failed_cooldown: float = 300.0
-    # Per-session limits. Memory is the PSS of the worker and all its
-    # descendants (a page they share counts once; see limits.py), sampled
-    # every limits_interval; over it the session is
-    # recycled. max_procs counts the worker's descendants the same way.
-    # max_open_files and cpu_seconds are rlimits set in the worker.
-    memory_limit_mb: int | None = 2048
-    # Sealed, max_procs is also the session's RLIMIT_NPROC (its processes
-    # and threads, the worker's included), which the kernel enforces.
-    max_procs: int | None = 256
-    max_open_files: int | None = 1024
-    cpu_seconds: int | None = None
-    # The largest file a session may write (RLIMIT_FSIZE: a write past it
-    # fails with "File too large"), and, sealed, the size of the tmpfs that
-    # is its /tmp, /var/tmp and /dev/shm (None: its tmp/ on disk, unbounded).
-    file_size_limit_mb: int | None = 4096
-    tmp_limit_mb: int | None = 256
-    limits_interval: float = 2.0
-    # Live workers at most (None: derived from the open-file limit). When
-    # full, the least recently used idle session is stopped to make room.
-    max_sessions: int | None = None
-    # Client connections at once, local and TCP together (None: what the
-    # open-file limit leaves after sessions; with tcp, half each). One over
-    # it is refused with `overloaded` (see supervisor/gate.py).
-    max_clients: int | None = None
-    # Workers forked ahead of need, connected and waiting: a new session
-    # takes one instead of waiting for a fork (see supervisor/spare_workers.py).
-    # By default one per CPU this process may run on, at most
-    # MAX_DEFAULT_SPARES; 0 is none.
-    spare_workers: int = field(default_factory=default_spare_workers)
-    # Stop sessions idle this long (None: never). Busy sessions never are.
-    idle_timeout: float | None = None
-    # Session logs rotate at this size, keeping this many old files.
-    log_max_bytes: int = 10 * 1024 * 1024
-    log_backups: int = 3
-    # A session's log takes at most log_rate_limit bytes a second (None:
-    # no limit) after a burst of log_rate_burst; over it, its output pipe is
-    # read only as fast as the rate allows (see supervisor/logs.py).
-    log_rate_limit: int | None = 1024 * 1024
-    log_rate_burst: int = 4 * 1024 * 1024
-    # Recent turns and events kept per session, replayed to `attach`.
-    history: int = 200
-    # Messages the supervisor queues for one client connection. A client
-    # that does not read that many lags: its events are dropped and counted
-    # (a `dropped` event tells it how many once it reads again), its answers
-    # kept for it (supervisor/endpoints.py, "Slow consumers"). 0: no limit
-    # (zmq's), so such a client can hold any amount of memory.
-    client_queue: int = 10_000
-    # A worker merges the stream deltas (`token`, `output`) of a turn made
-    # within this many milliseconds into one event, losing nothing; a turn's
-    # first delta and every other event go out at once (worker/coalesce.py).
-    # Told in the spawn request (`coalesce_ms`). 0 is off.
-    stream_coalesce_ms: float = 10.0
-    # CURVE-encrypted TCP endpoint for remote front ends, "PORT" (127.0.0.1)
-    # or "HOST:PORT" (0.0.0.0 for every interface); "" is off.
-    tcp: str = ""
-    # Prometheus endpoint, "PORT" (127.0.0.1) or "HOST:PORT"; "" is off.
-    metrics: str = ""
-    log_level: str = "info"
-    # Directories under which a front end may choose a session's workspace
-    # (the `workspace` option); none: every session works in its own.
-    workspace_roots: tuple[str, ...] = ()
-    # Runtimes a front end may choose per session besides `runtime`.
-    runtimes: tuple[str, ...] = ()
-    # Variables that decide whether the agent asks before a dangerous command
-    # (environment.APPROVAL_ENV) that front ends may set all the same.
-    allow_env: tuple[str, ...] = ()
-    # Sealed sessions (worker/seal.py): each worker in its own mount and PID
-    # namespaces, seeing only its own session's files and processes.
-    # "auto": sealed where the kernel allows it, else unsealed with a warning
-    # at start, in status, list and the HTTP endpoint; "on": refuse to start
-    # without it; "off": unsealed, by the operator's choice (a session is
-    # then no boundary: its shell can read the supervisor's key).
-    sealed: str = "auto"
-    # A git repository: each session's workspace is its own `git worktree`
-    # of it, on its own branch (supervisor/worktrees.py). "" is off.
-    repo: str = ""
-    # Directories under which a front end may name a session's repository
-    # (the `repo` option); none: only `repo` above.
-    repo_roots: tuple[str, ...] = ()
-    # This supervisor's name among the nodes of a cluster (`hermes-sup route`,
-    # Ray); "" is a single node, named by its host when asked.
-    node: str = ""
-    # Options a new session gets when its front end passes none (wire form).
-    session_defaults: dict[str, Any] = field(default_factory=dict)
+    min_uptime: float = field(
+        default=2.0,
+        metadata=setting("--min-uptime", "seconds: a worker dying sooner is a fast failure"),
+    )
+    backoff_base: float = field(
+        default=0.5,
+        metadata=setting(
+            "--backoff-base", "first back-off delay in seconds; doubles each fast failure"
+        ),
+    )
+    backoff_cap: float = field(
+        default=30.0, metadata=setting("--backoff-cap", "longest back-off delay in seconds")
+    )
+    max_fast_failures: int = field(
+        default=5,
+        metadata=setting("--max-fast-failures", "fast failures in a row before `failed`"),
+    )
+    failed_cooldown: float = field(
+        default=300.0,
+        metadata=setting("--failed-cooldown", "seconds a failed session refuses turns"),
+    )
+    # Per-session limits. Memory and processes are counted over the worker
+    # and all its descendants (see limits.py), sampled every limits_interval;
+    # over either, the session is recycled. max_open_files and cpu_seconds
+    # are rlimits set in the worker.
+    memory_limit_mb: int | None = field(
+        default=2048,
+        metadata=setting(
+            "--memory-limit",
+            "MiB of memory a worker and its descendants may use: their PSS summed, so pages "
+            "they share (libraries, copy-on-write) count once; read only for trees whose RSS "
+            "sum is over the limit",
+            zero="off",
+        ),
+    )
+    max_procs: int | None = field(
+        default=256,
+        metadata=setting(
+            "--max-procs",
+            "descendants of a worker; sealed, also the session's `RLIMIT_NPROC` (its "
+            "processes and threads, counted by the kernel: a fork over it fails at once)",
+            zero="off",
+        ),
+    )
+    max_open_files: int | None = field(
+        default=1024,
+        metadata=setting("--max-open-files", "open-file rlimit of each worker", zero="off"),
+    )
+    cpu_seconds: int | None = field(
+        default=None,
+        metadata=setting("--cpu-seconds", "CPU-time rlimit of each worker", zero="off"),
+    )
+    file_size_limit_mb: int | None = field(
+        default=4096,
+        metadata=setting(
+            "--file-size-limit",
+            "MiB of the largest file a session may write (`RLIMIT_FSIZE`: a write past it "
+            'fails with "File too large")',
+            zero="off",
+        ),
+    )
+    tmp_limit_mb: int | None = field(
+        default=256,
+        metadata=setting(
+            "--tmp-limit",
+            "sealed: MiB of the tmpfs that is a session's `/tmp`, `/var/tmp` and `/dev/shm` "
+            "(gone with its worker); 0: its `tmp/` on disk, unbounded",
+            zero="off",
+        ),
+    )
+    limits_interval: float = field(
+        default=2.0,
+        metadata=setting(
+            "--limits-interval",
+            "seconds between memory/process samples (longer under load)",
+        ),
+    )
+    # When full, the least recently used idle session is stopped to make room.
+    max_sessions: int | None = field(
+        default=None,
+        metadata=setting("--max-sessions", "live workers at most", zero="from the fd limit"),
+    )
+    # See supervisor/gate.py.
+    max_clients: int | None = field(
+        default=None,
+        metadata=setting(
+            "--max-clients",
+            "client connections at once, local and TCP together (with `tcp`, half each); "
+            "more are refused with `overloaded`",
+            zero="from the fd limit",
+            reload=False,
+        ),
+    )
+    # A new session takes one instead of waiting for a fork (see
+    # supervisor/spare_workers.py).
+    spare_workers: int = field(
+        default_factory=default_spare_workers,
+        metadata=setting(
+            "--spare-workers",
+            "workers forked ahead of need, connected and waiting for a new session (see "
+            '"Starting fast")',
+            shown=f"one per CPU, at most {MAX_DEFAULT_SPARES} (0 = none)",
+        ),
+    )
+    # Busy sessions never are stopped for it.
+    idle_timeout: float | None = field(
+        default=None,
+        metadata=setting("--idle-timeout", "stop sessions idle this many seconds", zero="off"),
+    )
+    log_max_bytes: int = field(
+        default=10 * 1024 * 1024,
+        metadata=setting("--log-max-bytes", "rotate a session log at this size, bytes"),
+    )
+    log_backups: int = field(
+        default=3, metadata=setting("--log-backups", "rotated session logs kept")
+    )
+    # See supervisor/logs.py.
+    log_rate_limit: int | None = field(
+        default=1024 * 1024,
+        metadata=setting(
+            "--log-rate-limit",
+            "bytes a second a session's log may take after a burst; over it, the supervisor "
+            "reads that session's output pipe only as fast as the rate, so its writers wait "
+            "and no line is dropped (a dying worker's last output is read at once)",
+            zero="off",
+        ),
+    )
+    log_rate_burst: int = field(
+        default=4 * 1024 * 1024,
+        metadata=setting(
+            "--log-rate-burst",
+            "bytes a session may log at once before `log_rate_limit` applies (at least 65536)",
+        ),
+    )
+    history: int = field(
+        default=200,
+        metadata=setting("--history", "recent events per session replayed to `attach`"),
+    )
+    # See supervisor/endpoints.py, "Slow consumers".
+    client_queue: int = field(
+        default=10_000,
+        metadata=setting(
+            "--client-queue",
+            "messages queued for one client connection; a client that does not read them "
+            "lags: its events are dropped and counted (a `dropped` event tells it how many "
+            "when it reads again), its answers kept for it; 0: no limit, so such a client can "
+            "hold any amount of the supervisor's memory",
+            reload=False,
+        ),
+    )
+    # Told to each worker in its spawn request (`coalesce_ms`; worker/coalesce.py).
+    stream_coalesce_ms: float = field(
+        default=10.0,
+        metadata=setting(
+            "--stream-coalesce-ms",
+            "a worker merges a turn's `token` and `output` events made within this many "
+            "milliseconds into one, in order and byte for byte; the first, and tools, "
+            "approvals and replies, go at once",
+            zero="off",
+        ),
+    )
+    tcp: str = field(
+        default="",
+        metadata=setting(
+            "--tcp",
+            "CURVE TCP endpoint for remote front ends, `PORT` (127.0.0.1) or `HOST:PORT` "
+            "(`0.0.0.0:PORT` listens on every interface); clients need "
+            "`hermes-sup keys generate`",
+            zero="off",
+            reload=False,
+            metavar="[HOST:]PORT",
+            check=_tcp_address,
+        ),
+    )
+    metrics: str = field(
+        default="",
+        metadata=setting(
+            "--metrics",
+            "Prometheus endpoint, `PORT` (127.0.0.1) or `HOST:PORT` (needs the `metrics` extra)",
+            zero="off",
+            reload=False,
+            metavar="[HOST:]PORT",
+        ),
+    )
+    log_level: str = field(
+        default="info",
+        metadata=setting(
+            "--log-level", f"what the supervisor logs: {_either(LOG_LEVELS)}", choices=LOG_LEVELS
+        ),
+    )
+    workspace_roots: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--workspace-root",
+            "directories under which a front end may choose a session's workspace "
+            "(`workspace` option)",
+            path=True,
+            metavar="DIR",
+        ),
+    )
+    runtimes: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--allow-runtime",
+            "runtimes a front end may choose per session (`runtime` option) besides `runtime`",
+            metavar="RUNTIME",
+        ),
+    )
+    # environment.APPROVAL_ENV.
+    allow_env: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--allow-env",
+            "variables that decide whether the agent asks before a dangerous command "
+            "(`HERMES_EXEC_ASK`, `HERMES_GATEWAY_SESSION`, `HERMES_YOLO_MODE`) that front "
+            "ends may set all the same through the `env` option; others are refused "
+            "(`bad_field`), so a front end cannot switch approvals off for its own session",
+            metavar="NAME",
+        ),
+    )
+    # worker/seal.py. "off" is the operator's choice: a session is then no
+    # boundary (its shell can read the supervisor's key).
+    sealed: str = field(
+        default="auto",
+        metadata=setting(
+            "--sealed",
+            "each worker in its own mount and PID namespaces, seeing only its own session's "
+            'files and processes (see "Sealed sessions"): `"auto"` seals where the kernel '
+            "allows it and otherwise runs unsealed with a warning at start, in `status`, "
+            '`list` and the HTTP endpoint; `"on"` refuses to start without it; `"off"` runs '
+            "unsealed by choice, and a session is then no boundary",
+            choices=SEALED_CHOICES,
+            reload=False,
+        ),
+    )
+    # supervisor/worktrees.py.
+    repo: str = field(
+        default="",
+        metadata=setting(
+            "--repo",
+            "a git repository: each session's workspace is its own worktree of it, on its "
+            "own branch",
+            zero="off",
+            path=True,
+            metavar="PATH",
+        ),
+    )
+    repo_roots: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--repo-root",
+            "directories under which a front end may name a session's repository (`repo` option)",
+            path=True,
+            metavar="DIR",
+        ),
+    )
+    # `hermes-sup route`, Ray.
+    node: str = field(
+        default="",
+        metadata=setting(
+            "--node",
+            "this supervisor's name among a cluster's nodes (see \"Beyond one machine\")",
+            zero="the host's name",
+            reload=False,
+        ),
+    )
+    # In wire form.
+    session_defaults: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=setting(
+            "",
+            "options a new session gets when its front end passes none: `session_env`, "
+            "`env`, `agent`",
+            shown="",
+        ),
+    )
     # Where these settings came from, for reload: the file and what the
-    # command line set over it.
+    # command line set over it. Bookkeeping, not settings.
     config_file: Path | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _declared() -> dict[str, Setting]:
+    # Evaluated here, once: the annotations are strings (PEP 563).
+    hints = typing.get_type_hints(Settings, vars(sys.modules[__name__]))
+    table: dict[str, Setting] = {}
+    for f in dataclasses.fields(Settings):
+        if "setting" not in f.metadata:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default: Any = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None  # required (the directories): `shown` says it
+        table[f.name] = Setting(f.name, hints[f.name], default, **f.metadata["setting"])
+    return table
+
+
+# Every setting by its Settings field name, in the order of the fields.
+SETTINGS: dict[str, Setting] = _declared()
+
+
+# ---------------------------------------------------------------- the README
+
+README_BEGIN = "<!-- settings: made from supervisor/config.py by `make settings-doc` -->"
+README_END = "<!-- /settings -->"
+
+
+def reference_table() -> str:
+    """The README's configuration reference: a Markdown table, a row a setting."""
+    rows = ["| key | flag | default | meaning |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        key = f"`[{s.file_key}]`" if s.table else f"`{s.file_key}`"
+        rows.append(f"| {key} | {s.flag_text()} | {s.default_text()} | {s.reference_help()} |")
+    return "\n".join(rows) + "\n"
+
+
+def with_reference_table(readme: str) -> str:
+    """`readme` with the table between its markers made anew."""
+    begin = readme.index(README_BEGIN) + len(README_BEGIN)
+    end = readme.index(README_END, begin)
+    return readme[:begin] + "\n" + reference_table() + readme[end:]
+
+
+if __name__ == "__main__":  # `make settings-doc`: python -m ...config README.md
+    readme_path = Path(sys.argv[1])
+    readme_path.write_text(with_reference_table(readme_path.read_text()))

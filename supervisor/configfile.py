@@ -1,7 +1,7 @@
 """The TOML configuration file: every setting of `hermes-sup serve`, checked.
 
-Top-level keys are exactly the fields of `Settings` (see config.py for each
-one's meaning and default), plus two tables:
+Top-level keys are the settings of config.py's table (`SETTINGS`: each
+one's type, bounds and meaning), plus two tables:
 
     [agent]             settings for the agent runtime (model, base_url,
                         provider, toolsets, max_iterations, template_home,
@@ -9,11 +9,9 @@ one's meaning and default), plus two tables:
     [session_defaults]  options a new session gets when its front end passes
                         none (session_env, env, agent), as in an `open`
 
-For limits that can be off (max_sessions, max_clients, idle_timeout, turn_timeout,
-memory_limit_mb, max_procs, max_open_files, cpu_seconds, file_size_limit_mb,
-tmp_limit_mb, log_rate_limit), 0 means off.
-`pass_env` adds to the built-in allowlist. Every error names the file, the
-key and what is wrong.
+A setting that may be off or derived (its type admits None: max_sessions,
+turn_timeout, memory_limit_mb, ...) reads 0 as None. `pass_env` adds to the
+built-in allowlist. Every error names the file, the key and what is wrong.
 """
 
 from __future__ import annotations
@@ -28,54 +26,34 @@ from typing import Any
 
 from hermes_sup.protocol import RemoteProtocolError
 
-from .config import DEFAULT_PASS_ENV, Settings
+from .config import AGENT_KEYS, SETTINGS, Setting, Settings
 from .environment import parse_options
-from .remote import RemoteError, parse_tcp
 
-AGENT_KEYS: dict[str, type] = {
-    "model": str,
-    "base_url": str,
-    "provider": str,
-    "toolsets": list,
-    "max_iterations": int,
-    "template_home": str,
-    "api_key_env": str,
-    "api_key_file": str,
-}
-OPTIONAL_FIELDS = {
-    "max_sessions",
-    "max_clients",
-    "idle_timeout",
-    "turn_timeout",
-    "memory_limit_mb",
-    "max_procs",
-    "max_open_files",
-    "cpu_seconds",
-    "file_size_limit_mb",
-    "tmp_limit_mb",
-    "log_rate_limit",
-}
-LOG_LEVELS = ("debug", "info", "warning", "error")
-SEALED_CHOICES = ("off", "auto", "on")
+__all__ = [
+    "AGENT_KEYS",
+    "FILE_SETTINGS",
+    "META_FIELDS",
+    "OPTIONAL_FIELDS",
+    "RESTART_FIELDS",
+    "ConfigError",
+    "build",
+    "check_agent_config",
+    "check_preload",
+    "check_value",
+    "load",
+    "load_agent_config",
+    "read_key",
+    "reload_settings",
+]
+
+# Settings by their key in the file ("agent" is runtime_config's table).
+FILE_SETTINGS: dict[str, Setting] = {s.file_key: s for s in SETTINGS.values()}
+# Settings whose 0 in the file is None in Settings (off, or derived).
+OPTIONAL_FIELDS = frozenset(s.name for s in SETTINGS.values() if s.optional)
 # Only a restart can change these: sockets, directories, the zygote's imports.
-RESTART_FIELDS = (
-    "state_dir",
-    "data_dir",
-    "runtime",
-    "preload",
-    "max_frame_size",
-    "metrics",
-    "tcp",
-    "max_clients",
-    "sealed",
-    "client_queue",
-    "node",
-)
+RESTART_FIELDS = tuple(s.name for s in SETTINGS.values() if not s.reload)
 # Bookkeeping, not settings: never reported as changed.
 META_FIELDS = ("config_file", "overrides")
-_FIELD_TYPES = typing.get_type_hints(Settings)
-_FIELDS = [f.name for f in dataclasses.fields(Settings)]
-_FILE_KEYS = [f for f in _FIELDS if f not in ("runtime_config", "session_defaults")]
 
 
 class ConfigError(Exception):
@@ -128,67 +106,73 @@ def load_agent_config(path: Path, environ: typing.Mapping[str, str] = os.environ
     return check_agent_config(raw, str(path), environ)
 
 
-def _check_value(path: Path, key: str, value: Any) -> Any:
-    kind = _FIELD_TYPES[key]
-    where = f"{path}: {key}"
-    if key in OPTIONAL_FIELDS:
-        base = int if "int" in str(kind) else float
+def check_value(path: Path, setting: Setting, value: Any) -> Any:
+    """A top-level value of the file as Settings holds it; ConfigError
+    naming the file, the key and what is wrong."""
+    kind = setting.base
+    where = f"{path}: {setting.file_key}"
+    if kind in (int, float):
+        whole = kind is int
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
-            or (base is int and not isinstance(value, int))
+            or (whole and not isinstance(value, int))
         ):
-            raise ConfigError(
-                f"{where} must be a {'whole ' if base is int else ''}number (0 = off)"
-            )
+            off = " (0 = off)" if setting.optional else ""
+            raise ConfigError(f"{where} must be a {'whole ' if whole else ''}number{off}")
         if value < 0:
             raise ConfigError(f"{where} must not be negative")
-        return None if value == 0 else base(value)
+        if value < setting.minimum:
+            raise ConfigError(f"{where} must be at least {setting.minimum:g}")
+        return None if setting.optional and value == 0 else kind(value)
     if kind is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where} must be a path")
         # Absolute (from our directory): the zygote and workers run elsewhere.
         return Path(value).expanduser().absolute()
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false")
-        return value
-    if kind in (int, float):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or (kind is int and not isinstance(value, int))
-        ):
-            raise ConfigError(f"{where} must be a {'whole ' if kind is int else ''}number")
-        if value < 0:
-            raise ConfigError(f"{where} must not be negative")
-        return kind(value)
     if kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string")
-        if key == "log_level" and value not in LOG_LEVELS:
-            raise ConfigError(f"{where} must be one of {', '.join(LOG_LEVELS)}")
-        if key == "sealed" and value not in SEALED_CHOICES:
-            raise ConfigError(f"{where} must be one of {', '.join(SEALED_CHOICES)}")
-        if key == "tcp" and value:
-            try:
-                parse_tcp(value)
-            except RemoteError as exc:
-                raise ConfigError(f"{path}: {exc}") from None
+        if setting.choices and value not in setting.choices:
+            raise ConfigError(f"{where} must be one of {', '.join(setting.choices)}")
+        why = setting.check(value) if setting.check else None
+        if why is not None:
+            raise ConfigError(f"{path}: {why}")
         return value
     if kind == tuple[str, ...]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings")
-        if key == "workspace_roots":
+        if setting.path:
+            # Relative to what? The supervisor's directory is not the file's.
             relative = [v for v in value if not os.path.isabs(v)]
             if relative:
                 raise ConfigError(f"{where}: {relative[0]!r} is not an absolute path")
-        return tuple(value)
+        return (setting.default if setting.extends else ()) + tuple(value)
     if kind == dict[str, str]:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{where} must be a table of strings")
         return dict(value)
     raise ConfigError(f"{where} cannot be set in a file")
+
+
+def read_key(
+    path: Path, key: str, value: Any, environ: typing.Mapping[str, str] = os.environ
+) -> tuple[str, Any]:
+    """One top-level key of the file checked: its Settings field and value.
+    ConfigError for an unknown key (with the nearest known one) or a bad value."""
+    setting = FILE_SETTINGS.get(key)
+    if setting is None:
+        close = difflib.get_close_matches(key, list(FILE_SETTINGS), 1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{path}: unknown key {key!r}{hint}")
+    if setting.name == "runtime_config":
+        return setting.name, check_agent_config(value, f"{path}: [agent]", environ)
+    if setting.name == "session_defaults":
+        try:
+            return setting.name, parse_options(value).to_wire()
+        except RemoteProtocolError as exc:
+            raise ConfigError(f"{path}: [session_defaults]: {exc.message}") from None
+    return setting.name, check_value(path, setting, value)
 
 
 def load(path: Path, environ: typing.Mapping[str, str] = os.environ) -> dict[str, Any]:
@@ -199,24 +183,7 @@ def load(path: Path, environ: typing.Mapping[str, str] = os.environ) -> dict[str
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key == "agent":
-            values["runtime_config"] = check_agent_config(value, f"{path}: [agent]", environ)
-        elif key == "session_defaults":
-            try:
-                values["session_defaults"] = parse_options(value).to_wire()
-            except RemoteProtocolError as exc:
-                raise ConfigError(f"{path}: [session_defaults]: {exc.message}") from None
-        elif key in _FILE_KEYS:
-            values[key] = _check_value(path, key, value)
-        else:
-            close = difflib.get_close_matches(key, [*_FILE_KEYS, "agent", "session_defaults"], 1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{path}: unknown key {key!r}{hint}")
-    if "pass_env" in values:
-        values["pass_env"] = DEFAULT_PASS_ENV + values["pass_env"]
-    return values
+    return dict(read_key(path, key, value, environ) for key, value in raw.items())
 
 
 def build(

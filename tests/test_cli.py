@@ -24,8 +24,6 @@ from hermes_sup.supervisor.logread import split_stamp
 
 from .test_faults import RUNTIMES, until
 
-pytestmark = pytest.mark.e2e
-
 
 def hs(sup, *args: str, env: dict[str, str] | None = None, input: str | None = None):
     """Run the real `hermes-sup` command against a supervisor."""

@@ -16,6 +16,7 @@ from importlib import metadata
 
 from hermes_sup.protocol import session_dir_name
 
+from .clirunner import hermes_sup
 from .test_faults import until
 
 
@@ -153,11 +154,6 @@ def test_logs_from_the_data_dir_with_the_supervisor_down(supervisor_factory, wor
 
 
 def test_version(tmp_path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", "--version"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = hermes_sup("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"hermes-sup, version {metadata.version('hermes-sup')}"

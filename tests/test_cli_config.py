@@ -1,17 +1,17 @@
 """`hermes-sup config check` reports every error of a file at once, and what
 cannot work though it parses: a runtime that cannot be imported, hermes
-without hermes-agent, missing preload modules and workspace roots (issue 18
-item 11)."""
+without hermes-agent, missing preload modules and workspace roots."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hermes_sup.cli import configcheck
+
+from .clirunner import hermes_sup
 
 BAD = """\
 idle_timout = 5
@@ -26,12 +26,7 @@ modle = "x"
 
 
 def check(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", "config", "check", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return hermes_sup("config", "check", str(path))
 
 
 def test_every_error_is_reported_at_once(tmp_path: Path) -> None:

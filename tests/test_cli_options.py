@@ -1,7 +1,7 @@
 """Options an operator types: --state-dir and --timeout on either side of the
 command's name (serve too), refused values as one line with the documented
 exit code, another user's state directory, and `list` sized to its keys
-with -q, --format and --no-trunc (issue 18 items 4-5, issue 15 item 9)."""
+with -q, --format and --no-trunc."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 import pexpect
 import pytest
 
+from .clirunner import hermes_sup
 from .test_faults import until
 
 SHARED = "telegram:-1001234567890:thread-55"
@@ -65,6 +66,7 @@ def test_state_dir_and_timeout_are_accepted_after_the_command(supervisor) -> Non
     assert "hermes-sup --state-dir /nonexistent/hs serve" in missing.stderr
 
 
+@pytest.mark.e2e
 def test_serve_takes_state_dir_after_its_name_and_shutdown_stops_it(workdir) -> None:
     state, data = workdir / "own-s", workdir / "own-d"
     log = open(workdir / "serve.log", "wb")  # noqa: SIM115
@@ -98,7 +100,7 @@ def test_bad_timeouts_are_one_line_usage_errors(value: str, tmp_path) -> None:
         ["ping", "--state-dir", str(tmp_path), "--timeout", value],
         ["send", "a", "pid", "--state-dir", str(tmp_path), "--turn-timeout", value],
     ):
-        one_line_error(run(*args), 2, "seconds")
+        one_line_error(hermes_sup(*args), 2, "seconds")
 
 
 @pytest.mark.skipif(

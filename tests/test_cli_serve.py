@@ -1,5 +1,4 @@
-"""What `serve` and a long `send` tell the person waiting (issue 18 item 12)
-and serve's JSON log (`--log-format json`): each with the real command,
+"""What `serve` and a long `send` tell the person waiting, and serve's JSON log (`--log-format json`): each with the real command,
 on a pseudo-terminal where a person would watch."""
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ import sys
 import time
 
 import pexpect
+import pytest
 
 from hermes_sup.cli.logformat import parse_kv
 from hermes_sup.protocol import Kind
@@ -46,6 +46,7 @@ def test_parse_kv_reads_back_quoted_values() -> None:
     assert parse_kv('bad_request error=""') == {"event": "bad_request", "error": ""}
 
 
+@pytest.mark.e2e
 def test_ctrl_c_of_serve_says_what_it_waits_for(workdir) -> None:
     state, data = workdir / "s", workdir / "d"
     child = pexpect.spawn(

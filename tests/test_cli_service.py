@@ -21,6 +21,8 @@ import pytest
 
 from hermes_sup.cli.service import CONFIG_TEMPLATE, render
 
+from .clirunner import hermes_sup
+
 REPO = Path(__file__).parent.parent
 # What `systemd-analyze security` rated the unit when it was hardened (2.2
 # with systemd 252); the unhardened one was 7.7 EXPOSED.
@@ -88,12 +90,7 @@ def test_the_unit_reloads_and_reads_a_default_config() -> None:
 def test_the_default_config_is_valid(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text(CONFIG_TEMPLATE)
-    result = subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", "config", "check", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = hermes_sup("config", "check", str(config))
     assert result.returncode == 0, result.stderr
 
 

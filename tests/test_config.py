@@ -11,16 +11,13 @@ from pathlib import Path
 import pytest
 
 from hermes_sup.supervisor import configfile
-from hermes_sup.supervisor.config import Settings
+from hermes_sup.supervisor.config import SETTINGS, Settings
+
+from .clirunner import hermes_sup
 
 
 def check(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", "config", "check", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return hermes_sup("config", "check", str(path))
 
 
 GOOD = """
@@ -188,3 +185,87 @@ def test_the_readme_documents_every_configuration_key() -> None:
         ):
             continue
         assert f"| `{field.name}` |" in table, field.name
+
+
+def test_the_readme_configuration_table_is_made_from_the_settings() -> None:
+    from hermes_sup.supervisor.config import with_reference_table
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert with_reference_table(readme) == readme, "the README differs: run make settings-doc"
+
+
+# ---------------------------------------------------------------- flags
+
+
+def serve_values(*args: str) -> dict:
+    """What `serve ARGS` would set over the file, parsed only (nothing starts)."""
+    from hermes_sup.cli.serve import serve
+
+    ctx = serve.make_context("serve", list(args), obj={"state_dir_given": False})
+    return {
+        name: value
+        for name, value in ctx.params.items()
+        if name in SETTINGS and ctx.get_parameter_source(name).name == "COMMANDLINE"
+    }
+
+
+def test_every_setting_has_a_flag_of_serve() -> None:
+    from hermes_sup.cli.main import cli
+
+    serve = cli.commands["serve"]
+    flags = {opt for param in serve.params for opt in param.opts}
+    for setting in SETTINGS.values():
+        if setting.name == "session_defaults":  # a table of options: the file only
+            assert not setting.flag
+            continue
+        assert {setting.flag, *setting.aliases} <= flags, setting.name
+
+
+def test_a_flag_reads_its_value_as_the_file_does(tmp_path: Path) -> None:
+    assert serve_values("--runtime", "hermes") == serve_values("--agent", "hermes")
+    assert serve_values("--agent", "hermes") == {"runtime": "hermes"}
+    assert serve_values("--memory-limit", "0", "--turn-timeout", "none") == {
+        "memory_limit_mb": None,
+        "turn_timeout": None,
+    }
+    assert serve_values("--stream-coalesce-ms", "0", "--client-queue", "0") == {
+        "stream_coalesce_ms": 0.0,
+        "client_queue": 0,
+    }
+    assert serve_values("--pass-env", "OPENAI_*")["pass_env"][-1] == "OPENAI_*"
+    assert "PATH" in serve_values("--pass-env", "OPENAI_*")["pass_env"]
+    assert serve_values("--env", "A=1", "--env", "B=2") == {"env": {"A": "1", "B": "2"}}
+    roots = serve_values("--workspace-root", "rel", "--repo-root", "/abs")
+    assert roots["workspace_roots"] == (str(Path("rel").absolute()),)
+    assert roots["repo_roots"] == ("/abs",)
+    path = tmp_path / "c.toml"
+    path.write_text("memory_limit_mb = 0\nturn_timeout = 0\nstream_coalesce_ms = 0\n")
+    assert configfile.load(path) == {
+        "memory_limit_mb": None,
+        "turn_timeout": None,
+        "stream_coalesce_ms": 0.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "args, words, line",
+    [
+        (["--max-frame-size", "1000"], "'1000' is less than 1024", "max_frame_size = 1000"),
+        (["--max-queue", "0"], "'0' is less than 1", "max_queue = 0"),
+        (["--log-backups", "-1"], "'-1' is negative", "log_backups = -1"),
+        (["--tcp", "*:7788"], "write 0.0.0.0 to listen on every interface", 'tcp = "*:7788"'),
+        (["--sealed", "sometimes"], "'sometimes' is not one of", 'sealed = "sometimes"'),
+    ],
+)
+def test_a_flag_refuses_what_the_file_refuses(
+    args: list[str], words: str, line: str, tmp_path: Path
+) -> None:
+    import click
+
+    with pytest.raises(click.BadParameter) as err:
+        serve_values(*args)
+    assert words in err.value.format_message()
+    path = tmp_path / "c.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(configfile.ConfigError):
+        configfile.load(path)

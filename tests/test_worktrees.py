@@ -20,6 +20,7 @@ from hermes_sup.supervisor.homes import placeholder_values, safe_value
 from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.supervisor.worktrees import branch_for, peers_text, repository_problem
 
+from .clirunner import hermes_sup
 from .test_spares import spare_pids
 from .waiting import wait_for
 
@@ -432,12 +433,7 @@ def test_config_check_names_a_repository_that_cannot_be_used(tmp_path: Path) -> 
 
 
 def cli_config_check(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hermes_sup.cli", "config", "check", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return hermes_sup("config", "check", str(path))
 
 
 def test_worktree_sessions_survive_a_supervisor_restart_and_take_spare_workers(
