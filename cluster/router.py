@@ -64,6 +64,7 @@ from hermes_sup.local.frames import (
 from hermes_sup.local.version import version
 from hermes_sup.protocol import (
     MAGIC,
+    MAX_WATCHES_PER_CLIENT,
     PROTOCOL_VERSION,
     ErrorCode,
     Kind,
@@ -78,7 +79,6 @@ from hermes_sup.protocol import (
     sign,
 )
 from hermes_sup.supervisor import statedir
-from hermes_sup.supervisor.watchers import MAX_PER_CLIENT
 
 from .links import SNDHWM, NodeLink, reach
 from .merge import merge_sessions, merge_status
@@ -583,11 +583,11 @@ class Router:
         client and let it have more (supervisor/watchers.py), so this is
         where each front end is held to the limit."""
         held = self.streams[(index, client)]
-        if held >= MAX_PER_CLIENT:
+        if held >= MAX_WATCHES_PER_CLIENT:
             raise RemoteProtocolError(
                 ErrorCode.BUSY,
                 f"this client already has {held} watches and log follows open (limit "
-                f"{MAX_PER_CLIENT} per client); end one (unwatch) first",
+                f"{MAX_WATCHES_PER_CLIENT} per client); end one (unwatch) first",
             )
 
     def _add(self, p: Pending) -> None:
@@ -800,7 +800,7 @@ class Router:
         """A front end that is no longer connected: end its watches and log
         follows on their nodes. Left open, they would stay there for good,
         each counted against the router's own connection, which a node
-        allows a few dozen (supervisor/watchers.py MAX_PER_CLIENT): after
+        allows its MAX_WATCHERS in all (supervisor/watchers.py): after
         that, no front end could watch through the router. Its requests in
         flight end as they would anyway, with their final answer."""
         who = (index, client)

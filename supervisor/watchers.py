@@ -25,14 +25,22 @@ from typing import Any
 
 import msgpack
 
-from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, check_session_key
+from hermes_sup.protocol import (
+    MAX_WATCHES_PER_CLIENT,
+    ErrorCode,
+    Kind,
+    Message,
+    RemoteProtocolError,
+    check_session_key,
+)
 
 from .endpoints import Endpoints
 from .session import Session
 
-# Watches and log follows open at once, of every client, and of one.
+# Watches and log follows open at once, of every client, and of one (the
+# latter is PROTOCOL.md's, kept in hermes_sup.protocol for routers too).
 MAX_WATCHERS = 1024
-MAX_PER_CLIENT = 32
+MAX_PER_CLIENT = MAX_WATCHES_PER_CLIENT
 # Event data larger than this is not kept in a session's replay history.
 HISTORY_DATA_LIMIT = 8192
 
