@@ -95,8 +95,8 @@ def route(
         return
     from hermes_sup.cluster.nodes import NodeConfigError
     from hermes_sup.cluster.router import serve_router, static_source
-    from hermes_sup.supervisor.remote import RemoteError
-    from hermes_sup.supervisor.statedir import StateDirError
+    from hermes_sup.door.remote import RemoteError
+    from hermes_sup.local.statedir import StateDirError
 
     if (nodes_file is None) == (ray_address is None):
         raise click.UsageError("give exactly one of --nodes FILE and --ray ADDRESS")

@@ -290,10 +290,10 @@ def serve(
     Example:
       hermes-sup --state-dir /tmp/hs serve --data-dir /tmp/hs-data
     """
+    from hermes_sup.door.remote import RemoteError
+    from hermes_sup.local.statedir import StateDirError
     from hermes_sup.supervisor import configfile
-    from hermes_sup.supervisor.remote import RemoteError
     from hermes_sup.supervisor.server import Supervisor
-    from hermes_sup.supervisor.statedir import StateDirError
 
     def given(name: str) -> bool:
         return ctx.get_parameter_source(name) in (
@@ -361,7 +361,7 @@ def serve(
                 "metrics need prometheus-client: pip install 'hermes-sup[metrics]'"
             )
     if settings.tcp:
-        from hermes_sup.supervisor.remote import RemoteError, parse_tcp
+        from hermes_sup.door.remote import RemoteError, parse_tcp
 
         try:
             parse_tcp(settings.tcp)

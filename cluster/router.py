@@ -53,7 +53,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from hermes_sup.local import statedir as local_statedir
+from hermes_sup.door import privatedir, remote
+from hermes_sup.local import statedir
 from hermes_sup.local.frames import (
     EVENTS,
     NOBLOCK,
@@ -78,7 +79,6 @@ from hermes_sup.protocol import (
     new_id,
     sign,
 )
-from hermes_sup.supervisor import statedir
 
 from .links import SNDHWM, NodeLink, reach
 from .merge import merge_sessions, merge_status
@@ -182,7 +182,7 @@ class Router:
         self.started = time.time()
         self.stopping = asyncio.Event()
         self.ctx: zmq.asyncio.Context | None = None
-        self._lock: statedir.InstanceLock | None = None
+        self._lock: privatedir.InstanceLock | None = None
         self._auth: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._fds: dict[int, int] = {}
@@ -217,13 +217,13 @@ class Router:
 
     def _bind_local(self) -> None:
         assert self.ctx is not None
-        statedir.ensure_private_dir(self.state_dir)
-        self._lock = statedir.InstanceLock(self.state_dir)
+        privatedir.ensure_private_dir(self.state_dir)
+        self._lock = privatedir.InstanceLock(self.state_dir)
         self._lock.acquire()
-        key = statedir.load_or_create_key(self.state_dir)
-        endpoint = local_statedir.endpoint(self.state_dir, local_statedir.CONTROL_SOCKET)
+        key = privatedir.load_or_create_key(self.state_dir)
+        endpoint = statedir.endpoint(self.state_dir, statedir.CONTROL_SOCKET)
         with contextlib.suppress(FileNotFoundError):
-            (self.state_dir / local_statedir.CONTROL_SOCKET).unlink()  # a dead run's socket
+            (self.state_dir / statedir.CONTROL_SOCKET).unlink()  # a dead run's socket
         sock = self._front_socket()
         old = os.umask(0o077)
         try:
@@ -235,8 +235,6 @@ class Router:
     def _bind_tcp(self) -> None:
         """The CURVE endpoint, as a supervisor's (supervisor/endpoints.py)."""
         from zmq.auth.thread import ThreadAuthenticator
-
-        from hermes_sup.supervisor import remote
 
         assert self.ctx is not None and self.tcp is not None
         if self.data_dir is None:

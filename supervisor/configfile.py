@@ -26,11 +26,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from hermes_sup.door.remote import RemoteError, parse_tcp
 from hermes_sup.protocol import RemoteProtocolError
 
 from .config import DEFAULT_PASS_ENV, Settings
 from .environment import parse_options
-from .remote import RemoteError, parse_tcp
 
 AGENT_KEYS: dict[str, type] = {
     "model": str,

@@ -54,6 +54,17 @@ from functools import partial
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from hermes_sup.door import gate, remote
+from hermes_sup.door.channel import Channel
+from hermes_sup.door.gate import (
+    REFUSAL_LINGER,
+    Door,
+    Gate,
+    shut_known,
+    tcp_address,
+    unix_address,
+)
+from hermes_sup.door.throttle import Throttle
 from hermes_sup.local import statedir
 from hermes_sup.local.frames import HANDSHAKE_FAILURES
 from hermes_sup.local.logfmt import kv
@@ -72,20 +83,9 @@ from hermes_sup.protocol import (
     sign,
 )
 
-from . import remote
-from .channel import Channel
 from .config import Settings
-from .gate import (
-    REFUSAL_LINGER,
-    Door,
-    Gate,
-    client_caps,
-    shut_known,
-    tcp_address,
-    unix_address,
-)
+from .limits import FDS_PER_SESSION, allowed_sessions
 from .session import Session
-from .throttle import Throttle
 
 log = logging.getLogger("hermes_sup.supervisor")
 
@@ -144,6 +144,20 @@ class Lag:
     answers: int = 0  # kept, all streams together
     answer_bytes: int = 0  # their size (last frames), for OWED_BYTES
     dropped: int = 0  # events dropped since it began to lag, for the log
+
+
+def client_caps(
+    fd_limit: int,
+    spare_workers: int,
+    max_sessions: int | None,
+    wanted: int | None,
+    tcp: bool,
+) -> tuple[int, int]:
+    """The gate's client_caps for a supervisor: sessions (and spare
+    workers) are budgeted first, with the descriptors each holds."""
+    sessions = allowed_sessions(fd_limit, spare_workers, max_sessions)
+    held = FDS_PER_SESSION * (sessions + spare_workers)
+    return gate.client_caps(fd_limit, held, wanted, tcp)
 
 
 def worker_limits(max_frame_size: int) -> Limits:

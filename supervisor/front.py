@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import psutil
 
+from hermes_sup.door import remote
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import (
@@ -39,7 +40,6 @@ from hermes_sup.protocol import (
     error_message,
 )
 
-from . import remote
 from .configfile import hermes_agent_version
 from .context import Context
 from .endpoints import Endpoints

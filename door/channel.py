@@ -43,7 +43,7 @@ from hermes_sup.local.frames import (
     send_frames,
 )
 
-log = logging.getLogger("hermes_sup.supervisor")
+log = logging.getLogger("hermes_sup.door")
 
 BATCH = 256
 # The metadata property libzmq sets from the ZAP handler's reply (the
