@@ -140,7 +140,7 @@ class Settings:
     max_sessions: int | None = None
     # Client connections at once, local and TCP together (None: what the
     # open-file limit leaves after sessions; with tcp, half each). One over
-    # it is refused with `overloaded` (see supervisor/gate.py).
+    # it is refused with `overloaded` (see door/gate.py).
     max_clients: int | None = None
     # Workers forked ahead of need, connected and waiting: a new session
     # takes one instead of waiting for a fork (see supervisor/spare_workers.py).
@@ -162,7 +162,7 @@ class Settings:
     # Messages the supervisor queues for one client connection. A client
     # that does not read that many lags: its events are dropped and counted
     # (a `dropped` event tells it how many once it reads again), its answers
-    # kept for it (supervisor/endpoints.py, "Slow consumers"). 0: no limit
+    # kept for it (door/fronts.py, "Slow consumers"). 0: no limit
     # (zmq's), so such a client can hold any amount of memory.
     client_queue: int = 10_000
     # A worker merges the stream deltas (`token`, `output`) of a turn made

@@ -3,7 +3,7 @@ of them), and the history a new watcher can replay.
 
 Every event of a session is recorded in its history (large data is noted by
 size, not kept) and sent to each watcher of it; a watcher that is gone is
-forgotten, one that lags is told what it missed (endpoints.py). Log followers (`logs --follow`) are kept per session
+forgotten, one that lags is told what it missed (door/fronts.py). Log followers (`logs --follow`) are kept per session
 and fed the worker's output lines as they are logged, with their stamps.
 
 Watches and log follows are capped together: MAX_WATCHERS in all, and
