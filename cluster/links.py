@@ -54,9 +54,6 @@ class NodeLink:
     ) -> None:
         self.spec = spec
         self.live = False
-        # What the node last said of its draining (drain answers, status,
-        # `moved` for draining); the node list's `draining` counts too.
-        self.draining = False
         self.on_live = on_live
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

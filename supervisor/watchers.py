@@ -11,7 +11,7 @@ MAX_PER_CLIENT for one client connection, so that one client can neither
 take every slot nor have each log line sent to it thousands of times. A
 router (`hermes-sup route`) is one connection for all the front ends behind
 it: it is held to MAX_WATCHERS alone, and holds each of them to
-MAX_PER_CLIENT itself (cluster/router.py). `per_client_limit` says which
+MAX_PER_CLIENT itself (cluster/routing.py). `per_client_limit` says which
 limit a client has (the front sets it: it knows whose key a request came
 with).
 """

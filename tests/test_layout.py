@@ -88,3 +88,11 @@ def test_the_router_does_not_import_the_supervisor() -> None:
     loaded = modules_loaded_by(*modules)
     assert set(modules) <= set(loaded)
     assert [m for m in loaded if package(m) == "hermes_sup.supervisor"] == []
+
+
+def test_the_routing_decisions_import_no_zmq() -> None:
+    # cluster/routing.py is sans-IO: requests in, messages out, tested
+    # without sockets (test_routing.py); the router does the I/O.
+    loaded = modules_loaded_by("hermes_sup.cluster.routing")
+    assert "hermes_sup.cluster.routing" in loaded
+    assert [m for m in loaded if m == "zmq" or m.startswith("zmq.")] == []
