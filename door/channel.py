@@ -50,6 +50,9 @@ BATCH = 256
 # supervisor's authenticator answers with the client's Z85 public key).
 USER_ID = "User-Id"
 _recv = zmq.backend.Socket.recv
+# The backend's getsockopt, called unbound: a plain int for EVENTS, without
+# the sugar's option handling (read once per message received or sent).
+_get = zmq.backend.Socket.get
 
 
 class Channel:
@@ -93,7 +96,7 @@ class Channel:
         if self.sock.closed:
             return
         for _ in range(BATCH):
-            if not int(self.sock.getsockopt(EVENTS)) & POLLIN:
+            if not _get(self.sock, EVENTS) & POLLIN:
                 return
             try:
                 if self._keep_last:
@@ -135,7 +138,7 @@ class Channel:
         try:
             send_frames(self.sock, frames, NOBLOCK)
         finally:
-            events = 0 if self.sock.closed else int(self.sock.getsockopt(EVENTS))
+            events = 0 if self.sock.closed else _get(self.sock, EVENTS)
             if events & POLLIN:
                 self._schedule()
 
