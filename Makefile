@@ -46,7 +46,7 @@ lint: $(BIN)/python
 typecheck: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/mypy --strict protocol
-	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli client httpapi cluster
+	$(BIN)/mypy --disable-error-code no-any-return supervisor worker cli client httpapi cluster door
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -63,7 +63,8 @@ def worker_limits(max_frame_size: int) -> Limits:
     return Limits(max_frame_size=max(max_frame_size, DEFAULT_MAX_FRAME_SIZE) + ENVELOPE_ROOM)
 
 
-class Endpoints(Fronts):
+# (mypy run on the repository's folders cannot see hermes_sup.door, so Fronts is Any to it.)
+class Endpoints(Fronts):  # type: ignore[misc]
     """The bound sockets, and sending on them: the client sockets
     (`Fronts`) and the workers' socket."""
 
