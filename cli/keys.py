@@ -58,7 +58,7 @@ def keys_generate(name: str, endpoint: str, output: Path | None, data_dir: Path 
     import zmq
 
     from hermes_sup.client.connection import write_connection_file
-    from hermes_sup.supervisor import remote
+    from hermes_sup.door import remote
 
     data = data_dir or default_data_dir()
     output = output or Path(f"{name}.json")
@@ -89,7 +89,7 @@ def keys_generate(name: str, endpoint: str, output: Path | None, data_dir: Path 
 @DATA_DIR
 def keys_list(data_dir: Path | None) -> None:
     """The allowed front ends and their public keys."""
-    from hermes_sup.supervisor import remote
+    from hermes_sup.door import remote
 
     clients = remote.allowed(data_dir or default_data_dir())
     if not clients:
@@ -105,7 +105,7 @@ def keys_list(data_dir: Path | None) -> None:
 def keys_revoke(name: str, data_dir: Path | None) -> None:
     """Refuse the front end NAME from its next connection on (a router's
     drain at once, on the connection it has too)."""
-    from hermes_sup.supervisor import remote
+    from hermes_sup.door import remote
 
     try:
         found = remote.revoke(data_dir or default_data_dir(), name)

@@ -65,6 +65,20 @@ from .options import client_options
     show_default=True,
     help="Seconds between reads of the node list.",
 )
+@click.option(
+    "--max-clients",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Front-end connections at once, local and TCP together [default: what the "
+    "open-file limit allows]; one over it is refused with `overloaded`.",
+)
+@click.option(
+    "--client-queue",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Messages queued for one front end before it lags: its events are then dropped "
+    "and counted (it is told), its answers kept [default: 100000; 0: no limit].",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 @click.pass_context
 def route(
@@ -75,6 +89,8 @@ def route(
     tcp: str | None,
     data_dir: Path | None,
     poll: float,
+    max_clients: int | None,
+    client_queue: int | None,
     log_level: str,
 ) -> None:
     """Route every session's requests to the node that owns its key.
@@ -94,9 +110,9 @@ def route(
             obj["state_dir"], obj["state_dir_given"] = state_dir, True
         return
     from hermes_sup.cluster.nodes import NodeConfigError
-    from hermes_sup.cluster.router import serve_router, static_source
-    from hermes_sup.supervisor.remote import RemoteError
-    from hermes_sup.supervisor.statedir import StateDirError
+    from hermes_sup.cluster.router import CLIENT_QUEUE, serve_router, static_source
+    from hermes_sup.door.remote import RemoteError
+    from hermes_sup.local.statedir import StateDirError
 
     if (nodes_file is None) == (ray_address is None):
         raise click.UsageError("give exactly one of --nodes FILE and --ray ADDRESS")
@@ -119,7 +135,15 @@ def route(
         assert ray_address is not None
         source = registry_source(ray_address)
     try:
-        serve_router(state_dir, source, tcp=tcp, data_dir=data_dir, poll_interval=poll)
+        serve_router(
+            state_dir,
+            source,
+            tcp=tcp,
+            data_dir=data_dir,
+            poll_interval=poll,
+            max_clients=max_clients,
+            client_queue=CLIENT_QUEUE if client_queue is None else client_queue,
+        )
     except (StateDirError, RemoteError) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -179,10 +179,10 @@ def serve(
     Example:
       hermes-sup --state-dir /tmp/hs serve --data-dir /tmp/hs-data
     """
+    from hermes_sup.door.remote import RemoteError
+    from hermes_sup.local.statedir import StateDirError
     from hermes_sup.supervisor import configfile
-    from hermes_sup.supervisor.remote import RemoteError
     from hermes_sup.supervisor.server import Supervisor
-    from hermes_sup.supervisor.statedir import StateDirError
 
     sources = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
     # What the command line (or its environment variables) set wins over the file.

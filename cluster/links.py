@@ -3,42 +3,58 @@ end of that node (TCP + CURVE), watched by ZMTP heartbeats and a socket
 monitor.
 
 This module holds how a link is made (socket options, keys, the monitor
-that reports its handshake and disconnects) and what makes a link a new
-one (`reach`). What the router does with a link's events and messages
-(routing, `node_lost`, joining watches, placement) is cluster/router.py.
+that reports its handshake and disconnects), whether it is live, and what
+makes a link a new one (`reach`). Both sockets are read through
+door/channel.py, as the router's front sockets are: in bounded batches,
+straight from the event loop. What the router does with a link's messages
+and its going up and down (routing, `node_lost`, joining watches,
+placement) is cluster/router.py's and cluster/routing.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from hermes_sup.door.channel import Channel
 from hermes_sup.local.frames import HANDSHAKE_FAILURES
+from hermes_sup.local.logfmt import kv
 
 from .nodes import NodeSpec
+
+log = logging.getLogger("hermes_sup.router")
 
 # ZMTP heartbeats on node links: a node silent this long is lost, even
 # when its host vanished without closing the TCP connection.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 4000
-# The most messages queued on one of the router's sockets (node links and
-# front sockets alike).
+# The most messages queued on a node link, each way.
 SNDHWM = 100_000
 
 
 class NodeLink:
-    """The router's DEALER to one node, and whether its handshake succeeded."""
+    """The router's DEALER to one node, and whether its handshake succeeded.
 
-    def __init__(self, ctx: zmq.asyncio.Context, spec: NodeSpec) -> None:
+    `on_message(link, frames)` gets what the node sends; `on_live(link,
+    live)` is called when the link comes up (a handshake succeeded) and
+    when it drops (a disconnect, or heartbeats missed)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        spec: NodeSpec,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[NodeLink, list[bytes]], None],
+        on_live: Callable[[NodeLink, bool], None],
+    ) -> None:
         self.spec = spec
         self.live = False
-        # What the node last said of its draining (drain answers, status,
-        # `moved` for draining); the node list's `draining` counts too.
-        self.draining = False
+        self.on_live = on_live
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Queue only to a connection that is up: a request never waits in a
@@ -53,22 +69,56 @@ class NodeLink:
         sock.curve_serverkey = spec.server_key.encode()
         sock.curve_publickey = spec.public.encode()
         sock.curve_secretkey = spec.secret.encode()
-        self.monitor = sock.get_monitor_socket(
+        monitor = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
         )
-        sock.connect(spec.endpoint)
         self.sock = sock
-        self.sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        self.reader: Callable[[], None] | None = None
-        self.tasks: list[asyncio.Task[None]] = []
+        self.monitor = Channel(monitor, self._on_monitor, loop)
+        self.channel = Channel(sock, lambda frames: on_message(self, frames), loop)
+        sock.connect(spec.endpoint)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Send without blocking; False if the node cannot take it now (no
+        connection up, IMMEDIATE; or its queue is full)."""
+        try:
+            self.channel.send(frames)
+        except zmq.Again:
+            return False
+        return True
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        """Live from a successful handshake to a disconnect (or heartbeat timeout)."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.live = True
+            log.info(kv("router_node_up", node=self.name))
+            self.on_live(self, True)
+        elif event == zmq.EVENT_DISCONNECTED:
+            if self.live:
+                log.warning(kv("router_node_lost", node=self.name))
+            self.live = False
+            self.on_live(self, False)
+        else:
+            log.warning(
+                kv(
+                    "router_node_handshake_failed",
+                    node=self.name,
+                    reason="the node refused the router's CURVE key, or its server key "
+                    "is not the connection file's",
+                    server_public=self.spec.server_key,
+                )
+            )
 
     def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
+        """Stop reading, and close both sockets at once (linger 0)."""
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
-        self.monitor.close(0)
-        self.sock.close(0)
+        self.monitor.close()
+        self.channel.close()
 
 
 def reach(spec: NodeSpec) -> tuple[str, str, bytes, str, str]:

@@ -83,7 +83,7 @@ class NodeAgent:
     ) -> None:
         import zmq
 
-        from hermes_sup.supervisor import remote
+        from hermes_sup.door import remote
 
         self.name = name
         self.ray_node = ray.get_runtime_context().get_node_id()

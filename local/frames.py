@@ -4,7 +4,7 @@ The client and the supervisor move the same frames at the same rates, so
 they share one pair of helpers (and the monitor events that mean a CURVE
 handshake failed); they live here so that a client gets them without
 loading the server. The supervisor's asyncio driving of a socket stays in
-`hermes_sup.supervisor.channel`. This is the one module of the package
+`hermes_sup.door.channel`. This is the one module of the package
 that imports zmq.
 """
 

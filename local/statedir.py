@@ -5,7 +5,7 @@ The supervisor writes the directory and a local client reads it, so the
 names must be one set of names; they live here rather than in the
 supervisor so that a client can read them without loading the server.
 Making the directory, creating the key and taking the lock are the
-supervisor's alone (`hermes_sup.supervisor.statedir`). Standard library
+service's alone (`hermes_sup.door.privatedir`). Standard library
 only: no zmq.
 """
 

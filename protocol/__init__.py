@@ -10,6 +10,7 @@ from .messages import BODY_SCHEMAS, Kind, Message, error_message, new_id
 from .wire import (
     DEFAULT_MAX_FRAME_SIZE,
     MAGIC,
+    MAX_WATCHES_PER_CLIENT,
     PROTOCOL_VERSION,
     Limits,
     ReplayGuard,
@@ -24,6 +25,7 @@ __all__ = [
     "KEY_RULE",
     "MAGIC",
     "MAX_KEY_LENGTH",
+    "MAX_WATCHES_PER_CLIENT",
     "PROTOCOL_VERSION",
     "ErrorCode",
     "Kind",

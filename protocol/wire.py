@@ -43,6 +43,11 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
+# Watches and `logs` follows one client connection may have open at once
+# (PROTOCOL.md, "watch"): a supervisor holds each connection to it, and a
+# router each front end behind it.
+MAX_WATCHES_PER_CLIENT = 32
+
 
 def sign(key: bytes, payload: bytes) -> bytes:
     """The HMAC-SHA256 signature of one payload frame (RFC 2104)."""

@@ -490,7 +490,7 @@ class Settings:
         default=None,
         metadata=setting("--max-sessions", "live workers at most", zero="from the fd limit"),
     )
-    # See supervisor/gate.py.
+    # See door/gate.py.
     max_clients: int | None = field(
         default=None,
         metadata=setting(
@@ -546,7 +546,7 @@ class Settings:
         default=200,
         metadata=setting("--history", "recent events per session replayed to `attach`"),
     )
-    # See supervisor/endpoints.py, "Slow consumers".
+    # See door/fronts.py, "Slow consumers".
     client_queue: int = field(
         default=10_000,
         metadata=setting(

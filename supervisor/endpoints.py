@@ -1,109 +1,38 @@
 """The supervisor's sockets: where clients and workers reach it, and the
 only place that sends to them.
 
-Two ROUTER sockets are bound in the private state directory: `control.sock`
-for clients and `workers.sock` for workers; with `tcp` set, a third, CURVE
-encrypted and allowlisted, for remote front ends. Only the supervisor
-binds; everyone else connects.
-
-A client id is the routing id behind one byte naming the socket it came in
-on (0: the local control socket, 1: TCP), and replies are signed with that
-socket's key. Sends never block: a client that is gone is forgotten, and one
-too slow is never waited on (see channel.py for how the loop drives them).
-
-Slow consumers
---------------
-zmq queues at most `client_queue` messages for one client connection (the
-ROUTER's send high-water mark, per peer), so a client that stops reading
-holds that much of the supervisor's memory and no more, and every other
-client is served as before. Once its queue is full the client *lags*
-(`Lag`): its events are dropped and counted per stream (the session and
-the request they answer), and its final answers (a turn's reply or error,
-the answer to any request) are kept for it: one over OWED_ANSWER_BYTES,
-or any once OWED_BYTES of answers are kept, as a short `overloaded` error
-instead, so that every request still gets its answer (a front end such as
-the HTTP endpoint has a turn in flight per conversation, a thousand of
-them); only past MAX_OWED answers, which no well-behaved client reaches,
-is the oldest dropped and counted too.
-While any client lags, the supervisor tries again every CATCH_UP_INTERVAL
-and before anything new is sent to it: each stream's count goes first, as
-an event `{type: "dropped", data: {count, reason: "slow_consumer"}}` with
-the stream's session and `re`, then what was kept, in order. A client that
-reads again so learns how much it missed, where, and gets every answer; a
-lagging client that goes away is forgotten.
-
-Client connections are counted and capped per socket by the gate
-(gate.py), so that no number of them runs the supervisor out of file
-descriptors; a request on a connection over the cap is answered
-`overloaded` here, and the connection shut.
+The client sockets are the front door every hermes-sup service has
+(door/fronts.py: `control.sock`, and with `tcp` set the CURVE socket;
+client ids, connection caps, slow consumers). Here they are budgeted
+around sessions, and joined by the one socket only a supervisor has:
+`workers.sock`, a ROUTER in the private state directory that the
+supervisor's own workers connect to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import resource
-import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from functools import partial
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
+from hermes_sup.door import gate
+from hermes_sup.door.channel import Channel
+from hermes_sup.door.fronts import Fronts
 from hermes_sup.local import statedir
-from hermes_sup.local.frames import HANDSHAKE_FAILURES
 from hermes_sup.local.logfmt import kv
-from hermes_sup.protocol import (
-    DEFAULT_MAX_FRAME_SIZE,
-    MAGIC,
-    ErrorCode,
-    Kind,
-    Limits,
-    LocalProtocolError,
-    Message,
-    RemoteProtocolError,
-    decode,
-    encode,
-    error_message,
-    sign,
-)
+from hermes_sup.protocol import DEFAULT_MAX_FRAME_SIZE, Limits, LocalProtocolError, Message, encode
 
-from . import remote
-from .channel import Channel
 from .config import Settings
-from .gate import (
-    REFUSAL_LINGER,
-    Door,
-    Gate,
-    client_caps,
-    shut_known,
-    tcp_address,
-    unix_address,
-)
+from .limits import FDS_PER_SESSION, allowed_sessions
 from .session import Session
-from .throttle import Throttle
 
 log = logging.getLogger("hermes_sup.supervisor")
 
 # A turn carries a client's text of up to the frame limit, in an envelope of
 # its own: room for that envelope on the way to a worker.
 ENVELOPE_ROOM = 64 * 1024
-# How long a client may take to complete its handshake: one that connects
-# and says nothing holds a place among the client connections until then.
-HANDSHAKE_MS = 10_000
-# Slow consumers (see the module docstring): how often a lagging client is
-# tried again, how many final answers are kept for one, and how large one
-# may be to be kept as it is. Streams whose drops are counted for one
-# client, at most (beyond, they are counted under no stream).
-CATCH_UP_INTERVAL = 0.025
-MAX_OWED = 65_536
-OWED_ANSWER_BYTES = 64 * 1024
-OWED_BYTES = 32 * 1024 * 1024
-MAX_STREAMS = 4096
 # What zmq queues on the workers' socket, in messages per worker: to a
 # worker, and from one. A worker that streams faster than the supervisor
 # forwards waits (its sends block) once WORKER_INBOX of its messages wait
@@ -111,39 +40,19 @@ MAX_STREAMS = 4096
 WORKER_QUEUE = 100_000
 WORKER_INBOX = 128
 
-SLOW = Throttle(log, "slow_consumer")
 
-
-class Sent(Enum):
-    """What became of a message for a client."""
-
-    DELIVERED = "delivered"  # handed to zmq
-    LAGGING = "lagging"  # the client's queue is full: counted or kept
-    GONE = "gone"  # the client is not connected
-
-
-Stream = tuple[str | None, str | None]  # (session, re)
-
-
-@dataclass
-class Owed:
-    """What one stream of a lagging client is owed: a count of dropped
-    events, then its kept answers (frames ready to send), in order."""
-
-    dropped: int = 0
-    answers: list[list[bytes]] = field(default_factory=list)
-
-
-@dataclass
-class Lag:
-    """A client whose queue was full: what it is owed, stream by stream,
-    in the order the streams first fell behind."""
-
-    since: float
-    streams: OrderedDict[Stream, Owed] = field(default_factory=OrderedDict)
-    answers: int = 0  # kept, all streams together
-    answer_bytes: int = 0  # their size (last frames), for OWED_BYTES
-    dropped: int = 0  # events dropped since it began to lag, for the log
+def client_caps(
+    fd_limit: int,
+    spare_workers: int,
+    max_sessions: int | None,
+    wanted: int | None,
+    tcp: bool,
+) -> tuple[int, int]:
+    """The gate's client_caps for a supervisor: sessions (and spare
+    workers) are budgeted first, with the descriptors each holds."""
+    sessions = allowed_sessions(fd_limit, spare_workers, max_sessions)
+    held = FDS_PER_SESSION * (sessions + spare_workers)
+    return gate.client_caps(fd_limit, held, wanted, tcp)
 
 
 def worker_limits(max_frame_size: int) -> Limits:
@@ -154,23 +63,28 @@ def worker_limits(max_frame_size: int) -> Limits:
     return Limits(max_frame_size=max(max_frame_size, DEFAULT_MAX_FRAME_SIZE) + ENVELOPE_ROOM)
 
 
-class Endpoints:
-    """The bound sockets, and sending on them."""
+class Endpoints(Fronts):
+    """The bound sockets, and sending on them: the client sockets
+    (`Fronts`) and the workers' socket."""
 
     def __init__(self, settings: Settings, key: bytes) -> None:
-        self.settings = settings  # as at start: sockets are not rebound on reload
-        self.key = key
-        self.limits = Limits(max_frame_size=settings.max_frame_size)
-        self.worker_limits = worker_limits(settings.max_frame_size)
-        self.control = statedir.endpoint(settings.state_dir, statedir.CONTROL_SOCKET)
-        self.worker = statedir.endpoint(settings.state_dir, statedir.WORKER_SOCKET)
-        self.tcp: str | None = None
-        self.fronts: list[tuple[Channel, bytes]] = []
-        self.auth: ThreadAuthenticator | None = None
-        self.caps = (0, 0)  # client connections at most: local, TCP
-        # Slow consumers: lagging clients by id, and the retry timer's handle.
-        self.lagging: dict[bytes, Lag] = {}
-        self._catch_up_timer: asyncio.TimerHandle | None = None
+        s = settings  # as at start: sockets are not rebound on reload
+        super().__init__(
+            s.state_dir,
+            key,
+            max_frame_size=s.max_frame_size,
+            client_queue=s.client_queue,
+            tcp=s.tcp,
+            data_dir=s.data_dir,
+            max_clients=s.max_clients,
+            caps=lambda fd_limit: client_caps(
+                fd_limit, s.spare_workers, s.max_sessions, s.max_clients, bool(s.tcp)
+            ),
+            more_room="raise LimitNOFILE / ulimit -n, or lower max_sessions",
+        )
+        self.settings = settings
+        self.worker_limits = worker_limits(s.max_frame_size)
+        self.worker = statedir.endpoint(s.state_dir, statedir.WORKER_SOCKET)
 
     def open(
         self,
@@ -180,359 +94,14 @@ class Endpoints:
     ) -> None:
         """Make the zmq context and bind every socket; `on_client(index,
         frames)` and `on_worker(frames)` get what arrives."""
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.loop = loop
-        self.gate = Gate(self.ctx)
-        s = self.settings
-        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.caps = client_caps(
-            fd_limit, s.spare_workers, s.max_sessions, s.max_clients, bool(s.tcp)
-        )
-        path = self.control.removeprefix("ipc://")
-        control = self._router()
-        control.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        self.gate.watch(control, 0, "control", self.caps[0], unix_address(path))
-        self._bind(control, self.control)
-        try:
-            # After the bind: the door keeps the bound socket's name.
-            self.gate.watched[0].door = Door(path)
-        except OSError as exc:
-            log.warning(kv("client_door_unavailable", path=path, error=exc))
-        self.fronts.append((self._front(control, 0, on_client, loop), self.key))
-        self.auth = self._start_tcp(loop, on_client)
-        self.gate.start()
-        if s.max_clients is not None and sum(self.caps) < s.max_clients:
-            log.warning(
-                kv(
-                    "max_clients_lowered",
-                    wanted=s.max_clients,
-                    allowed=sum(self.caps),
-                    fd_limit=fd_limit,
-                    hint="raise LimitNOFILE / ulimit -n, or lower max_sessions",
-                )
-            )
-        log.info(kv("client_limit", local=self.caps[0], tcp=self.caps[1], fd_limit=fd_limit))
+        self.listen(zmq.Context(), loop, on_client)
         back = self._router(self.worker_limits.max_frame_size, WORKER_QUEUE, WORKER_INBOX)
         self.back = Channel(self._bind(back, self.worker), on_worker, loop)
 
-    def _front(
-        self,
-        sock: zmq.Socket[bytes],
-        index: int,
-        on_client: Callable[[int, list[bytes]], None],
-        loop: asyncio.AbstractEventLoop,
-    ) -> Channel:
-        """A client socket's channel: requests go to `on_client`, but one
-        from a connection the gate refused gets the refusal instead."""
-        # The TCP socket's channel keeps what names a request's CURVE key.
-        channel = Channel(sock, partial(on_client, index), loop, keep_last=index != 0)
-        channel.screen(self.gate.refusing, partial(self._refuse, index))
-        return channel
-
     def close(self) -> None:
-        if self._catch_up_timer is not None:
-            self._catch_up_timer.cancel()
-        self.gate.stop()
-        for channel, _ in self.fronts:
-            channel.close()
+        super().close()
         self.back.close()
-        if self.auth is not None:
-            self.auth.stop()
         self.ctx.term()
-
-    def _refuse(self, index: int, fd: int, frames: list[bytes]) -> bool:
-        """A request on descriptor `fd`, which the gate may have refused:
-        if so, answer `overloaded` (to the request, when it can be read),
-        and shut the connection once the answer is out. False: not refused,
-        serve it."""
-        refusal = self.gate.take_refusal(fd)
-        if refusal is None:
-            return False
-        if len(frames) >= 2:
-            try:
-                re: str | None = decode(frames[1:], self.client_key(index), self.limits).id
-            except RemoteProtocolError as exc:
-                re = exc.msg_id
-            self.error(
-                bytes([index]) + frames[0],
-                ErrorCode.OVERLOADED,
-                f"the supervisor already has {refusal.cap} client connections on its "
-                f"{refusal.name} socket, its limit: this connection is refused. Close idle "
-                "clients, or raise max_clients or the supervisor's open-file limit",
-                re,
-                None,
-            )
-        self.loop.call_later(REFUSAL_LINGER, shut_known, fd, refusal.inode)
-        return True
-
-    def _start_tcp(
-        self, loop: asyncio.AbstractEventLoop, on_client: Callable[[int, list[bytes]], None]
-    ) -> ThreadAuthenticator | None:
-        """The CURVE endpoint for remote front ends, if configured."""
-        s = self.settings
-        if not s.tcp:
-            return None
-        host, port = remote.parse_tcp(s.tcp)
-        public, secret = remote.server_keys(s.data_dir)
-        # The ZAP handler must run before the socket binds: without one,
-        # libzmq lets every CURVE key in.
-        auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("hermes_sup.zap"))
-        auth.start()
-        auth.configure_curve_callback(remote.ZAP_DOMAIN, remote.Allowlist(s.data_dir))
-        sock = self._router()
-        sock.curve_server = True
-        sock.curve_publickey = public
-        sock.curve_secretkey = secret
-        sock.zap_domain = remote.ZAP_DOMAIN.encode()
-        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        # Peers that fail the handshake (no CURVE, wrong server key) never
-        # reach ZAP; the socket's monitor is the only place they show.
-        self.gate.watch(
-            sock,
-            1,
-            "tcp",
-            self.caps[1],
-            tcp_address(port),
-            HANDSHAKE_FAILURES,
-            remote.log_handshake_failure,
-        )
-        self.tcp = remote.tcp_endpoint(host, port)
-        try:
-            sock.bind(self.tcp)
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            auth.stop()
-            raise remote.RemoteError(f"cannot listen on {self.tcp}: {exc}") from None
-        self.fronts.append(
-            (self._front(sock, 1, on_client, loop), remote.remote_hmac_key(s.data_dir))
-        )
-        log.info(
-            kv(
-                "tcp_ready",
-                endpoint=self.tcp,
-                server_public=public.decode(),
-                allowed=len(remote.allowed(s.data_dir)),
-            )
-        )
-        return auth
-
-    def _router(
-        self, limit: int | None = None, queue: int | None = None, inbox: int = 100_000
-    ) -> zmq.Socket[bytes]:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Sends to a peer that is gone raise instead of vanishing silently.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Frames a little over the limit reach decode and get a clear too_large
-        # reply; far over it, zmq drops the peer before buffering the frame.
-        if limit is None:
-            limit = self.settings.max_frame_size
-        sock.setsockopt(zmq.MAXMSGSIZE, limit + limit // 4 + 4096)
-        # Messages queued for one peer: a client that does not read lags
-        # once its queue is full (see "Slow consumers" above).
-        sock.setsockopt(zmq.SNDHWM, queue if queue is not None else self.settings.client_queue)
-        sock.setsockopt(zmq.RCVHWM, inbox)
-        return sock
-
-    def _bind(self, sock: zmq.Socket[bytes], endpoint: str) -> zmq.Socket[bytes]:
-        path = endpoint.removeprefix("ipc://")
-        if os.path.exists(path):
-            os.unlink(path)  # stale socket of a dead supervisor: we hold the lock
-        old = os.umask(0o177)
-        try:
-            sock.bind(endpoint)
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        return sock
-
-    def client_key(self, index: int) -> bytes:
-        """The key that signs frames on front socket `index`."""
-        return self.fronts[index][1]
-
-    def peer_name(self, client: bytes) -> str | None:
-        """The allowlist name of the CURVE key the request being handled came
-        with (TCP only; None for the local socket, or a key no longer
-        allowed). Looked up in the allowlist as it is now, so a revoked key
-        loses what its name allowed at once, on a connection made before.
-        Valid only while that request's handler runs (channel.py)."""
-        if client[0] == 0:
-            return None
-        key = self.fronts[client[0]][0].peer_user_id()
-        if key is None:
-            return None
-        return remote.name_of(self.settings.data_dir, key.encode())
-
-    def to_client(self, client: bytes, msg: Message, payload: bytes | None = None) -> bool:
-        """Send to a client without blocking; False if it is gone. A client
-        too slow to take it lags: an event is counted as dropped, an answer
-        kept for it (see "Slow consumers" above); that is True too.
-        `payload` is a worker's own envelope that already says what `msg`
-        says (same session, same `re`): it is re-signed, not re-encoded."""
-        lag = self.lagging.get(client)
-        if lag is not None:
-            caught_up = self._catch_up(client, lag)
-            if caught_up is Sent.GONE:
-                return False
-            if caught_up is Sent.LAGGING:
-                self._owe(client, lag, msg, lambda: self._frames(client, msg, payload))
-                return True
-        frames = self._frames(client, msg, payload)
-        sent = self._send(client, frames)
-        if sent is Sent.LAGGING:
-            lag = self.lagging[client] = Lag(time.monotonic())
-            self._owe(client, lag, msg, lambda: frames)
-            self._schedule_catch_up()
-            if SLOW.due():
-                log.warning(
-                    kv(
-                        "slow_consumer",
-                        client=client[1:].hex()[:16],
-                        queued=self.settings.client_queue,
-                        outcome="events dropped and counted, answers kept until it reads",
-                    )
-                )
-        elif sent is Sent.GONE:
-            log.debug(kv("client_gone", kind=msg.kind.value, re=msg.re))
-        return sent is not Sent.GONE
-
-    def _frames(self, client: bytes, msg: Message, payload: bytes | None) -> list[bytes]:
-        """The signed frames of `msg` for `client` (see to_client)."""
-        key = self.fronts[client[0]][1]
-        try:
-            if payload is not None:
-                return [MAGIC, sign(key, payload), payload]
-            return encode(msg, key, self.limits)
-        except LocalProtocolError as exc:
-            log.error(kv("unsendable", kind=msg.kind.value, error=exc.message))
-            return encode(
-                error_message(
-                    ErrorCode.INTERNAL.value, exc.message, re=msg.re, session=msg.session
-                ),
-                key,
-            )
-
-    def _send(self, client: bytes, frames: list[bytes]) -> Sent:
-        try:
-            self.fronts[client[0]][0].send([client[1:], *frames])
-            return Sent.DELIVERED
-        except zmq.Again:
-            return Sent.LAGGING
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            return Sent.GONE
-
-    # ------------------------------------------------------ slow consumers
-
-    def _owe(
-        self, client: bytes, lag: Lag, msg: Message, frames: Callable[[], list[bytes]]
-    ) -> None:
-        """Count `msg` as dropped for a lagging client (an event), or keep
-        it for the client (a final answer; see the module docstring)."""
-        stream: Stream = (msg.session, msg.re)
-        owed = lag.streams.get(stream)
-        if owed is None:
-            if len(lag.streams) >= MAX_STREAMS and msg.kind is Kind.EVENT:
-                stream = (None, None)  # counted, under no stream
-                owed = lag.streams.get(stream)
-            if owed is None:
-                owed = lag.streams[stream] = Owed()
-        if msg.kind is Kind.EVENT:
-            owed.dropped += 1
-            lag.dropped += 1
-            return
-        kept = frames()
-        size = len(kept[-1])
-        if size > OWED_ANSWER_BYTES or lag.answer_bytes + size > OWED_BYTES:
-            stand_in = error_message(
-                ErrorCode.OVERLOADED.value,
-                f"this {msg.kind.value} ({size} bytes) was not kept for this client, "
-                "which had stopped reading (slow_consumer); read faster, or ask again",
-                re=msg.re,
-                session=msg.session,
-            )
-            kept = encode(stand_in, self.fronts[client[0]][1])
-        owed.answers.append(kept)
-        lag.answers += 1
-        lag.answer_bytes += len(kept[-1])
-        if lag.answers > MAX_OWED:
-            self._drop_oldest_answer(lag)
-
-    def _drop_oldest_answer(self, lag: Lag) -> None:
-        for owed in lag.streams.values():
-            if owed.answers:
-                lag.answer_bytes -= len(owed.answers.pop(0)[-1])
-                owed.dropped += 1
-                lag.answers -= 1
-                lag.dropped += 1
-                return
-
-    def _catch_up(self, client: bytes, lag: Lag) -> Sent:
-        """Send a lagging client what it is owed, in order, for as long as
-        its queue takes it. DELIVERED: all of it, it lags no more."""
-        key = self.fronts[client[0]][1]
-        streams = lag.streams
-        while streams:
-            stream, owed = next(iter(streams.items()))
-            if owed.dropped:
-                session, re = stream
-                notice = Message(
-                    Kind.EVENT,
-                    {
-                        "type": "dropped",
-                        "data": {"count": owed.dropped, "reason": "slow_consumer"},
-                    },
-                    session=session,
-                    re=re,
-                )
-                sent = self._send(client, encode(notice, key, self.limits))
-                if sent is not Sent.DELIVERED:
-                    return self._behind(client, sent)
-                owed.dropped = 0
-            while owed.answers:
-                sent = self._send(client, owed.answers[0])
-                if sent is not Sent.DELIVERED:
-                    return self._behind(client, sent)
-                lag.answer_bytes -= len(owed.answers.pop(0)[-1])
-                lag.answers -= 1
-            del streams[stream]
-        del self.lagging[client]
-        log.info(
-            kv(
-                "slow_consumer_caught_up",
-                client=client[1:].hex()[:16],
-                dropped=lag.dropped,
-                seconds=round(time.monotonic() - lag.since, 3),
-            )
-        )
-        return Sent.DELIVERED
-
-    def _behind(self, client: bytes, sent: Sent) -> Sent:
-        if sent is Sent.GONE:
-            del self.lagging[client]  # gone: nobody to owe anything to
-        return sent
-
-    def _schedule_catch_up(self) -> None:
-        if self._catch_up_timer is None and self.lagging:
-            self._catch_up_timer = self.loop.call_later(CATCH_UP_INTERVAL, self._catch_up_all)
-
-    def _catch_up_all(self) -> None:
-        """The retry timer: every lagging client is tried again."""
-        self._catch_up_timer = None
-        for client, lag in list(self.lagging.items()):
-            try:
-                self._catch_up(client, lag)
-            except Exception:
-                log.exception(kv("bug", where="slow consumer catch-up"))
-                self.lagging.pop(client, None)
-        self._schedule_catch_up()
-
-    def error(
-        self, client: bytes, code: ErrorCode, message: str, re: str | None, session: str | None
-    ) -> None:
-        """Send a client an error reply."""
-        self.to_client(client, error_message(code.value, message, re=re, session=session))
 
     def to_worker(self, session: Session, msg: Message) -> bool:
         """Send to a session's worker; False if it has none or is gone."""

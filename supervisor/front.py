@@ -22,6 +22,7 @@ import signal
 import time
 from collections.abc import Callable
 
+from hermes_sup.door import remote
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import (
@@ -36,7 +37,6 @@ from hermes_sup.protocol import (
     error_message,
 )
 
-from . import remote
 from .context import Context
 from .endpoints import Endpoints
 from .lifecycle import Lifecycle

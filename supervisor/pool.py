@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 import zmq
 
+from hermes_sup.door import privatedir
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import (
     Kind,
@@ -45,7 +46,6 @@ from hermes_sup.protocol import (
 )
 from hermes_sup.worker.seal import SealedPaths
 
-from . import statedir
 from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
@@ -104,7 +104,7 @@ class WorkerPool:
     def start_zygote(self) -> None:
         settings = self.ctx.settings
         home = settings.data_dir / "zygote-home"
-        statedir.ensure_private_dir(home)
+        privatedir.ensure_private_dir(home)
         env = dict(self.ctx.base_env)
         # The zygote's own HERMES_HOME stays empty: anything preloaded that
         # captured a path at import would show up there, not in a session.

@@ -28,13 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hermes_sup.local import syscalls
+from hermes_sup.local import statedir, syscalls
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.prctl import can_fork_to_parent, fork_with
 from hermes_sup.worker import seal
 from hermes_sup.worker.seal_calls import FAULT_ENV, SealError
 
-from . import statedir
 from .config import Settings
 from .session import Session
 

@@ -41,11 +41,13 @@ from typing import Any
 
 import psutil
 
+from hermes_sup.door import privatedir, remote
+from hermes_sup.local import statedir
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
-from . import configfile, remote, sealing, statedir
+from . import configfile, sealing
 from .back import Back
 from .config import Settings
 from .context import Context
@@ -89,7 +91,7 @@ class Supervisor:
         own.pop("NOTIFY_SOCKET", None)
         self.ctx = Context(settings, own)
         self._next_watchdog = 0.0
-        self._lock = statedir.InstanceLock(settings.state_dir)
+        self._lock = privatedir.InstanceLock(settings.state_dir)
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._next_full_gc = time.monotonic() + FULL_GC_INTERVAL
 
@@ -137,12 +139,12 @@ class Supervisor:
             statedir.endpoint(s.state_dir, name)  # a socket path too long for AF_UNIX
         if s.tcp:
             remote.parse_tcp(s.tcp)  # a bad address fails now, before anything starts
-        statedir.ensure_private_dir(s.state_dir)
-        statedir.ensure_private_dir(s.data_dir)
+        privatedir.ensure_private_dir(s.state_dir)
+        privatedir.ensure_private_dir(s.data_dir)
         self._lock.acquire()
         pool: WorkerPool | None = None
         try:
-            self._compose(statedir.load_or_create_key(s.state_dir))
+            self._compose(privatedir.load_or_create_key(s.state_dir))
             pool = self.pool
             self.table.store.spare_dirs.reset()
             for line in pool.records.stop_leftovers():

@@ -3,7 +3,7 @@ of them), and the history a new watcher can replay.
 
 Every event of a session is recorded in its history (large data is noted by
 size, not kept) and sent to each watcher of it; a watcher that is gone is
-forgotten, one that lags is told what it missed (endpoints.py). Log followers (`logs --follow`) are kept per session
+forgotten, one that lags is told what it missed (door/fronts.py). Log followers (`logs --follow`) are kept per session
 and fed the worker's output lines as they are logged, with their stamps.
 
 Watches and log follows are capped together: MAX_WATCHERS in all, and
@@ -11,7 +11,7 @@ MAX_PER_CLIENT for one client connection, so that one client can neither
 take every slot nor have each log line sent to it thousands of times. A
 router (`hermes-sup route`) is one connection for all the front ends behind
 it: it is held to MAX_WATCHERS alone, and holds each of them to
-MAX_PER_CLIENT itself (cluster/router.py). `per_client_limit` says which
+MAX_PER_CLIENT itself (cluster/routing.py). `per_client_limit` says which
 limit a client has (the front sets it: it knows whose key a request came
 with).
 """
@@ -25,14 +25,22 @@ from typing import Any
 
 import msgpack
 
-from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, check_session_key
+from hermes_sup.protocol import (
+    MAX_WATCHES_PER_CLIENT,
+    ErrorCode,
+    Kind,
+    Message,
+    RemoteProtocolError,
+    check_session_key,
+)
 
 from .endpoints import Endpoints
 from .session import Session
 
-# Watches and log follows open at once, of every client, and of one.
+# Watches and log follows open at once, of every client, and of one (the
+# latter is PROTOCOL.md's, kept in hermes_sup.protocol for routers too).
 MAX_WATCHERS = 1024
-MAX_PER_CLIENT = 32
+MAX_PER_CLIENT = MAX_WATCHES_PER_CLIENT
 # Event data larger than this is not kept in a session's replay history.
 HISTORY_DATA_LIMIT = 8192
 

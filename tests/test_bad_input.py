@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from hermes_sup.client import SupervisorError
+from hermes_sup.local import statedir
 from hermes_sup.protocol import MAGIC, Kind, Message, decode, encode, sign
-from hermes_sup.supervisor import statedir
 
 pytestmark = pytest.mark.e2e
 

@@ -269,7 +269,8 @@ def flood(kind: str, target: str, count: int, processes: int = 1):  # noqa: ANN2
 
 
 def test_client_caps_take_what_sessions_leave_of_the_fd_limit() -> None:
-    from hermes_sup.supervisor.gate import BASE_FDS, BURST_FDS, client_caps
+    from hermes_sup.door.gate import BASE_FDS, BURST_FDS
+    from hermes_sup.supervisor.endpoints import client_caps
     from hermes_sup.supervisor.limits import FD_RESERVE
 
     local, tcp = client_caps(1024, 0, None, None, tcp=False)
@@ -284,7 +285,7 @@ def test_client_caps_take_what_sessions_leave_of_the_fd_limit() -> None:
 def test_a_throttle_writes_the_first_line_then_a_count() -> None:
     import logging
 
-    from hermes_sup.supervisor.throttle import Throttle
+    from hermes_sup.door.throttle import Throttle
 
     now = [100.0]
     lines: list[str] = []

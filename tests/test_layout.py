@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def modules_loaded_by(*modules: str) -> list[str]:
 
 
 def package(module: str) -> str:
-    """hermes_sup.supervisor.statedir -> hermes_sup.supervisor. By package, not
+    """hermes_sup.supervisor.table -> hermes_sup.supervisor. By package, not
     by prefix: "hermes_sup.cli" is a prefix of "hermes_sup.client"."""
     return ".".join(module.split(".")[:2])
 
@@ -62,3 +63,36 @@ def test_only_the_frames_of_local_import_zmq() -> None:
     )
     assert "zmq" not in loaded
     assert "zmq" in modules_loaded_by("hermes_sup.local.frames")  # the probe sees zmq at all
+
+
+def modules_of(folder: str) -> list[str]:
+    """Every module of one of the repository's folders, as installed."""
+    root = Path(__file__).resolve().parent.parent / folder
+    return [f"hermes_sup.{folder}.{path.stem}" for path in sorted(root.glob("*.py"))]
+
+
+def test_the_front_door_imports_neither_the_supervisor_nor_the_router() -> None:
+    # door/ is how any service listens for front ends: the supervisor and
+    # the router both build on it, so it stands on neither.
+    modules = modules_of("door")
+    loaded = modules_loaded_by(*modules)
+    assert set(modules) <= set(loaded)
+    assert [
+        m for m in loaded if package(m) in {"hermes_sup.supervisor", "hermes_sup.cluster"}
+    ] == []
+
+
+def test_the_router_does_not_import_the_supervisor() -> None:
+    # Ray's agents start a supervisor as a child process; they never load it.
+    modules = modules_of("cluster")
+    loaded = modules_loaded_by(*modules)
+    assert set(modules) <= set(loaded)
+    assert [m for m in loaded if package(m) == "hermes_sup.supervisor"] == []
+
+
+def test_the_routing_decisions_import_no_zmq() -> None:
+    # cluster/routing.py is sans-IO: requests in, messages out, tested
+    # without sockets (test_routing.py); the router does the I/O.
+    loaded = modules_loaded_by("hermes_sup.cluster.routing")
+    assert "hermes_sup.cluster.routing" in loaded
+    assert [m for m in loaded if m == "zmq" or m.startswith("zmq.")] == []

@@ -14,8 +14,9 @@ import pytest
 import zmq
 
 from hermes_sup.client import Output, SupervisorError
+from hermes_sup.local import statedir
 from hermes_sup.protocol import Kind, Message, decode, encode, session_dir_name
-from hermes_sup.supervisor import leases, statedir
+from hermes_sup.supervisor import leases
 
 from . import waiting
 

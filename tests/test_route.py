@@ -28,9 +28,10 @@ SESSIONS = 60
 
 
 class RouterProcess:
-    """A real `route` process on its own state directory."""
+    """A real `route` process on its own state directory (`extra`: more
+    `route` options)."""
 
-    def __init__(self, root: Path, nodes_file: Path) -> None:
+    def __init__(self, root: Path, nodes_file: Path, *extra: str) -> None:
         self.state_dir = root / "r"
         self.data_dir = root / "rd"  # its CURVE keys, for remote front ends
         self.port = free_port()
@@ -39,7 +40,7 @@ class RouterProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hermes_sup.cli.route", "--nodes", str(nodes_file),
              "--state-dir", str(self.state_dir), "--poll", "0.2",
-             "--tcp", str(self.port), "--data-dir", str(self.data_dir)],
+             "--tcp", str(self.port), "--data-dir", str(self.data_dir), *extra],
             stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -75,13 +76,15 @@ class RouterProcess:
 
 
 @contextlib.contextmanager
-def router_over(workdir: Path, lines: list[str]) -> Iterator[RouterProcess]:
-    """A router over the nodes in `lines` (nodes.toml entries), once it sees every one of NODES."""
+def router_over(
+    workdir: Path, lines: list[str], *extra: str, nodes: tuple[str, ...] = NODES
+) -> Iterator[RouterProcess]:
+    """A router over the nodes in `lines` (nodes.toml entries), once it sees every one of `nodes`."""
     nodes_file = workdir / "nodes.toml"
     nodes_file.write_text("\n".join(lines))
-    router = RouterProcess(workdir, nodes_file)
+    router = RouterProcess(workdir, nodes_file, *extra)
     try:
-        router.wait_nodes(set(NODES))
+        router.wait_nodes(set(nodes))
         yield router
     finally:
         router.stop()

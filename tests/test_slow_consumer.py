@@ -1,4 +1,4 @@
-"""A client that stops reading (supervisor/endpoints.py, "Slow consumers"):
+"""A client that stops reading (door/fronts.py, "Slow consumers"):
 the supervisor holds at most its queue for it, serves everyone else as
 before, and once it reads again tells it how many events it missed and
 gives it every answer. Real supervisor, real clients, real sockets."""

@@ -4,7 +4,7 @@ allowlist of client keys.
 Everything lives in `<data-dir>/curve/` (0700), which survives restarts and
 reboots (the state directory may not):
 
-    server.key, server.key_secret   the supervisor's CURVE key pair
+    server.key, server.key_secret   the service's CURVE key pair
     hmac.key                        the signing key of remote clients; it is
                                     not the local key, so a connection file
                                     never grants the local control socket
@@ -34,10 +34,10 @@ import zmq.auth
 from hermes_sup.local.addresses import parse_listen
 from hermes_sup.local.frames import HANDSHAKE_FAILURES as HANDSHAKE_FAILURES
 
-from . import statedir
+from . import privatedir
 from .throttle import Throttle
 
-log = logging.getLogger("hermes_sup.supervisor")
+log = logging.getLogger("hermes_sup.door")
 REFUSED = Throttle(log, "remote_client_refused")
 HANDSHAKE_FAILED = Throttle(log, "remote_handshake_failed")
 
@@ -67,13 +67,13 @@ def tcp_endpoint(host: str, port: int) -> str:
 
 
 def curve_dir(data_dir: Path) -> Path:
-    path = statedir.ensure_private_dir(data_dir / CURVE_DIR)
-    statedir.ensure_private_dir(path / CLIENTS_DIR)
+    path = privatedir.ensure_private_dir(data_dir / CURVE_DIR)
+    privatedir.ensure_private_dir(path / CLIENTS_DIR)
     return path
 
 
 def server_keys(data_dir: Path) -> tuple[bytes, bytes]:
-    """The supervisor's (public, secret) CURVE keys, made on first use."""
+    """The service's (public, secret) CURVE keys, made on first use."""
     base = curve_dir(data_dir)
     secret_file = base / f"{SERVER_NAME}.key_secret"
     if not secret_file.exists():
@@ -90,7 +90,7 @@ def server_keys(data_dir: Path) -> tuple[bytes, bytes]:
 
 def remote_hmac_key(data_dir: Path) -> bytes:
     """The key remote clients sign with, made on first use."""
-    return statedir.load_or_create_key(curve_dir(data_dir))
+    return privatedir.load_or_create_key(curve_dir(data_dir))
 
 
 def check_name(name: str) -> str:

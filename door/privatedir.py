@@ -1,9 +1,11 @@
-"""The state directory as only the supervisor touches it: making it private,
-creating the signing key and holding the single-instance lock.
+"""A service's private directories as only the service touches them:
+making one private, creating a signing key in it, and holding the state
+directory's single-instance lock. The supervisor and the router each do
+this to their own state directory, and to the CURVE keys' directory.
 
-What clients read too (file names, endpoints, the key, the lock check) is in
-`hermes_sup.local.statedir`; it is re-exported here, so the supervisor's
-code keeps one name for the directory: `statedir.CONTROL_SOCKET`.
+What clients read too (file names, endpoints, reading the key, the lock
+check) is `hermes_sup.local.statedir`, the one module named for the state
+directory.
 """
 
 from __future__ import annotations
@@ -15,32 +17,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from hermes_sup.local.statedir import (
-    CONTROL_SOCKET,
-    KEY_FILE,
-    LOCK_FILE,
-    MAX_IPC_PATH,
-    WORKER_SOCKET,
-    StateDirError,
-    endpoint,
-    is_locked,
-    read_key,
-)
-
-__all__ = [
-    "CONTROL_SOCKET",
-    "KEY_FILE",
-    "LOCK_FILE",
-    "MAX_IPC_PATH",
-    "WORKER_SOCKET",
-    "InstanceLock",
-    "StateDirError",
-    "endpoint",
-    "ensure_private_dir",
-    "is_locked",
-    "load_or_create_key",
-    "read_key",
-]
+from hermes_sup.local.statedir import KEY_FILE, LOCK_FILE, StateDirError, read_key
 
 
 def ensure_private_dir(path: Path) -> Path:

@@ -43,13 +43,21 @@ from hermes_sup.local.frames import (
     send_frames,
 )
 
-log = logging.getLogger("hermes_sup.supervisor")
+log = logging.getLogger("hermes_sup.door")
 
 BATCH = 256
 # The metadata property libzmq sets from the ZAP handler's reply (the
 # supervisor's authenticator answers with the client's Z85 public key).
 USER_ID = "User-Id"
 _recv = zmq.backend.Socket.recv
+# The backend's getsockopt, called unbound: a plain int for EVENTS, without
+# the sugar's option handling (read once per message received or sent).
+_getsockopt = zmq.backend.Socket.get
+
+
+def _events(sock: zmq.Socket[bytes]) -> int:
+    """The socket's EVENTS bits (an int option: typed here as one)."""
+    return int(_getsockopt(sock, EVENTS))
 
 
 class Channel:
@@ -93,7 +101,7 @@ class Channel:
         if self.sock.closed:
             return
         for _ in range(BATCH):
-            if not int(self.sock.getsockopt(EVENTS)) & POLLIN:
+            if not _events(self.sock) & POLLIN:
                 return
             try:
                 if self._keep_last:
@@ -135,7 +143,7 @@ class Channel:
         try:
             send_frames(self.sock, frames, NOBLOCK)
         finally:
-            events = 0 if self.sock.closed else int(self.sock.getsockopt(EVENTS))
+            events = 0 if self.sock.closed else _events(self.sock)
             if events & POLLIN:
                 self._schedule()
 

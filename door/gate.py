@@ -2,13 +2,14 @@
 
 Theory of operation
 -------------------
-Every client connection costs the supervisor a file descriptor, and libzmq
-aborts the whole process when it cannot get one: an ipc listener's accept()
-failing with EMFILE is an assertion (`Too many open files
-(src/ipc_listener.cpp)`), and so is a new zmq socket's mailbox. 1,100
-connections under `ulimit -n 1024` took the supervisor and every worker
-down. libzmq itself has no limit on a socket's connections, and no way to
-pause a listener without closing every connection it accepted.
+Every client connection costs the service (a supervisor, or a router) a
+file descriptor, and libzmq aborts the whole process when it cannot get
+one: an ipc listener's accept() failing with EMFILE is an assertion (`Too
+many open files (src/ipc_listener.cpp)`), and so is a new zmq socket's
+mailbox. 1,100 connections under `ulimit -n 1024` took the supervisor and
+every worker down. libzmq itself has no limit on a socket's connections,
+and no way to pause a listener without closing every connection it
+accepted.
 
 So the gate watches each client socket's monitor: EVENT_ACCEPTED names the
 new connection's descriptor, EVENT_DISCONNECTED its end. Connections up to
@@ -16,7 +17,7 @@ the socket's cap are counted; one over it is refused: shut down (shutdown(2),
 not close: the descriptor stays libzmq's, which then sees the connection end
 and closes it itself). Before it is shut down, a refused connection may wait
 a moment (REFUSAL_GRACE) for its first request, to be answered with an
-`overloaded` error that says why (endpoints.py reads the descriptor a
+`overloaded` error that says why (fronts.py reads the descriptor a
 request came from); at most REFUSALS_WAITING wait at once, the rest are shut
 at once. Refusals are logged through a throttle.
 
@@ -44,11 +45,13 @@ number since), and for one that waited, its inode the one seen at accept.
 The local socket and the TCP socket have separate caps, so peers on the
 network can never lock local clients (the operator's CLI) out.
 
-Budget: of the descriptors `limits.py` keeps back from sessions
-(FD_RESERVE), BASE_FDS are the interpreter's, zmq's, the logs' and the
-zygote's (about 30 measured) and BURST_FDS are the margin; client
-connections get the rest, and whatever sessions do not use when
-`max_sessions` is set below what the descriptor limit allows.
+Budget: of the open-file limit, BASE_FDS are the interpreter's, zmq's, the
+logs' and (in a supervisor) the zygote's (about 30 measured), BURST_FDS are
+the margin, and the service's own work holds what it says (`held`: a
+supervisor's sessions, a router's node links); client connections get the
+rest. A supervisor keeps FD_RESERVE back from sessions (its limits.py), so
+clients get at least that less the above, and whatever sessions do not use
+when `max_sessions` is set below what the descriptor limit allows.
 """
 
 from __future__ import annotations
@@ -68,12 +71,11 @@ import zmq
 from hermes_sup.local.frames import NOBLOCK, recv_frames
 from hermes_sup.local.logfmt import kv
 
-from .limits import FDS_PER_SESSION, allowed_sessions
 from .throttle import Throttle, flush_all, flush_due
 
-log = logging.getLogger("hermes_sup.supervisor")
+log = logging.getLogger("hermes_sup.door")
 
-# The budget (see the module docstring): descriptors of the supervisor's
+# The budget (see the module docstring): descriptors of the service's
 # own, the margin for connections taken before the gate shuts them, and the
 # fewest client connections a socket gets however tight the limit.
 BASE_FDS = 64
@@ -101,19 +103,13 @@ ACCEPTED, DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
 EVENT_HEAD = struct.Struct("=HI")
 
 
-def client_caps(
-    fd_limit: int,
-    spare_workers: int,
-    max_sessions: int | None,
-    wanted: int | None,
-    tcp: bool,
-) -> tuple[int, int]:
+def client_caps(fd_limit: int, held: int, wanted: int | None, tcp: bool) -> tuple[int, int]:
     """How many connections the local socket and the TCP socket may each
-    hold under `fd_limit` descriptors, with sessions budgeted first:
-    `wanted` (max_clients, both together), lowered to what is safe, or what
-    is safe. With TCP on, each socket gets half."""
-    sessions = allowed_sessions(fd_limit, spare_workers, max_sessions)
-    room = fd_limit - BASE_FDS - BURST_FDS - FDS_PER_SESSION * (sessions + spare_workers)
+    hold under `fd_limit` descriptors, with the `held` descriptors of the
+    service's own work budgeted first: `wanted` (max_clients, both
+    together), lowered to what is safe, or what is safe. With TCP on, each
+    socket gets half."""
+    room = fd_limit - BASE_FDS - BURST_FDS - held
     total = max(room, MIN_CLIENTS * (2 if tcp else 1))
     if wanted is not None:
         total = min(total, wanted)  # an operator may ask for fewer
@@ -127,7 +123,7 @@ def client_caps(
 class Watched:
     """One client socket the gate watches."""
 
-    index: int  # the front socket's index (endpoints.py)
+    index: int  # the front socket's index (fronts.py)
     name: str  # for the log: "control" or "tcp"
     cap: int
     address: Callable[[bytes], bool]  # is this local sockaddr the socket's own?
@@ -156,7 +152,7 @@ class Gate:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.ctx = ctx
         self.watched: list[Watched] = []
-        # Read by the event loop (endpoints.py) for every request while not
+        # Read by the event loop (fronts.py) for every request while not
         # empty; entries are taken with pop, by whichever side is first.
         self.refusing: dict[int, Refusal] = {}
         self.refused = 0
