@@ -39,7 +39,8 @@ test-tools:
 	@if command -v npm >/dev/null; then npm ci --prefix examples/node --no-audit --no-fund --silent; \
 		else echo "note: no npm; the Node.js test will be skipped"; fi
 
-test: install test-tools
+# The whole suite, after the linter and the type checker (CI runs this).
+test: install test-tools lint typecheck
 	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
 
 # The fast tier: in-process tests and fakes, no supervisor (tests marked e2e
