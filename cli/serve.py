@@ -213,7 +213,7 @@ def serve(
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
 
         settings.preload = tuple(m for m in HERMES_SAFE_PRELOAD if importlib.util.find_spec(m))
-    from .logformat import configure
+    from .serve_log import configure
 
     configure(settings.log_level, log_format, settings.shutdown_grace)
     if http_web is not None and not http_listen:

@@ -15,7 +15,7 @@ the session key itself). Which id:
    WebUI, LibreChat, the openai SDK), a session of their own for each
    conversation (continuity.py).
 
-An id that breaks our key rules (protocol/keys.py: no `/`, spaces,
+An id that breaks our key rules (protocol/session_keys.py: no `/`, spaces,
 non-ASCII, at most 128 characters with the namespace) is mapped to a key
 that keeps a readable part of it: its allowed characters (others become
 `_`), cut to fit, then `=` and 16 hex digits of SHA-256 of the whole id.

@@ -11,7 +11,7 @@ import time
 import pexpect
 import pytest
 
-from hermes_sup.cli.logformat import parse_kv
+from hermes_sup.cli.serve_log import parse_kv
 from hermes_sup.protocol import Kind
 
 from .test_faults import until
