@@ -5,8 +5,8 @@ Everything else in hermes-sup depends on this package; it depends on none of the
 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .exits import WorkerExit, describe_exit
-from .session_keys import KEY_RULE, MAX_KEY_LENGTH, check_session_key, session_dir_name
 from .messages import BODY_SCHEMAS, Kind, Message, error_message, new_id
+from .session_keys import KEY_RULE, MAX_KEY_LENGTH, check_session_key, session_dir_name
 from .wire import (
     DEFAULT_MAX_FRAME_SIZE,
     MAGIC,
