@@ -27,7 +27,12 @@ A request in flight is a `Pending`, answered in one of four ways (`Mode`):
   they are. A `moved` error naming another node records an override and
   sends the same request there, at most MAX_MOVES times, and never once
   the node has answered anything (a turn that started there would run
-  twice): then the front end gets the `moved`.
+  twice): then the front end gets the `moved`. A `moved` naming a node
+  that is not live (lost, or gone from the node list) means its lease is
+  still held while the node's processes die (a moment on a local file
+  system; on NFS, until the server's lease time runs out): the request is
+  sent again where placement puts it, with growing pauses, for up to
+  HOLDER_GONE_WAIT seconds, before the front end gets the `moved`.
 - FANOUT: `list`, `status` and `reload` go to every live node; their
   answers are merged into one (merge.py) once all are in, or after
   FANOUT_TIMEOUT with those that are (the others shown as not answered).
@@ -76,6 +81,11 @@ MOVED = "moved"
 # with those that did (they are shown as not answered).
 FANOUT_TIMEOUT = 10.0
 MAX_MOVES = 3
+# How long a request waits, in all, for the lease of a session whose holder
+# is gone to come free (well inside a request's 60 s replay window, since
+# it is sent again as its client signed it), and its pauses (doubling).
+HOLDER_GONE_WAIT = 30.0
+FIRST_PAUSE, LONGEST_PAUSE = 0.05, 2.0
 # Kinds that go to every live node and are merged.
 FANOUT_KINDS = frozenset({Kind.LIST, Kind.STATUS, Kind.RELOAD})
 
@@ -104,6 +114,7 @@ class Pending:
     stream: bool = False
     moves: int = 0
     answered: bool = False  # FORWARD: the client has had an answer from a node
+    waited: float = 0.0  # FORWARD: paused so far for a gone holder's lease
     watch: str | None = None  # UNWATCH: the watch it ends
 
 
@@ -276,6 +287,8 @@ class RoutingTable:
                 )
             # The same client resending (a timed-out send): its node answers
             # it as a duplicate, never running it twice.
+            if held.waited and not held.nodes:
+                return  # paused for a gone holder's lease: it is sent again then
             target = next(iter(held.nodes), None)
             if target is not None and self._to_node(target, payload, held.id):
                 return
@@ -362,7 +375,7 @@ class RoutingTable:
             if (
                 msg.kind is Kind.ERROR
                 and msg.body.get("code") == MOVED
-                and self._move(p, msg, node)
+                and (self._move(p, msg, node) or self._await_holder(p, msg, node))
             ):
                 return self._take()
             p.answered = True
@@ -424,7 +437,7 @@ class RoutingTable:
             if self.placement.overrides.get(p.session) == name:
                 self.placement.overrides.forget(p.session)
             target = self.placement.owner(p.session)
-        elif isinstance(target, str) and target in self.nodes:
+        elif isinstance(target, str) and target in self.nodes and self.nodes[target].live:
             self.placement.overrides.set(p.session, target)
         else:
             return False
@@ -436,6 +449,32 @@ class RoutingTable:
             return False
         p.nodes.add(target)
         log.info(kv("router_moved", session=p.session, **{"from": name}, to=target))
+        return True
+
+    def _await_holder(self, p: Pending, msg: Message, name: str) -> bool:
+        """A node says the session's lease is held by a node that is not
+        live: pause, then send the request again (on_timeout), while the
+        wait allows. The node that said so spent nothing on the request
+        (its id may come again: front.py)."""
+        holder = msg.body.get("node")
+        known = self.nodes.get(holder) if isinstance(holder, str) else None
+        if (
+            p.session is None
+            or p.answered
+            or msg.body.get("reason") != "leased"
+            or not isinstance(holder, str)
+            or holder == name
+            or (known is not None and known.live)
+            or p.waited >= HOLDER_GONE_WAIT
+        ):
+            return False
+        pause = min(max(p.waited, FIRST_PAUSE), LONGEST_PAUSE, HOLDER_GONE_WAIT - p.waited)
+        p.waited += pause
+        p.nodes.discard(name)
+        if self.placement.overrides.get(p.session) == holder:
+            self.placement.overrides.forget(p.session)
+        log.info(kv("router_holder_gone", session=p.session, holder=holder, retry_in=pause))
+        self._out.append(TimeOut(p.id, pause))
         return True
 
     def _maybe_complete(self, p: Pending) -> None:
@@ -486,13 +525,21 @@ class RoutingTable:
     # -- time, failed sends, gone front ends ----------------------------------
 
     def on_timeout(self, request: str) -> list[Out]:
-        """A fanned-out request's time is up: it answers with the nodes that did."""
+        """A fanned-out request's time is up: it answers with the nodes that
+        did. A request paused for a gone holder's lease is sent again."""
         p = self.pending.get(request)
         if p is not None and p.mode is Mode.FANOUT:
             for name in p.nodes:
                 p.answers[name] = None
             p.nodes.clear()
             self._maybe_complete(p)
+        elif p is not None and p.mode is Mode.FORWARD and not p.nodes and p.session:
+            node = self.placement.owner(p.session)
+            if node is not None and self._to_node(node, p.payload, p.id):
+                p.nodes.add(node)
+            else:
+                self._error(p, NODE_LOST, "no live node can take this session now")
+                self._finish(p)
         return self._take()
 
     def on_unsent(self, node: str, request: str | None) -> list[Out]:

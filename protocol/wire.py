@@ -289,6 +289,12 @@ class ReplayGuard:
         self._seen[msg_id] = ts
         self._expire(now)
 
+    def forget(self, msg_id: str) -> None:
+        """Let `msg_id` come again: its request was refused before it had
+        any effect (`moved`), and a router sends it again, as signed, once
+        the session's lease comes free."""
+        self._seen.pop(msg_id, None)
+
     def __len__(self) -> int:
         return len(self._seen)
 

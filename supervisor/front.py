@@ -140,6 +140,8 @@ class Front:
         try:
             handler(client, msg)
         except RemoteProtocolError as exc:
+            if exc.code is ErrorCode.MOVED:
+                self.guard.forget(msg.id)  # refused before it did anything: may come again
             endpoints.to_client(
                 client,
                 error_message(

@@ -66,9 +66,18 @@ class Ownership:
             custom = session.options.workspace is not None
             lease = self.spare_dirs.take_leased(session.dir, with_workspace=not custom)
         try:
-            if lease is None:
+            for attempt in range(3):
+                if lease is not None:
+                    break
                 session.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-                lease = self.leases.take(session.dir)
+                try:
+                    lease = self.leases.take(session.dir)
+                except FileNotFoundError:
+                    # Another supervisor's spare was renamed over the empty
+                    # directory we made, between our mkdir and our open: the
+                    # lease file is in the new one; look again.
+                    if attempt == 2:
+                        raise
         except LeaseHeld as exc:
             if session.unsaved and session.state is State.EXITED and not session.queue:
                 self.forget(session)  # another node made it: read it from disk next time
@@ -80,6 +89,7 @@ class Ownership:
                 f"cannot take the lease of session {session.key!r} in {session.dir}: "
                 f"{exc.strerror or exc}",
             ) from None
+        assert lease is not None
         session.lease = lease
         taken_over = session.epoch_seen and lease.epoch != session.epoch_seen + 1
         if session.unsaved and lease.epoch > 1 or taken_over:

@@ -72,7 +72,8 @@ def test_one_key_runs_on_one_supervisor_and_moves_when_it_dies(supervisor_factor
             cb.run("alice", "pid")
         assert err.value.code == "moved" and "node node-a" in err.value.message
         # The body names the holder for a router: `node`, and why.
-        answer = raw_request(b, Message(Kind.SEND, {"text": "pid"}, session="alice"))
+        asked = Message(Kind.SEND, {"text": "sh echo once >> moved.txt"}, session="alice")
+        answer = raw_request(b, asked)
         assert answer.kind is Kind.ERROR and answer.body["code"] == "moved"
         assert answer.body["node"] == "node-a" and answer.body["reason"] == "leased"
         # Requests about the session are sent where it lives, too.
@@ -84,11 +85,18 @@ def test_one_key_runs_on_one_supervisor_and_moves_when_it_dies(supervisor_factor
     # node-a dies without a word: the kernel drops its locks, node-b takes over.
     a.proc.send_signal(signal.SIGKILL)
     a.proc.wait(10)
+    # The request refused as `moved` spent nothing: the same signed frame
+    # (a router's resend) is taken once the lease is free, and only once.
+    for _ in range(2):
+        again = raw_request(b, asked)
+        assert again.kind is not Kind.ERROR, again
     with b.client() as cb:
         reply = wait_for(lambda: _run_or_none(cb, "alice", "sh cat notes.txt"), what="takeover")
         printed = "".join(e.line for e in reply.events if isinstance(e, Output))
         assert printed.strip() == "kept across nodes"
         assert int(cb.run("alice", "pid").text) != pid_a
+        ran = cb.run("alice", "sh cat moved.txt")
+        assert "".join(e.line for e in ran.events if isinstance(e, Output)).split() == ["once"]
     epoch, _ = leases.read_epoch(session_dir(b, "alice"))
     assert epoch >= 2  # a, then b
     with b.client() as cb:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hermes_sup.cluster.nodes import NodeSpec
 from hermes_sup.cluster.routing import (
     FANOUT_TIMEOUT,
+    HOLDER_GONE_WAIT,
     MAX_MOVES,
     MOVED,
     NODE_LOST,
@@ -166,6 +167,55 @@ def test_moved_is_followed_at_most_max_moves_times_and_never_after_an_answer() -
     late.body.update(node="b" if to.node == "a" else "a", reason="leased")
     assert answer(routing, to.node, late) == [ToClient(ALICE, late, payload(late))]
     assert routing.pending == {}
+
+
+def test_moved_naming_a_lost_node_waits_for_its_lease_then_sends_again() -> None:
+    """The node a session's lease names is lost, its lock not yet dropped
+    (its processes still dying; on NFS, until the server's lease time):
+    the request is paused and sent again, as signed, until the lease comes
+    free or HOLDER_GONE_WAIT is spent; only then does the client hear it."""
+    routing = table("a", "b")
+    key = next(k for k in (f"k:{i}" for i in range(100)) if routing.placement.owner(k) == "b")
+    routing.on_node_lost("b", "gone")
+    send = request(Kind.SEND, {"text": "hi"}, session=key)
+    (to,) = ask(routing, ALICE, send)
+    assert to == ToNode("a", payload(send), send.id)
+    held = error_message(MOVED, "held by b", re=send.id, session=key)
+    held.body.update(node="b", reason="leased")
+    (pause,) = answer(routing, "a", held)
+    assert isinstance(pause, TimeOut) and pause.id == send.id and pause.seconds > 0
+    # The client's own resend meanwhile is held, not refused.
+    assert ask(routing, ALICE, send) == []
+    assert routing.on_timeout(send.id) == [ToNode("a", payload(send), send.id)]
+    running = event(send, "status", {"state": "running"})
+    assert answer(routing, "a", running) == [ToClient(ALICE, running, payload(running))]
+
+    # A holder that never lets go: the client hears `moved` once the wait is spent.
+    turn = request(Kind.SEND, {"text": "hi"}, session=key)
+    ask(routing, ALICE, turn)
+    pauses = []
+    while True:
+        stuck = error_message(MOVED, "held by b", re=turn.id, session=key)
+        stuck.body.update(node="b", reason="leased")
+        outs = answer(routing, "a", stuck)
+        if outs != [] and isinstance(outs[0], ToClient):
+            assert outs == [ToClient(ALICE, stuck, payload(stuck))]
+            break
+        (pause,) = outs
+        assert isinstance(pause, TimeOut)
+        pauses.append(pause.seconds)
+        assert routing.on_timeout(turn.id) == [ToNode("a", payload(turn), turn.id)]
+    assert abs(sum(pauses) - HOLDER_GONE_WAIT) < 1e-9 and pauses[:-1] == sorted(pauses[:-1])
+    assert turn.id not in routing.pending
+
+    # A holder that is live is followed at once, never waited for.
+    routing.on_node_up("b")
+    again = request(Kind.SEND, {"text": "hi"}, session="k:live")
+    (to,) = ask(routing, ALICE, again)
+    moved = error_message(MOVED, "held elsewhere", re=again.id, session="k:live")
+    other = "b" if to.node == "a" else "a"
+    moved.body.update(node=other, reason="leased")
+    assert answer(routing, to.node, moved) == [ToNode(other, payload(again), again.id)]
 
 
 def test_moved_for_a_draining_node_places_the_key_again_and_the_node_takes_no_new_keys() -> None:
