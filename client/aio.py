@@ -188,7 +188,12 @@ class AsyncClient:
     # ------------------------------------------------------------- the calls
 
     async def _start(
-        self, kind: Kind, body: dict[str, Any], session: str | None, ttl: float | None
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        session: str | None,
+        ttl: float | None,
+        msg_id: str | None = None,
     ) -> Pending:
         # Is it still there? Not asked (a lock-file check) when it sent us
         # something just now; one gone since is noticed while waiting anyway.
@@ -196,7 +201,7 @@ class AsyncClient:
             await self._drop()
             raise NotRunning(f"no hermes-sup supervisor is running on {self.state_dir}")
         _, core_ = self._connect()
-        pending, frames = core_.request(kind, body, session, ttl=ttl)
+        pending, frames = core_.request(kind, body, session, msg_id=msg_id, ttl=ttl)
         try:
             await self._send(frames)
         except BaseException:
@@ -301,11 +306,17 @@ class AsyncClient:
         options: dict[str, Any] | None = None,
         turn_timeout: float | None = None,
         context: dict[str, Any] | None = None,
+        turn_id: str | None = None,
     ) -> AsyncTurn:
         """Send a turn; `async for` the result for its events as they stream.
-        `context` goes to the session's runtime with the text (PROTOCOL.md)."""
+        `context` goes to the session's runtime with the text (PROTOCOL.md);
+        `turn_id` as in the blocking client's `send`."""
         pending = await self._start(
-            Kind.SEND, core.send_body(text, options, context), session, ttl=self.timeout
+            Kind.SEND,
+            core.send_body(text, options, context),
+            session,
+            ttl=self.timeout,
+            msg_id=turn_id,
         )
         return AsyncTurn(self, pending, turn_timeout)
 
@@ -363,6 +374,12 @@ class AsyncClient:
         """One session in full: directories, log files, options, the names of
         its worker's environment variables, state history (PROTOCOL.md)."""
         return await self._call(core.inspect(session), timeout)
+
+    async def turn_status(
+        self, session: str, turn: str, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """What became of a turn (the id of its `send`): see the blocking client."""
+        return await self._call(core.turn_status(session, turn), timeout)
 
     async def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
         """Shut the supervisor down as SIGTERM does (local clients only)."""

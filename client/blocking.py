@@ -317,12 +317,20 @@ class Client:
         options: dict[str, Any] | None = None,
         turn_timeout: float | None = None,
         context: dict[str, Any] | None = None,
+        turn_id: str | None = None,
     ) -> Turn:
         """Send a turn; iterate the result for its events as they stream. The
         last one is the `Reply`; an error raises its typed exception.
-        `context` goes to the session's runtime with the text (PROTOCOL.md)."""
+        `context` goes to the session's runtime with the text (PROTOCOL.md).
+        `turn_id` (default: a fresh one, `Turn.id`) is the turn's id: sending
+        the same id again, even after a restart or on another node, never
+        runs the turn twice; see `turn_status`."""
         link, pending = self._start(
-            Kind.SEND, core.send_body(text, options, context), session, ttl=self.timeout
+            Kind.SEND,
+            core.send_body(text, options, context),
+            session,
+            msg_id=turn_id,
+            ttl=self.timeout,
         )
         return Turn(self, link, pending, turn_timeout)
 
@@ -379,6 +387,12 @@ class Client:
         """One session in full: directories, log files, options, the names
         of its worker's environment variables, state history (PROTOCOL.md)."""
         return self._call(core.inspect(session), timeout)
+
+    def turn_status(self, session: str, turn: str, timeout: float | None = None) -> dict[str, Any]:
+        """What became of a turn (the id of its `send`): {turn, state,
+        node, outcome, started, ended, since}; `state` is queued, running,
+        ended, interrupted or unknown (PROTOCOL.md, "Turn ids")."""
+        return self._call(core.turn_status(session, turn), timeout)
 
     def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
         """Shut the supervisor down as SIGTERM does (local clients only):

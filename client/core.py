@@ -268,6 +268,10 @@ def inspect(session: str) -> Call:
     return Call(Kind.INSPECT, {}, session, lambda m: dict(m.body["session"]))
 
 
+def turn_status(session: str, turn: str) -> Call:
+    return Call(Kind.TURN_STATUS, {"turn": turn}, session, lambda m: dict(m.body))
+
+
 def shutdown() -> Call:
     return Call(Kind.SHUTDOWN, {}, None, lambda m: dict(m.body))
 

@@ -44,6 +44,9 @@ class ErrorCode(StrEnum):
     # (draining); and a router's answer for a turn whose node died.
     MOVED = "moved"
     NODE_LOST = "node_lost"
+    # A turn that started and whose supervisor stopped before it ended (the
+    # turn journal, supervisor/journal.py): it is never run again.
+    INTERRUPTED = "interrupted"
 
 
 class ProtocolError(Exception):

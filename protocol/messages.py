@@ -51,6 +51,8 @@ class Kind(StrEnum):
     SHUTDOWN_STARTED = "shutdown_started"
     DRAIN = "drain"
     NODE = "node"
+    TURN_STATUS = "turn_status"
+    TURN_STATE = "turn_state"
     ERROR = "error"
     # worker <-> supervisor
     HELLO = "hello"
@@ -121,6 +123,16 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.SHUTDOWN_STARTED: {"pid": ((int,), True), "grace": (_NUM, True)},
     Kind.DRAIN: {"on": ((bool,), False)},
     Kind.NODE: {"node": ((dict,), True)},
+    Kind.TURN_STATUS: {"turn": ((str,), True)},
+    Kind.TURN_STATE: {
+        "turn": ((str,), True),
+        "state": ((str,), True),  # queued, running, ended, interrupted, unknown
+        "node": ((str, _NONE), True),
+        "outcome": ((dict, _NONE), False),
+        "started": (_NUM + (_NONE,), False),
+        "ended": (_NUM + (_NONE,), False),
+        "since": (_NUM + (_NONE,), False),
+    },
     # `node`, `endpoint` and `reason` only with `moved` (PROTOCOL.md, "Nodes").
     Kind.ERROR: {
         "code": ((str,), True),
@@ -149,6 +161,7 @@ SESSION_KINDS = frozenset(
         Kind.APPROVE,
         Kind.SIGNAL,
         Kind.INSPECT,
+        Kind.TURN_STATUS,
     }
 )
 

@@ -39,6 +39,7 @@ from hermes_sup.protocol import (
 
 from .context import Context
 from .endpoints import Endpoints
+from .journal import recorded_answer
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .logread import requested_lines
@@ -98,6 +99,7 @@ class Front:
             Kind.RELOAD: self.reload_request,
             Kind.SIGNAL: self.signal_session,
             Kind.INSPECT: self.inspect,
+            Kind.TURN_STATUS: self.turn_status,
             Kind.SHUTDOWN: self.shutdown,
             Kind.DRAIN: self.drain,
         }
@@ -209,6 +211,13 @@ class Front:
                 f"{s.max_queued_total}); try again when it catches up",
             )
         self.lifecycle.admit(session)
+        known = turns.journal.known(session, msg.id)
+        if known is not None:
+            # Run before (on another node, or before a restart): never again.
+            self.endpoints.to_client(client, recorded_answer(known, key, msg.id))
+            if session.state is State.EXITED and not session.queue:
+                self.table.ownership.release(session)
+            return
         turn = Turn(
             id=msg.id, client=client, text=msg.body["text"], context=msg.body.get("context")
         )
@@ -433,6 +442,13 @@ class Front:
         self.endpoints.to_client(
             client, msg.reply(Kind.SIGNALLED, {"pid": pid, "signal": sig.name})
         )
+
+    def turn_status(self, client: bytes, msg: Message) -> None:
+        """What became of a turn (Turns.status): answered for any session,
+        held here, elsewhere, or by no one."""
+        key = check_session_key(msg.session)
+        body = self.turns.status(key, msg.body["turn"])
+        self.endpoints.to_client(client, msg.reply(Kind.TURN_STATE, body))
 
     def inspect(self, client: bytes, msg: Message) -> None:
         """Everything known about one session (reports.session_details)."""

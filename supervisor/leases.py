@@ -278,6 +278,22 @@ class Leases:
         return read_holder(session_dir) or Holder(None, None, None)
 
 
+def holder_of(session_dir: Path) -> str | None:
+    """The node holding a session's lease now (\"\" if its name is not
+    known), or None if no one holds it (or the directory is not there)."""
+    try:
+        fd = os.open(session_dir / LEASE_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not _locked_elsewhere(fd):
+            return None
+    finally:
+        os.close(fd)
+    holder = read_holder(session_dir)
+    return (holder.node if holder else None) or ""
+
+
 def log_lost(key: str, why: object) -> None:
     """One line for an owner that found its session taken over."""
     log.error(kv("lease_lost", session=key, error=why))

@@ -44,6 +44,10 @@ class Ownership:
         self.on_lease_lost: Callable[[Session, str], None] = lambda session, why: None
         # Set by the table: forget a new session another node made meanwhile.
         self.forget: Callable[[Session], None] = lambda session: None
+        # Set by the turns: the session's lease is ours now (its journal is
+        # read), or no longer (what was read is dropped).
+        self.on_taken: Callable[[Session], None] = lambda session: None
+        self.on_released: Callable[[Session], None] = lambda session: None
 
     def check_not_elsewhere(self, session: Session) -> None:
         """`moved` if another supervisor holds the session's lease now."""
@@ -91,6 +95,7 @@ class Ownership:
             ) from None
         assert lease is not None
         session.lease = lease
+        self.on_taken(session)
         taken_over = session.epoch_seen and lease.epoch != session.epoch_seen + 1
         if session.unsaved and lease.epoch > 1 or taken_over:
             self.store.reread_meta(session)  # another supervisor had it since
@@ -102,6 +107,7 @@ class Ownership:
         """Give the session's lease up (it is exited with nothing queued)."""
         lease, session.lease = session.lease, None
         if lease is not None:
+            self.on_released(session)
             self.leases.release(lease)
 
     def fenced(self, session: Session) -> bool:

@@ -29,6 +29,11 @@ Final answers are kept for resends within a byte budget: a large one is
 not kept (a resend of it gets `too_large`), and the oldest kept ones give
 way to new ones beyond the budget.
 
+What survives the supervisor is the session's turn journal (journal.py):
+each turn's start is written before it runs and its final answer when it
+ends, so a repeat of its id after a restart, or on another node, is
+answered from there and never runs it again.
+
 `queued_total` (every session's waiting turns) changes only here.
 """
 
@@ -47,7 +52,9 @@ from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, e
 
 from .context import Context
 from .endpoints import Endpoints
-from .session import Session, Turn
+from .journal import TurnJournal, turn_state
+from .leases import holder_of
+from .session import Session, Turn, session_path
 from .states import Event, State
 from .table import SessionTable
 from .watchers import Watchers, approx_size
@@ -128,6 +135,10 @@ class Turns:
         self.unacked: set[str] = set()
         # End a worker that will not stop a cancelled turn: the lifecycle's.
         self.terminate = terminate
+        # What became of each turn, in its session's directory (journal.py).
+        self.journal = TurnJournal(ctx.node, table.ownership.fenced)
+        table.ownership.on_taken = self.journal.taken
+        table.ownership.on_released = self.journal.released
 
     # ------------------------------------------------------------- resends
 
@@ -226,6 +237,47 @@ class Turns:
                 msg.session,
             )
 
+    def status(self, key: str, turn_id: str) -> dict[str, Any]:
+        """What became of a turn (a `turn_state` body): from memory if it
+        was sent here, else from the session's journal on disk, which may
+        be another node's (a turn started there and not ended is `running`
+        while that node holds the lease, `interrupted` once no one does)."""
+        node = self.ctx.node
+        record = self.sent.get(turn_id)
+        if record is not None and record.session == key:
+            session = self.table.get(key)
+            if record.turn is not None:
+                running = session is not None and session.current is record.turn
+                return {"turn": turn_id, "state": "running" if running else "queued", "node": node}
+            final = record.final
+            outcome: dict[str, Any] = (
+                {"kind": final.kind.value, "body": final.body}
+                if final is not None
+                else {"kind": None, "size": record.size}
+            )
+            return {"turn": turn_id, "state": "ended", "node": node, "outcome": outcome}
+        session = self.table.get(key)
+        directory = (
+            session.dir if session is not None else session_path(self.ctx.settings.data_dir, key)
+        )
+        if session is not None and session.lease is not None:
+            holder: str | None = node
+        else:
+            holder = holder_of(directory)
+        state, entry, since = turn_state(directory, turn_id, holder)
+        body: dict[str, Any] = {"turn": turn_id, "state": state, "node": None, "since": since}
+        if entry is not None:
+            body.update(node=entry.node, started=entry.started, ended=entry.ended)
+            if state == "running":
+                body["node"] = holder
+            if entry.ended is not None:
+                body["outcome"] = (
+                    {"kind": entry.kind, "body": entry.body}
+                    if entry.body is not None
+                    else {"kind": entry.kind, "size": entry.size}
+                )
+        return body
+
     def remember(self, msg_id: str, record: SentTurn) -> None:
         self.sent[msg_id] = record
         while len(self.sent) > DEDUP_ENTRIES:
@@ -277,6 +329,7 @@ class Turns:
         turn = session.queue.popleft()
         self.queued_total -= 1
         session.current = turn
+        self.journal.started(session, turn.id)
         return turn
 
     def remove_queued(self, session: Session, turn_id: str) -> Turn | None:
@@ -319,6 +372,8 @@ class Turns:
         if metrics is not None:
             metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self.table.transition(session, Event.TURN)
+        if not handed:
+            self.journal.started(session, turn.id)  # after the fenced transition
         session.approvals.clear()  # any left were an earlier turn's
         # The worker first: its turn is the critical path; the client's
         # acknowledgement and the history are made while the worker runs it.
@@ -408,10 +463,11 @@ class Turns:
     ) -> None:
         """Give a turn its one final answer (and remember it for resends)."""
         self.unacked.discard(turn.id)  # one that ended before it began
+        size = len(payload) if payload is not None else approx_size(final.body)
         record = self.sent.get(turn.id)
         if record is not None:
-            size = len(payload) if payload is not None else approx_size(final.body)
             self._keep_final(turn.id, record, final, size)
+        self.journal.ended(session, final, size)
         self.endpoints.to_client(turn.client, final, payload)
         self.watchers.publish(
             session,
