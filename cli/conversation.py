@@ -43,6 +43,13 @@ from .terminal import Screen, is_terminal
     help="Cancel the turn and give up after this many seconds.",
 )
 @click.option(
+    "--turn-id",
+    default=None,
+    metavar="ID",
+    help="The turn's id (1 to 64 characters; default: a fresh one). Sending the same id "
+    "again never runs the turn twice: it joins the running turn or prints its recorded end.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print every event, then the reply, as JSON lines."
 )
 @RAW
@@ -55,6 +62,7 @@ def send(
     workspace: str | None,
     runtime: str | None,
     turn_timeout: float | None,
+    turn_id: str | None,
     as_json: bool,
     raw: bool,
 ) -> None:
@@ -74,7 +82,10 @@ def send(
       hermes-sup send alice 'sh echo $COLOR; pwd'
       hermes-sup send alice 'ask touch x'          # asks you to approve
       hermes-sup send bob --workspace /srv/projects/acme 'sh ls'
+      hermes-sup send alice --turn-id order-42 'sh ./place-order'   # safe to retry
     """
+    if turn_id is not None and not 0 < len(turn_id) <= 64:
+        raise click.BadParameter("must be 1 to 64 characters", param_hint="--turn-id")
     from .send import Sender
 
     options = options_from(session_env, workspace, runtime)
@@ -91,8 +102,71 @@ def send(
             as_json=as_json,
             turn_timeout=turn_timeout,
             hint_prefix=start_hint(ctx),
+            turn_id=turn_id,
         ).run()
     sys.exit(code)
+
+
+@click.group()
+def turn() -> None:
+    """What became of a turn, by its id (hermes-sup send --turn-id)."""
+
+
+@client_options
+@turn.command(name="status")
+@SESSION
+@click.argument("turn_id", metavar="TURN")
+@click.option("--json", "as_json", is_flag=True, help="Print every field as JSON.")
+@click.pass_context
+def turn_status(ctx: click.Context, session: str, turn_id: str, as_json: bool) -> None:
+    """Say what became of turn TURN of SESSION: queued, running (and on
+    which node), ended (with its reply or error), interrupted (it started
+    and its supervisor stopped before it ended: it will not run again), or
+    unknown (it never started: sending it again runs it once).
+
+    Exits 0 if the turn ended with a reply, 3 while it is queued or running,
+    4 if it is unknown, 1 otherwise.
+
+    \b
+    Examples:
+      hermes-sup turn status alice order-42
+    """
+    with connect(ctx) as client:
+        state = client.turn_status(session, turn_id)
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+    else:
+        click.echo(turn_line(session, state))
+    outcome = state.get("outcome") or {}
+    if state["state"] == "ended" and outcome.get("kind") == "reply":
+        sys.exit(0)
+    sys.exit({"queued": 3, "running": 3, "unknown": 4}.get(state["state"], 1))
+
+
+def turn_line(session: str, state: dict[str, Any]) -> str:
+    """One line for a turn's state."""
+    head = f"{session}: turn {state['turn']} {state['state']}"
+    node = f" on node {state['node']}" if state.get("node") else ""
+    if state["state"] in ("queued", "running"):
+        return head + node
+    if state["state"] == "unknown":
+        since = state.get("since")
+        older = (
+            f" (turns before {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))} "
+            "are no longer recorded)"
+            if since
+            else ""
+        )
+        return head + ": it never started here; sending it again runs it once" + older
+    outcome = state.get("outcome") or {}
+    body = outcome.get("body")
+    if state["state"] == "interrupted":
+        return head + node + ": it started and its supervisor stopped before it ended"
+    if body is None:
+        return head + node + f": its answer ({outcome.get('size')} bytes) was not kept"
+    if outcome.get("kind") == "reply":
+        return head + node + f": reply {str(body.get('text', ''))[:200]!r}"
+    return head + node + f": {body.get('code')}: {body.get('message')}"
 
 
 @client_options

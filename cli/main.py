@@ -1,6 +1,6 @@
 """The `hermes-sup` command group, and the commands about the supervisor
 itself: ping, status, reload, drain and shutdown. The others live beside this
-module and are added to the group here: send, cancel, approve, attach and
+module and are added to the group here: send, cancel, turn status, approve, attach and
 events (conversation.py); open (start), restart, signal, list, inspect,
 kill (sessions.py); logs (logs.py); serve and config (serve.py); keys (keys.py);
 install-service (service.py); http and keys http (http.py); route
@@ -29,7 +29,7 @@ from hermes_sup.supervisor.config import STATE_DIR_ENV
 
 from . import complete
 from .common import connect
-from .conversation import approve, attach, cancel, events, send
+from .conversation import approve, attach, cancel, events, send, turn
 from .http import http, http_keys
 from .keys import keys
 from .logs import logs
@@ -99,6 +99,7 @@ cli.add_command(install_service)
 cli.add_command(http)
 cli.add_command(send)
 cli.add_command(cancel)
+cli.add_command(turn)
 cli.add_command(approve)
 cli.add_command(events)
 cli.add_command(attach)

@@ -96,6 +96,7 @@ class Sender:
     as_json: bool
     turn_timeout: float | None
     hint_prefix: str  # `hermes-sup [--state-dir D]`, for the commands we suggest
+    turn_id: str | None = None  # the turn's id, if the caller chose one
     req: str = ""
     streamed: bool = False
     mid_line: bool = False
@@ -126,7 +127,7 @@ class Sender:
     def run(self) -> int:
         """Send the turn and follow it to its end; the exit status."""
         self.req = self.client.submit(
-            Kind.SEND, self.body, session=self.key, ttl=self.client.timeout
+            Kind.SEND, self.body, session=self.key, msg_id=self.turn_id, ttl=self.client.timeout
         )
         try:
             reply = self._follow()

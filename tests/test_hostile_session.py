@@ -258,6 +258,29 @@ def test_other_sessions_files_and_processes_are_invisible(lab: Lab) -> None:
     assert int(lines[-1]) < 10, seen
 
 
+def test_a_session_cannot_rewrite_what_became_of_its_turns(lab: Lab) -> None:
+    """The turn journal (what makes a repeat of a turn id answered, never
+    run again) is in the session's own directory, which its shell sees
+    read-only: no record can be forged, dropped or replaced from there."""
+    own = lab.data_dir / "sessions" / session_dir_name("forger")
+    with lab.client() as client:
+        assert client.run("forger", "echo first", turn_id="forger-1").ok
+        got = tries(
+            client,
+            "forger",
+            {
+                "append": f"printf '\\x83' >> {own}/turns",
+                "truncate": f"truncate -s 0 {own}/turns",
+                "remove": f"rm -f {own}/turns",
+                "replace": f"cp /dev/null {own}/t && mv -f {own}/t {own}/turns",
+            },
+        )
+        for name, attempt in got.items():
+            assert refused(attempt), (name, attempt)
+        state = client.turn_status("forger", "forger-1")
+        assert state["state"] == "ended" and state["outcome"]["body"]["text"] == "echo first"
+
+
 def test_nothing_outside_the_session_can_be_signalled_or_traced(lab: Lab) -> None:
     with lab.client() as client:
         client.run("victim", "pid")

@@ -4,8 +4,11 @@ restarted on the same data, or sharing it with another node."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -128,3 +131,28 @@ def test_a_torn_journal_record_is_ignored_and_the_journal_stays_bounded(supervis
             f.write(b"\x85\xa1t\xa5c-new")
         assert c.turn_status("carol", f"c-{2 * JOURNAL_TURNS + 9}")["state"] == "ended"
     assert os.path.getsize(path) < 1_000_000
+
+
+def test_the_cli_sends_by_turn_id_and_says_what_became_of_it(supervisor_factory):
+    sup = supervisor_factory()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(sup.state_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    assert cli("turn", "status", "dave", "order-42").returncode == 4  # unknown
+    for _ in range(2):
+        sent = cli("send", "dave", "--turn-id", "order-42", "sh echo placed >> ran.txt")
+        assert sent.returncode == 0, sent.stderr
+    assert runs(sup, "dave") == ["placed"]
+    state = cli("turn", "status", "dave", "order-42")
+    assert state.returncode == 0 and "order-42 ended" in state.stdout, state
+    assert "reply 'exit 0'" in state.stdout
+    as_json = json.loads(cli("turn", "status", "dave", "order-42", "--json").stdout)
+    assert as_json["state"] == "ended" and as_json["outcome"]["kind"] == "reply"
+    bad = cli("send", "dave", "--turn-id", "x" * 65, "echo")
+    assert bad.returncode == 2 and "--turn-id" in bad.stderr
