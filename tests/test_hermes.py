@@ -80,8 +80,8 @@ def collect(client, reqs: dict[str, str], timeout: float = 120) -> dict[str, tup
 
 
 # What a session's data directory may hold: the worker's home, workspace, tmp
-# and log, and the supervisor's own files (its metadata, and the session's
-# lease and fencing epoch when the supervisor keeps them).
+# and log, and the supervisor's own files (its metadata, its turn journal,
+# and the session's lease and fencing epoch when the supervisor keeps them).
 SESSION_ENTRIES = (
     "home",
     "workspace",
@@ -89,6 +89,7 @@ SESSION_ENTRIES = (
     "user",
     "worker.log",
     "session.json",
+    "turns",
     "lease",
     "epoch",
 )

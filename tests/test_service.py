@@ -199,6 +199,7 @@ def test_a_non_root_service_keeps_its_sockets_and_data_private(workdir, service_
             state / "workers.sock",
             session / "worker.log",
             session / "session.json",
+            session / "turns",
         ):
             st = f.stat()
             assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == owner.pw_uid, f
