@@ -27,7 +27,7 @@ started and never ended was running when its supervisor died (its worker
 went with it, by the parent-death signal), so it is ended there and then
 as `interrupted`. What it did before then stays done; it is never run
 again. The ids read are kept in memory while the lease is held (a few
-dozen bytes each, at most JOURNAL_TURNS), and dropped with it.
+dozen bytes each, at most 2 x JOURNAL_TURNS), and dropped with it.
 
 A `send` whose id the journal knows is answered from it: the recorded
 final answer (as the reply to the new request), or the error it ended
@@ -35,10 +35,13 @@ with, or `interrupted`. `turn_status` reads the journal of a session held
 by no one, or by another node, straight from disk (a turn started there
 and not ended is `running` while that node holds the lease).
 
-Bounded: past 2 x JOURNAL_TURNS records the file is rewritten with the
-newest JOURNAL_TURNS turns (a new file renamed over the old one), and the
-time of the oldest turn kept is written first, so that an id not found is
-`unknown` only for turns sent after it.
+Bounded, as a log is rotated: once `turns` holds 2 x JOURNAL_TURNS
+records (JOURNAL_TURNS turns), it is renamed `turns.1` (the older one
+dropped) and a new `turns` begun, so the newest JOURNAL_TURNS to 2 x
+JOURNAL_TURNS turns are kept, for one rename per JOURNAL_TURNS turns. A
+new file that follows a dropped one begins with the time of the oldest
+record still kept (`since`): an id not found is `unknown` only for turns
+sent after it.
 
 Durability: a record is in the page cache once written, so it survives the
 supervisor's death (kill -9, a crash); on NFS, close() sends it to the
@@ -67,6 +70,7 @@ from .session import Session
 log = logging.getLogger("hermes_sup.supervisor")
 
 JOURNAL_FILE = "turns"
+OLDER_FILE = "turns.1"
 JOURNAL_TURNS = 128
 KEEP_BODY = 64 * 1024
 MAX_JOURNAL_BYTES = 64 * 1024 * 1024  # a file larger is not read (not ours)
@@ -86,53 +90,51 @@ class Entry:
         self.body: dict[str, Any] | None = None
         self.size = 0
 
-    def record(self) -> list[dict[str, Any]]:
-        """The records that say this entry (for a rewrite)."""
-        out: list[dict[str, Any]] = []
-        if self.started is not None:
-            out.append({"t": self.id, "e": "start", "at": self.started, "node": self.node})
-        if self.ended is not None:
-            end: dict[str, Any] = {"t": self.id, "e": "end", "at": self.ended, "k": self.kind}
-            end["n"] = self.size
-            if self.body is not None:
-                end["b"] = self.body
-            out.append(end)
-        return out
-
 
 def read(session_dir: Path) -> tuple[OrderedDict[str, Entry], float | None, int]:
     """The journal of a session directory: its entries (oldest first), the
-    time of the oldest turn kept after a rewrite (None: it was never
-    rewritten), and its number of records. A torn last record (a write cut
-    short) is ignored."""
+    time of the oldest record kept once older ones were dropped (None:
+    none was), and the number of records in its newer file. A torn last
+    record (a write cut short) is ignored."""
     entries: OrderedDict[str, Entry] = OrderedDict()
     since: float | None = None
     count = 0
-    try:
-        with open(session_dir / JOURNAL_FILE, "rb") as f:
-            data = f.read(MAX_JOURNAL_BYTES)
-    except FileNotFoundError:
-        return entries, None, 0
+    for name in (OLDER_FILE, JOURNAL_FILE):
+        try:
+            with open(session_dir / name, "rb") as f:
+                data = f.read(MAX_JOURNAL_BYTES)
+        except FileNotFoundError:
+            continue
+        count, marked = _parse(data, entries)
+        if marked is not None:
+            since = marked if since is None else max(since, marked)
+    return entries, since, count
+
+
+def _parse(data: bytes, entries: OrderedDict[str, Entry]) -> tuple[int, float | None]:
+    """Add one file's records to `entries`: their count, and its `since`."""
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=True)
     unpacker.feed(data)
+    count, since = 0, None
     try:
         for rec in unpacker:
             count += 1
             if not isinstance(rec, dict):
                 continue
-            if "since" in rec and isinstance(rec["since"], int | float):
-                since = float(rec["since"])
-                continue
             turn_id = rec.get("t")
             if not isinstance(turn_id, str):
+                if isinstance(rec.get("since"), int | float):
+                    since = float(rec["since"])
                 continue
-            entry = entries.get(turn_id) or Entry(turn_id)
-            entries[turn_id] = entry
+            entry = entries.get(turn_id)
+            if entry is None:
+                entry = entries[turn_id] = Entry(turn_id)
             at = rec.get("at")
             at = float(at) if isinstance(at, int | float) else 0.0
             if rec.get("e") == "start":
                 entry.started = at
-                entry.node = rec.get("node") if isinstance(rec.get("node"), str) else None
+                node = rec.get("node")
+                entry.node = node if isinstance(node, str) else None
             elif rec.get("e") == "end":
                 entry.ended = at
                 entry.kind = str(rec.get("k"))
@@ -142,7 +144,7 @@ def read(session_dir: Path) -> tuple[OrderedDict[str, Entry], float | None, int]
                 entry.size = size if isinstance(size, int) else 0
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
         pass  # a torn or damaged tail: what came before stands
-    return entries, since, count
+    return count, since
 
 
 def interrupted_message(turn_id: str, session: str, entry: Entry) -> Message:
@@ -187,6 +189,8 @@ class TurnJournal:
         # Per session held: the ids the journal has, and its records' count.
         self.held: dict[str, OrderedDict[str, Entry]] = {}
         self.records: dict[str, int] = {}
+        self.paths: dict[str, str] = {}  # each held session's journal file
+        self.first: dict[str, float] = {}  # the time of its first record
 
     # -- the lease ---------------------------------------------------------
 
@@ -214,6 +218,8 @@ class TurnJournal:
     def released(self, session: Session) -> None:
         self.held.pop(session.key, None)
         self.records.pop(session.key, None)
+        self.paths.pop(session.key, None)
+        self.first.pop(session.key, None)
 
     # -- a turn ----------------------------------------------------------
 
@@ -233,9 +239,10 @@ class TurnJournal:
         entries = self.held.get(session.key)
         if entries is None:
             return  # not held (a bug elsewhere): nothing is written unfenced
-        entry = entries.get(turn_id) or Entry(turn_id)
+        entry = entries.get(turn_id)
+        if entry is None:
+            entry = entries[turn_id] = Entry(turn_id)
         entry.started, entry.node = time.time(), self.node
-        entries[turn_id] = entry
         self._append(session, {"t": turn_id, "e": "start", "at": entry.started, "node": self.node})
 
     def ended(self, session: Session, final: Message, size: int) -> None:
@@ -256,11 +263,16 @@ class TurnJournal:
         if body is not None:
             rec["b"] = body
         self._append(session, rec)
-        while len(entries) > JOURNAL_TURNS:
+        while len(entries) > 2 * JOURNAL_TURNS:
             entries.popitem(last=False)
 
     def _append(self, session: Session, rec: dict[str, Any]) -> None:
-        path = session.dir / JOURNAL_FILE
+        key = session.key
+        path = self.paths.get(key)
+        if path is None:
+            path = self.paths[key] = os.path.join(session.dir, JOURNAL_FILE)
+        if self.records.get(key, 0) >= 2 * JOURNAL_TURNS:
+            self._rotate(session, path)
         try:
             data = msgpack.packb(rec, use_bin_type=True)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -271,33 +283,40 @@ class TurnJournal:
         except (OSError, TypeError, ValueError) as exc:
             # A full disk, or a body msgpack cannot carry: the turn is served
             # all the same, and a repeat of it is only caught in memory.
-            log.warning(kv("journal_unwritten", session=session.key, error=exc))
+            log.warning(kv("journal_unwritten", session=key, error=exc))
             return
-        count = self.records.get(session.key, 0) + 1
-        self.records[session.key] = count
-        if count > 2 * JOURNAL_TURNS:
-            self._rewrite(session)
+        if not self.records.get(key):
+            self.first[key] = float(rec.get("at") or time.time())
+        self.records[key] = self.records.get(key, 0) + 1
 
-    def _rewrite(self, session: Session) -> None:
-        """Keep the newest JOURNAL_TURNS turns: a new file renamed over the old."""
+    def _rotate(self, session: Session, path: str) -> None:
+        """`turns` becomes `turns.1` (the older one dropped); a new `turns`
+        follows, saying since when the journal is complete."""
+        key = session.key
         if not self.fenced(session):
             return
+        older = os.path.join(session.dir, OLDER_FILE)
+        dropping = os.path.exists(older)
         try:
-            entries, _, _ = read(session.dir)
-            kept = list(entries.values())[-JOURNAL_TURNS:]
-            since = min((e.started or e.ended or 0.0) for e in kept) if kept else time.time()
-            records = [{"since": since}] + [r for e in kept for r in e.record()]
-            tmp = session.dir / f".{JOURNAL_FILE}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, b"".join(msgpack.packb(r, use_bin_type=True) for r in records))
-            finally:
-                os.close(fd)
-            os.replace(tmp, session.dir / JOURNAL_FILE)
+            os.replace(path, older)
         except OSError as exc:
-            log.warning(kv("journal_unwritten", session=session.key, error=exc.strerror or exc))
+            log.warning(kv("journal_unrotated", session=key, error=exc.strerror or exc))
             return
-        self.records[session.key] = len(records)
+        self.records[key] = 0
+        if dropping:
+            since = self.first.get(key, time.time())
+            data = msgpack.packb({"since": since})
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, data)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.warning(kv("journal_unwritten", session=key, error=exc.strerror or exc))
+                return
+            self.records[key] = 1
+            self.first[key] = since
 
 
 def turn_state(

@@ -126,6 +126,18 @@ class Ownership:
             return False
         return True
 
+    def still_ours(self, session: Session) -> bool:
+        """`fenced` without acting on a lease found lost: the next fenced
+        step (a turn's start, a save) gives the session up."""
+        lease = session.lease
+        if lease is None:
+            return False
+        try:
+            self.leases.check(lease)
+        except LeaseLost:
+            return False
+        return True
+
     def holder(self, session: Session) -> Holder | None:
         """Who took a session over from us: whom its lease file names."""
         return read_holder(session.dir)

@@ -136,7 +136,7 @@ class Turns:
         # End a worker that will not stop a cancelled turn: the lifecycle's.
         self.terminate = terminate
         # What became of each turn, in its session's directory (journal.py).
-        self.journal = TurnJournal(ctx.node, table.ownership.fenced)
+        self.journal = TurnJournal(ctx.node, table.ownership.still_ours)
         table.ownership.on_taken = self.journal.taken
         table.ownership.on_released = self.journal.released
 
@@ -467,8 +467,10 @@ class Turns:
         record = self.sent.get(turn.id)
         if record is not None:
             self._keep_final(turn.id, record, final, size)
-        self.journal.ended(session, final, size)
         self.endpoints.to_client(turn.client, final, payload)
+        # Recorded after the client has it: a supervisor that dies between
+        # the two leaves the turn `interrupted`, its answer already given.
+        self.journal.ended(session, final, size)
         self.watchers.publish(
             session,
             "reply" if final.kind is Kind.REPLY else "error",

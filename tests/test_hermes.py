@@ -90,6 +90,7 @@ SESSION_ENTRIES = (
     "worker.log",
     "session.json",
     "turns",
+    "turns.1",
     "lease",
     "epoch",
 )
