@@ -22,11 +22,19 @@ fields inline:
     secret = "<Z85>"
     capacity = 100
     draining = false
+    shared_data = "nfs-sessions"
+
+`shared_data` names the data directory a node serves sessions from when
+several nodes share one (NFS, a cluster file system): nodes with the same
+name are known to share it, so a turn in flight on one that is lost may be
+sent to another, which answers it from the session's turn journal instead
+of running it again. Without it, such a turn ends with `node_lost`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -53,6 +61,7 @@ class NodeSpec:
     secret: str
     capacity: float = 1.0
     draining: bool = False
+    shared_data: str | None = None  # the same for nodes that share one data directory
 
     def describe(self) -> dict[str, Any]:
         """What `status` shows of it (never a key)."""
@@ -60,7 +69,30 @@ class NodeSpec:
             "endpoint": self.endpoint,
             "capacity": self.capacity,
             "draining": self.draining,
+            "shared_data": self.shared_data,
         }
+
+
+DATA_ID_FILE = ".data-id"
+
+
+def data_id(data_dir: Path) -> str:
+    """The identity of a data directory (made at its first use, random): the
+    same for every node that serves sessions from it."""
+    path = data_dir / DATA_ID_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    made = os.urandom(16).hex()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()  # another node made it first
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
+    return made
 
 
 def check_name(name: object, where: str) -> str:
@@ -90,6 +122,9 @@ def spec_from_map(raw: dict[str, Any], where: str, base: Path | None = None) -> 
         draining = fields.get("draining", False)
         if not isinstance(draining, bool):
             raise NodeConfigError(f"{where}: draining must be true or false")
+        shared_data = fields.get("shared_data")
+        if shared_data is not None and (not isinstance(shared_data, str) or not shared_data):
+            raise NodeConfigError(f"{where}: shared_data must be a non-empty string")
         endpoint = str(fields["endpoint"])
         if not endpoint.startswith("tcp://"):
             raise NodeConfigError(f"{where}: endpoint {endpoint!r} must be tcp://HOST:PORT")
@@ -102,6 +137,7 @@ def spec_from_map(raw: dict[str, Any], where: str, base: Path | None = None) -> 
             secret=str(fields["secret"]),
             capacity=float(capacity),
             draining=draining,
+            shared_data=shared_data,
         )
     except KeyError as exc:
         raise NodeConfigError(

@@ -36,7 +36,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .nodes import NodeSpec, spec_from_map
+from .nodes import NodeSpec, data_id, spec_from_map
 
 NAMESPACE = "hermes-sup"
 REGISTRY = "hermes-sup-registry"
@@ -110,6 +110,9 @@ class NodeAgent:
             "secret": secret.decode(),
             "capacity": capacity,
             "draining": False,
+            # Agents given one data directory (shared) say so: a lost node's
+            # turn may then be sent to another (nodes.py).
+            "shared_data": data_id(data) if data_dir else None,
             "ray_node": self.ray_node,
         }
         command = [

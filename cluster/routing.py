@@ -25,14 +25,18 @@ A request in flight is a `Pending`, answered in one of four ways (`Mode`):
 - FORWARD: a request about a session goes to the node placement picks for
   its key (placement.py), and the node's answers go to the front end as
   they are. A `moved` error naming another node records an override and
-  sends the same request there, at most MAX_MOVES times, and never once
-  the node has answered anything (a turn that started there would run
-  twice): then the front end gets the `moved`. A `moved` naming a node
-  that is not live (lost, or gone from the node list) means its lease is
-  still held while the node's processes die (a moment on a local file
-  system; on NFS, until the server's lease time runs out): the request is
-  sent again where placement puts it, with growing pauses, for up to
-  HOLDER_GONE_WAIT seconds, before the front end gets the `moved`.
+  sends the same request there, at most MAX_MOVES times: then the front
+  end gets the `moved`. A request other than a `send` is never sent again
+  once a node has answered anything for it. A `send` may be: its id is
+  its turn's id, which every node sharing the data knows from the
+  session's turn journal, so a turn is joined, or answered from the
+  journal, never run twice. A `moved` naming a node that is not live
+  (lost, or gone from the node list) means its lease is still held while
+  the node's processes die (a moment on a local file system; on NFS,
+  until the server's lease time runs out; for a frozen node, until it
+  wakes): the request is sent again where placement puts it, with growing
+  pauses, for up to HOLDER_GONE_WAIT seconds, before the front end gets
+  the `moved`.
 - FANOUT: `list`, `status` and `reload` go to every live node; their
   answers are merged into one (merge.py) once all are in, or after
   FANOUT_TIMEOUT with those that are (the others shown as not answered).
@@ -42,7 +46,10 @@ A request in flight is a `Pending`, answered in one of four ways (`Mode`):
 - UNWATCH: goes where its watch went; one `unwatched` once every node said it.
 
 A node that is lost answers every request waiting on it at once
-(`node_lost`, or as not answered in a merge). A front end may have
+(`node_lost`, or as not answered in a merge), except a `send`, which is
+sent where placement now puts its session when that node shares the lost
+one's data directory (`shared_data` in the node list; up to MAX_MOVES
+times in all). A front end may have
 MAX_WATCHES_PER_CLIENT watches and log follows open (`streams`), as on one
 supervisor: the nodes count them all against the router's one connection.
 A front end found gone has them ended on their nodes.
@@ -196,9 +203,9 @@ class RoutingTable:
 
     def remove_node(self, name: str, why: str) -> list[Out]:
         """A node that left the node list: what waited on it is answered."""
-        self.nodes.pop(name, None)
+        gone = self.nodes.pop(name, None)
         self.placement.remove(name)
-        self._lose_node(name, why)
+        self._lose_node(name, why, gone.spec.shared_data if gone else None)
         return self._take()
 
     def on_node_up(self, name: str) -> list[Out]:
@@ -217,25 +224,27 @@ class RoutingTable:
         return self._take()
 
     def on_node_lost(self, name: str, why: str) -> list[Out]:
-        """A node's link dropped: what waited on it is answered now."""
+        """A node's link dropped: what waited on it is answered now (or,
+        a turn, sent where its session is placed now)."""
         node = self.nodes.get(name)
         if node is not None:
             node.live = False
-        self._lose_node(name, why)
-        if node is not None:
             self._place(node)
+        self._lose_node(name, why, node.spec.shared_data if node else None)
         return self._take()
 
     def _place(self, node: Node) -> None:
         s = node.spec
         self.placement.update(Candidate(s.name, s.capacity, node.live, s.draining or node.draining))
 
-    def _lose_node(self, name: str, why: str) -> None:
+    def _lose_node(self, name: str, why: str, shared_data: str | None) -> None:
         for p in list(self.pending.values()):
             if name not in p.nodes:
                 continue
             p.nodes.discard(name)
             if p.mode is Mode.FORWARD:
+                if self._send_again(p, name, why, shared_data):
+                    continue
                 self._error(
                     p, NODE_LOST, f"node {name} was lost ({why}) while this request ran there"
                 )
@@ -424,9 +433,9 @@ class RoutingTable:
         """A node says the session is held elsewhere, or that it is draining:
         follow it to the holder, or to where the hash places it now."""
         target = msg.body.get("node")
-        if p.session is None or p.moves >= MAX_MOVES or p.answered:
-            # Once a node answered anything (a turn that started there), a
-            # resend elsewhere could run it twice: the client decides.
+        if p.session is None or p.moves >= MAX_MOVES or (p.answered and p.kind is not Kind.SEND):
+            # Once a node answered anything, only a turn is safe to send
+            # again (its journal); any other request: the client decides.
             return False
         if target is None and msg.body.get("reason") == "draining":
             node = self.nodes.get(name)
@@ -460,7 +469,7 @@ class RoutingTable:
         known = self.nodes.get(holder) if isinstance(holder, str) else None
         if (
             p.session is None
-            or p.answered
+            or (p.answered and p.kind is not Kind.SEND)
             or msg.body.get("reason") != "leased"
             or not isinstance(holder, str)
             or holder == name
@@ -475,6 +484,27 @@ class RoutingTable:
             self.placement.overrides.forget(p.session)
         log.info(kv("router_holder_gone", session=p.session, holder=holder, retry_in=pause))
         self._out.append(TimeOut(p.id, pause))
+        return True
+
+    def _send_again(self, p: Pending, lost: str, why: str, shared_data: str | None) -> bool:
+        """A turn whose node was lost goes where its session is placed now,
+        if that node shares the lost one's data directory (`shared_data`):
+        it answers from the session's journal (the turn's end, or
+        `interrupted`), waits for the lost node's lease, or runs it if it
+        never started. True if it was sent."""
+        if p.kind is not Kind.SEND or p.session is None or p.moves >= MAX_MOVES:
+            return False
+        if shared_data is None:
+            return False  # another node's data knows nothing of this turn
+        target = self.placement.owner(p.session)
+        node = self.nodes.get(target) if target is not None else None
+        if target is None or target == lost or node is None:
+            return False
+        if node.spec.shared_data != shared_data or not self._to_node(target, p.payload, p.id):
+            return False
+        p.moves += 1
+        p.nodes.add(target)
+        log.info(kv("router_turn_resent", session=p.session, lost=lost, to=target, why=why))
         return True
 
     def _maybe_complete(self, p: Pending) -> None:

@@ -23,15 +23,18 @@ BOB = b"\x01bob"
 KEY = b"k" * 32
 
 
-def spec(name: str) -> NodeSpec:
-    return NodeSpec(name, f"tcp://{name}:7000", "S" * 40, b"h" * 32, "P" * 40, "X" * 40)
+def spec(name: str, shared: str | None = None) -> NodeSpec:
+    return NodeSpec(
+        name, f"tcp://{name}:7000", "S" * 40, b"h" * 32, "P" * 40, "X" * 40, shared_data=shared
+    )
 
 
-def table(*names: str, down: tuple[str, ...] = ()) -> RoutingTable:
-    """A routing table over `names`, each live unless in `down`."""
+def table(*names: str, down: tuple[str, ...] = (), shared: str | None = None) -> RoutingTable:
+    """A routing table over `names`, each live unless in `down` (sharing
+    one data directory if `shared` names it)."""
     routing = RoutingTable(lambda: {"role": "router"})
     for name in names:
-        routing.set_node(spec(name))
+        routing.set_node(spec(name, shared))
         if name not in down:
             assert routing.on_node_up(name) == []
     return routing
@@ -90,23 +93,57 @@ def test_a_request_goes_to_its_keys_node_and_its_answers_back_to_the_final_one()
     assert routing.pending == {}
 
 
-def test_a_node_lost_or_a_send_that_fails_ends_the_request_with_node_lost() -> None:
+def test_a_node_lost_ends_its_requests_with_node_lost_without_shared_data() -> None:
     routing = table("a", "b")
     send = request(Kind.SEND, {"text": "sleep 60"}, session="chat:1")
     (to,) = ask(routing, ALICE, send)
     assert isinstance(to, ToNode)
+    # The other node has data of its own: it knows nothing of the turn.
+    assert errors(routing.on_node_lost(to.node, "its connection closed")) == [
+        (NODE_LOST, f"node {to.node} was lost (its connection closed) while this request ran there")
+    ]
+    assert routing.pending == {}
+
+
+def test_a_node_lost_sends_a_turn_where_its_session_is_now_and_ends_other_requests() -> None:
+    routing = table("a", "b", shared="nfs")
+    send = request(Kind.SEND, {"text": "sleep 60"}, session="chat:1")
+    (to,) = ask(routing, ALICE, send)
+    assert isinstance(to, ToNode)
+    there = "b" if to.node == "a" else "a"
+    answer(routing, to.node, event(send, "status", {"state": "running"}))
+    # The turn (its id is in the session's journal) goes to the live node,
+    # which joins it, answers it from the journal, or runs it if it never
+    # started: never twice.
+    assert routing.on_node_lost(to.node, "its connection closed") == [
+        ToNode(there, payload(send), send.id)
+    ]
+    final = Message(Kind.REPLY, {"text": "done", "ok": True}, session="chat:1", re=send.id)
+    assert answer(routing, there, final) == [ToClient(ALICE, final, payload(final))]
+    # Any other request ends with node_lost.
+    info = request(Kind.INSPECT, session="chat:1")
+    (to,) = ask(routing, ALICE, info)
+    assert isinstance(to, ToNode)
     (lost,) = routing.on_node_lost(to.node, "its connection closed")
-    assert isinstance(lost, ToClient) and lost.msg.re == send.id
+    assert isinstance(lost, ToClient) and lost.msg.re == info.id
     assert errors([lost]) == [
         (NODE_LOST, f"node {to.node} was lost (its connection closed) while this request ran there")
     ]
-    # The same key now goes to the live node; a send the link cannot make
-    # comes back, and is answered the same way.
+    # A send the link cannot make comes back, and is answered the same way;
+    # with no live node left, a lost node's turn ends with node_lost too.
+    routing.on_node_up(to.node)
     again = request(Kind.SEND, {"text": "hi"}, session="chat:1")
     (to2,) = ask(routing, ALICE, again)
-    assert isinstance(to2, ToNode) and to2.node != to.node
+    assert isinstance(to2, ToNode)
     assert errors(routing.on_unsent(to2.node, again.id)) == [
         (NODE_LOST, f"node {to2.node} is not reachable")
+    ]
+    lone = request(Kind.SEND, {"text": "hi"}, session="chat:1")
+    (to3,) = ask(routing, ALICE, lone)
+    other = "b" if to3.node == "a" else "a"
+    routing.on_node_lost(other, "gone")
+    assert errors(routing.on_node_lost(to3.node, "gone")) == [
+        (NODE_LOST, f"node {to3.node} was lost (gone) while this request ran there")
     ]
     assert routing.pending == {}
 
@@ -156,17 +193,26 @@ def test_moved_is_followed_at_most_max_moves_times_and_never_after_an_answer() -
     assert answer(routing, here, moved) == [ToClient(ALICE, moved, payload(moved))]
     assert routing.pending == {}
 
-    # Once a node answered anything, a `moved` goes to the client: a resend
-    # elsewhere could run the turn twice.
+    # Once a node answered anything, a `moved` is followed only for a turn
+    # (the session's journal keeps it from running twice); for anything
+    # else it goes to the client.
     turn = request(Kind.SEND, {"text": "hi"}, session="chat:2")
     (to,) = ask(routing, ALICE, turn)
     assert isinstance(to, ToNode)
-    running = event(turn, "status", {"state": "running"})
-    answer(routing, to.node, running)
+    other = "b" if to.node == "a" else "a"
+    answer(routing, to.node, event(turn, "status", {"state": "running"}))
     late = error_message(MOVED, "taken over", re=turn.id, session="chat:2")
+    late.body.update(node=other, reason="leased")
+    assert answer(routing, to.node, late) == [ToNode(other, payload(turn), turn.id)]
+    follow = request(Kind.LOGS, {"follow": True}, session="chat:2")
+    (to,) = ask(routing, ALICE, follow)
+    assert isinstance(to, ToNode)
+    lines = Message(Kind.LOG_LINES, {"lines": []}, session="chat:2", re=follow.id)
+    answer(routing, to.node, lines)
+    late = error_message(MOVED, "taken over", re=follow.id, session="chat:2")
     late.body.update(node="b" if to.node == "a" else "a", reason="leased")
     assert answer(routing, to.node, late) == [ToClient(ALICE, late, payload(late))]
-    assert routing.pending == {}
+    assert follow.id not in routing.pending
 
 
 def test_moved_naming_a_lost_node_waits_for_its_lease_then_sends_again() -> None:
