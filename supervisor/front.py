@@ -214,6 +214,8 @@ class Front:
         known = turns.journal.known(session, msg.id)
         if known is not None:
             # Run before (on another node, or before a restart): never again.
+            # Each repeat is answered the same way, so its id stays unspent.
+            self.guard.forget(msg.id)
             self.endpoints.to_client(client, recorded_answer(known, key, msg.id))
             if session.state is State.EXITED and not session.queue:
                 self.table.ownership.release(session)

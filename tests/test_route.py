@@ -223,9 +223,7 @@ def shared_cluster(supervisor_factory, workdir):
         made = hs("keys", "generate", f"router-{name}", "--endpoint", f"127.0.0.1:{port}",
                   "-o", str(conn), "--data-dir", str(shared))  # fmt: skip
         assert made.returncode == 0, made.stderr
-        lines.append(
-            f'[[node]]\nname = "{name}"\nconnection = "{conn}"\nshared_data = "shared"\n'
-        )
+        lines.append(f'[[node]]\nname = "{name}"\nconnection = "{conn}"\nshared_data = "shared"\n')
         sups[name] = sup
     with router_over(workdir, lines) as router:
         yield sups, router
