@@ -101,3 +101,19 @@ def test_a_busy_worker_that_cannot_beat_is_slow_not_hung(supervisor_factory) -> 
         assert int(client.run("spinner", "pid").text) == pid
     log = sup.log()
     assert " hung " not in log and " slow session=spinner" in log
+
+
+def test_a_worker_busy_without_beats_for_too_long_is_still_hung(supervisor_factory) -> None:
+    """Progress buys a silent worker a bounded number of extra limits: one
+    spinning without heartbeats for ever is replaced all the same."""
+    sup = supervisor_factory(*FAST)
+    with sup.client(timeout=60) as client:
+        pid = int(client.run("forever", "pid").text)
+        req = client.submit(Kind.SEND, {"text": "spin 60"}, session="forever")
+        msg = final(client, req, timeout=60)
+        assert msg.kind is Kind.ERROR and msg.body["code"] == "worker_died"
+        assert "hung" in msg.body["message"] and "busy on CPU" in msg.body["message"]
+        assert int(client.run("forever", "pid").text) != pid
+    log = sup.log()
+    assert log.count(" slow session=forever") == 3
+    assert " hung session=forever" in log and "busy=cpu" in log
