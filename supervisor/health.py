@@ -238,7 +238,8 @@ class Health:
         self._on_hang(session, silent, busy=progress)
 
     def _forget_watches(self) -> None:
-        """Drop the watches of sessions that are gone or no longer judged."""
+        """Drop the watches of sessions that are gone (a new worker of a
+        session starts afresh by its generation)."""
         sessions = self.table.sessions
         for key in [k for k in self._watches if k not in sessions]:
             del self._watches[key]
