@@ -98,11 +98,25 @@ class Channel:
 
     def _drain(self) -> None:
         self._scheduled = False
+        if self._read(BATCH):
+            self._schedule()  # more waiting: let other work run, then continue
+
+    def read_waiting(self, limit: int) -> bool:
+        """Handle what is waiting now, up to `limit` messages, without
+        yielding to the loop: for a caller about to judge by what has
+        arrived. True if more is still waiting."""
+        more = self._read(limit)
+        if more:
+            self._schedule()
+        return more
+
+    def _read(self, limit: int) -> bool:
+        """Handle up to `limit` messages; True if more may be waiting."""
         if self.sock.closed:
-            return
-        for _ in range(BATCH):
+            return False
+        for _ in range(limit):
             if not _events(self.sock) & POLLIN:
-                return
+                return False
             try:
                 if self._keep_last:
                     frames, self.last = _recv_keeping_last(self.sock)
@@ -112,7 +126,7 @@ class Channel:
                 else:
                     frames, fd = recv_frames(self.sock, NOBLOCK), -1
             except zmq.Again:
-                return
+                return False
             try:
                 screen = self._on_refused
                 if fd >= 0 and screen is not None and fd in self._refused and screen(fd, frames):
@@ -123,7 +137,7 @@ class Channel:
                 log.exception("handler failed for a message; continuing")
             finally:
                 self.last = None  # it names this message's sender only
-        self._schedule()  # more waiting: let other work run, then continue
+        return True
 
     def peer_user_id(self) -> str | None:
         """The User-Id of the connection the message being handled came in

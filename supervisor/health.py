@@ -1,23 +1,55 @@
 """Health: workers that hang, sessions idle too long, and workers over their
 limits, checked a few times a second from the supervisor's tick.
 
+Theory of operation: hung means hung
+------------------------------------
 A worker beats every `heartbeat_interval` while it has a turn and every
-`idle_heartbeat_interval` while idle; one silent for longer than its limit
-is hung: SIGABRT (so its log gets a traceback from faulthandler), then
-SIGKILL after `abort_grace`. An idle session past `idle_timeout` is stopped
-politely. Memory and process limits are checked by sampling every worker's
-process tree in a thread (it reads /proc), spaced so that sampling costs
-about 5% of the time at most. Memory is the PSS of the tree (a shared page
-counts once), read only for trees whose RSS sum is over the limit (see
-limits.py).
+`idle_heartbeat_interval` while idle; its limit is `heartbeat_timeout` (an
+idle one's is three missed idle beats, if that is longer). Silence past the
+limit is only evidence, and three things can make it false:
+
+- Beats that arrived but were not read yet. Before judging a worker silent,
+  everything waiting on the workers' socket is read (`read_workers`).
+- The supervisor's own absence. When a tick comes far later than scheduled
+  (`GAP`: the monotonic clock jumped over a SIGSTOP, a paused VM, a machine
+  stalled by load), the supervisor heard nothing for that while, and in a
+  paused VM its workers sent nothing either. The gap does not count as
+  silence: every session's silence clock is moved on by it (never past
+  now), and the gap is logged once. Silence before the gap still counts, so
+  a worker already hung is still caught, and a supervisor whose ticks are
+  late again and again still catches hangs, only later.
+- A worker that is busy or starved, not stuck. At the limit its /proc stat
+  is read: CPU time (utime+stime of all its threads) since the sample taken
+  at half the limit, and each thread's run state. If its CPU time grew, or
+  a thread is runnable (R: waiting for a CPU), it is slow: the deadline
+  moves on by one more limit and the sample is taken again. This happens at
+  most `PROGRESS_GRACE` times in one silence, so a worker spinning without
+  heartbeats forever is still replaced, at (1 + PROGRESS_GRACE) times its
+  limit (as a liveness probe's failure threshold would). A stopped worker
+  (T, t), one that is sleeping with no CPU progress (a deadlock, a lost
+  wakeup, a stuck syscall), or one whose stat cannot be read is hung at
+  once, as before.
+
+Hung: SIGABRT (so its log gets a traceback from faulthandler), then SIGKILL
+after `abort_grace`. Workers are signalled, and their /proc read, by their
+pid as the supervisor sees it (`session.proc`), sealed or not.
+
+An idle session past `idle_timeout` is stopped politely. Memory and process
+limits are checked by sampling every worker's process tree in a thread (it
+reads /proc), spaced so that sampling costs about 5% of the time at most.
+Memory is the PSS of the tree (a shared page counts once), read only for
+trees whose RSS sum is over the limit (see limits.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from hermes_sup.local.logfmt import kv
 
@@ -32,32 +64,87 @@ log = logging.getLogger("hermes_sup.supervisor")
 
 # An idle worker is hung after missing this many of its (slower) beats.
 IDLE_BEATS_PER_TIMEOUT = 3
+# Ticks are a quarter second apart: one this much later than the last means
+# the supervisor itself was not running (see the module docstring).
+GAP = 1.0
+# How many times a silent worker that makes progress gets one more limit.
+PROGRESS_GRACE = 3
+# CPU time (seconds) a silent worker must have used since its last sample to
+# count as progress: more than a stray wakeup or two of an idle thread.
+MIN_CPU_PROGRESS = 0.02
+# /proc stat states of a worker that cannot be making progress.
+STOPPED_STATES = frozenset("Tt")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MIB = 1024 * 1024
 
 
-class Health:
-    """Hang detection, idle culling and limits."""
+@dataclass(frozen=True)
+class Sample:
+    """What /proc says of a worker: CPU seconds used, its state, and
+    whether any of its threads is runnable."""
 
-    def __init__(self, ctx: Context, table: SessionTable, lifecycle: Lifecycle) -> None:
+    cpu: float
+    state: str
+    runnable: bool
+
+
+@dataclass
+class Watch:
+    """A silent worker under watch: the heartbeat it went silent after,
+    its last sample, and the extensions its progress has earned."""
+
+    generation: int
+    heartbeat: float
+    sample: Sample | None
+    extensions: int = 0
+
+
+class Health:
+    """Hang detection, idle culling and limits. `read_workers` reads
+    everything waiting on the workers' socket, so that a beat that arrived
+    is heard before its sender is judged."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        table: SessionTable,
+        lifecycle: Lifecycle,
+        read_workers: Callable[[], object] = lambda: None,
+    ) -> None:
         self.ctx = ctx
         self.table = table
         self.lifecycle = lifecycle
+        self.read_workers = read_workers
         self._scanning = False
         self._next_scan = 0.0
+        self._last_tick: float | None = None
+        self._watches: dict[str, Watch] = {}
+
+    def begin(self, now: float) -> None:
+        """The ticks start (`now` monotonic): a gap before the first is one too."""
+        self._last_tick = now
 
     def tick(self, now: float, wall: float) -> None:
         """Check every session once (`now` monotonic, `wall` time.time())."""
         s = self.ctx.settings
         settings_for = self.ctx.settings_for
+        last, self._last_tick = self._last_tick, now
+        if last is not None and now - last > GAP:
+            self._forgive_gap(now, now - last)
+        read = False
         for session in list(self.table.sessions.values()):
             own = settings_for(session)
-            if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
-                silent = now - session.last_heartbeat
+            if self._judged(session):
                 limit = own.heartbeat_timeout
                 if session.state is State.IDLE:
                     limit = max(limit, IDLE_BEATS_PER_TIMEOUT * own.idle_heartbeat_interval)
-                if silent > limit and not session.hang_signalled:
-                    self._on_hang(session, silent)
+                if now - session.last_heartbeat > limit and not read:
+                    # A beat may be waiting unread: hear it before judging.
+                    read = True
+                    self.read_workers()
+                    now = time.monotonic()
+                if self._judged(session) and not session.hang_signalled:
+                    self._judge_silence(session, now - session.last_heartbeat, limit)
             if (
                 own.idle_timeout is not None
                 and self.ctx.accepting
@@ -81,15 +168,94 @@ class Health:
         ):
             self._next_scan = now + s.limits_interval
             self.ctx.spawn(self._check_limits())
+        if self._watches:
+            self._forget_watches()
 
-    def _on_hang(self, session: Session, silent: float) -> None:
+    @staticmethod
+    def _judged(session: Session) -> bool:
+        """Whether a session's worker is expected to beat."""
+        return session.state in (State.IDLE, State.BUSY) and session.proc is not None
+
+    def _forgive_gap(self, now: float, gap: float) -> None:
+        """The supervisor was not running for `gap` seconds: that is no
+        session's silence (see the module docstring)."""
+        live = [x for x in self.table.sessions.values() if self._judged(x)]
+        log.warning(kv("gap", seconds=f"{gap:.1f}", sessions=len(live), silence="not counted"))
+        for session in live:
+            moved = min(now, session.last_heartbeat + gap)
+            watch = self._watches.get(session.key)
+            if watch is not None and watch.heartbeat == session.last_heartbeat:
+                watch.heartbeat = moved  # the same silence, still watched
+            session.last_heartbeat = moved
+
+    def _judge_silence(self, session: Session, silent: float, limit: float) -> None:
+        """Watch a worker silent for half its limit; past the limit (and
+        each extension), hung unless it made progress (module docstring)."""
+        watch = self._watches.get(session.key)
+        if silent <= limit / 2:
+            if watch is not None:
+                del self._watches[session.key]
+            return
+        assert session.proc is not None
+        if (
+            watch is None
+            or watch.generation != session.generation
+            or watch.heartbeat != session.last_heartbeat
+        ):
+            # Silent since a newer beat (or a new worker): start watching
+            # afresh, and judge no sooner than the next tick, so that there
+            # is CPU time to compare with.
+            watch = Watch(session.generation, session.last_heartbeat, sample(session.proc.pid))
+            self._watches[session.key] = watch
+            return
+        if silent <= limit * (1 + watch.extensions):
+            return
+        now = sample(session.proc.pid)
+        before = watch.sample
+        progress = (
+            now is not None
+            and now.state not in STOPPED_STATES
+            and (now.runnable or (before is not None and now.cpu - before.cpu >= MIN_CPU_PROGRESS))
+        )
+        if progress and watch.extensions < PROGRESS_GRACE:
+            assert now is not None
+            watch.extensions += 1
+            watch.sample = now
+            cpu = now.cpu - before.cpu if before is not None else 0.0
+            log.warning(
+                kv(
+                    "slow",
+                    session=session.key,
+                    pid=session.proc.pid,
+                    silent=f"{silent:.1f}s",
+                    cpu=f"{cpu:.2f}s",
+                    state=now.state + ("+runnable" if now.runnable else ""),
+                    extension=f"{watch.extensions}/{PROGRESS_GRACE}",
+                )
+            )
+            return
+        del self._watches[session.key]
+        self._on_hang(session, silent, busy=progress)
+
+    def _forget_watches(self) -> None:
+        """Drop the watches of sessions that are gone (a new worker of a
+        session starts afresh by its generation)."""
+        sessions = self.table.sessions
+        for key in [k for k in self._watches if k not in sessions]:
+            del self._watches[key]
+
+    def _on_hang(self, session: Session, silent: float, busy: bool = False) -> None:
         """No heartbeat: SIGABRT for a traceback in the session log, then SIGKILL."""
         assert session.proc is not None
         session.hang_signalled = True
-        log.error(kv("hung", session=session.key, pid=session.proc.pid, silent=f"{silent:.1f}s"))
+        extra = {"busy": "cpu"} if busy else {}
+        log.error(
+            kv("hung", session=session.key, pid=session.proc.pid, silent=f"{silent:.1f}s", **extra)
+        )
+        why = f"busy on CPU, {PROGRESS_GRACE} extensions spent" if busy else "no progress either"
         session.kill_reason = (
-            f"was hung (no heartbeat for {silent:.0f}s; SIGABRT for a traceback in its log, "
-            "then SIGKILL)"
+            f"was hung (no heartbeat for {silent:.0f}s, {why}; SIGABRT for a traceback in "
+            "its log, then SIGKILL)"
         )
         session.proc.send_signal(signal.SIGABRT)
         asyncio.get_running_loop().call_later(
@@ -146,3 +312,30 @@ class Health:
                     f"went over its process limit ({use.procs} processes > "
                     f"{s.max_procs}) and was recycled",
                 )
+
+
+def sample(pid: int) -> Sample | None:
+    """Read a worker's CPU time and run states from /proc; None if it is
+    gone or unreadable. utime and stime in its stat are the sums over its
+    threads; the state there is its main thread's, so each thread's is read
+    too, for one that is runnable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        runnable = False
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    if f.read().rpartition(b")")[2].split()[0] == b"R":
+                        runnable = True
+                        break
+            except OSError:
+                continue  # a thread that just ended
+    except (OSError, IndexError):
+        return None
+    try:
+        # After the command: state, ppid, ... utime is the 12th, stime the 13th.
+        cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        return Sample(cpu, fields[0].decode(), runnable)
+    except (IndexError, ValueError):
+        return None

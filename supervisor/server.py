@@ -51,7 +51,7 @@ from . import configfile, sealing
 from .back import Back
 from .config import Settings
 from .context import Context
-from .endpoints import Endpoints
+from .endpoints import WORKER_INBOX, Endpoints
 from .environment import allowlisted
 from .front import Front
 from .health import Health
@@ -116,7 +116,15 @@ class Supervisor:
         )
         self.pool = WorkerPool(ctx, self.endpoints, WorkerRecords(s.state_dir), self.watchers)
         self.lifecycle = Lifecycle(ctx, self.table, self.turns, self.pool, self.endpoints)
-        self.health = Health(ctx, self.table, self.lifecycle)
+        # Everything the workers' socket can hold: one full inbox each.
+        self.health = Health(
+            ctx,
+            self.table,
+            self.lifecycle,
+            read_workers=lambda: self.endpoints.back.read_waiting(
+                WORKER_INBOX * (len(self.table) + len(self.pool.spares) + 1)
+            ),
+        )
         self.front = Front(
             ctx,
             self.table,
@@ -296,6 +304,7 @@ class Supervisor:
 
     async def _tick_loop(self) -> None:
         """Heartbeats, limits and idle time, a few times a second."""
+        self.health.begin(time.monotonic())
         while True:
             await asyncio.sleep(TICK)
             try:

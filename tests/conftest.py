@@ -6,6 +6,12 @@ process whose command line, working directory or environment mentions that
 directory is a leak: the test fails, and the leaked processes (ours, found
 by pid) are killed so they do not poison the next test.
 
+A supervisor that a test starts dies with the test's process (a parent-death
+signal), and one that does not get ready is killed with everything under
+it. Waits for readiness allow for a loaded machine: their deadline grows
+with the run queue per CPU, and moves on while the supervisor still uses
+CPU (starting slowly, not stuck).
+
 A test that uses a fixture which starts real processes of ours (a
 supervisor, and so its zygote and workers) is marked e2e here, whether it
 says so or not: `pytest -m "not e2e"` then starts none of them.
@@ -13,6 +19,7 @@ says so or not: `pytest -m "not e2e"` then starts none of them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -29,6 +36,9 @@ import pytest
 import zmq
 
 from hermes_sup.client import Client, NotRunning, Timeout
+from hermes_sup.local.prctl import PR_SET_PDEATHSIG, prctl
+
+from .waiting import load_factor
 
 # Fixtures that start a real supervisor or other real processes of ours,
 # used directly or through another fixture (`supervisor`, `remote`, `web`
@@ -74,6 +84,47 @@ def wait_gone(marker: str, timeout: float) -> list[psutil.Process]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time used by these processes and their descendants (those still there)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def kill_tree(pid: int, marker: str | None = None) -> None:
+    """SIGKILL a process of ours and everything under it, and every process
+    that mentions `marker` (a test's own directory: serve's HTTP keeper is
+    double-forked away from the supervisor). Each is stopped before its
+    children are listed, so that none forks a child we do not see."""
+    found: dict[int, psutil.Process] = {}
+    todo: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):
+        todo.append(psutil.Process(pid))
+    if marker is not None:
+        todo += processes_mentioning(marker)
+    while todo:
+        proc = todo.pop()
+        if proc.pid in found:
+            continue
+        found[proc.pid] = proc
+        try:
+            proc.suspend()
+            todo += proc.children()
+        except psutil.Error:
+            continue
+    for proc in found.values():
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(list(found.values()), timeout=5)
 
 
 @pytest.fixture
@@ -137,18 +188,37 @@ class Supervisor:
             *self.args,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115
+
+        def prepare() -> None:
+            if preexec_fn is not None:
+                preexec_fn()
+            # After it: a change of user clears the parent-death signal. A
+            # test killed outright takes its supervisor with it, and the
+            # supervisor's workers and keeper follow it.
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=prepare
         )
         if wait:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.kill()
+                raise
         return self
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        """Block until the supervisor answers, or fail with its log."""
-        deadline = time.monotonic() + timeout
+        """Block until the supervisor answers, or fail with its log.
+
+        `timeout` is for an idle machine: it is stretched by the load
+        (`load_factor`), and past it the wait goes on, up to four times
+        longer, as long as the supervisor's processes keep using CPU."""
         assert self.proc is not None
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        deadline = started + timeout * load_factor()
+        last_cpu = cpu_seconds([self.proc.pid])
+        while True:
             if self.proc.poll() is not None:
                 raise AssertionError(f"supervisor exited early:\n{self.log()}")
             try:
@@ -157,7 +227,24 @@ class Supervisor:
                 return
             except (NotRunning, Timeout):
                 time.sleep(0.02)
-        raise AssertionError(f"supervisor did not get ready:\n{self.log()}")
+            now = time.monotonic()
+            if now < deadline:
+                continue
+            cpu = cpu_seconds([self.proc.pid])
+            if cpu > last_cpu and now - started < 4 * timeout * load_factor():
+                last_cpu, deadline = cpu, now + 1.0  # still working: a second more
+                continue
+            raise AssertionError(
+                f"supervisor did not get ready in {now - started:.0f}s:\n{self.log()}"
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the supervisor and everything it started (ours only, by pid)."""
+        if self.proc is None:
+            return
+        kill_tree(self.proc.pid, str(self.root))
+        self.proc.wait()
+        self._log.close()
 
     def client(self, timeout: float = 15.0) -> Client:
         """A new client of this supervisor (close it, or use `with`)."""
@@ -180,8 +267,7 @@ class Supervisor:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             raise AssertionError(f"supervisor did not stop on SIGTERM:\n{self.log()}") from None
         finally:
             self._log.close()

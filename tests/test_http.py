@@ -27,6 +27,7 @@ from hermes_sup.httpapi.keys import KeyStore
 from hermes_sup.httpapi.turns import Pump, QueueSink, open_turn
 from tests.conftest import wait_gone
 from tests.test_clients import free_port
+from tests.waiting import load_factor
 
 READY = re.compile(r"http_ready url=(\S+)")
 
@@ -55,7 +56,8 @@ class Endpoint:
 
 
 def wait_ready(log_path: Path, proc: subprocess.Popen[bytes] | None, timeout: float = 20) -> str:
-    deadline = time.monotonic() + timeout
+    """The endpoint's URL once its log says it listens; `timeout` is stretched by the load."""
+    deadline = time.monotonic() + timeout * load_factor()
     while True:
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
         found = READY.search(text)

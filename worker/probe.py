@@ -9,6 +9,10 @@ It lets tests and operators see a session's isolation for themselves:
     sh COMMAND         run COMMAND with /bin/sh in the workspace, streaming its
                        output lines as events; the reply is its exit status
     sleep SECONDS      sleep (cancellable)
+    spin SECONDS       burn CPU for SECONDS without letting the worker's main
+                       loop run, so no heartbeat is sent (a busy worker that
+                       looks silent, as under a C extension that keeps the
+                       GIL or a CPU-starved machine); not cancellable
     write PATH TEXT    write TEXT to PATH, relative to the workspace
     stream TEXT        stream TEXT back word by word as `token` events
     ask COMMAND        ask for approval (an `approval` event), then run COMMAND
@@ -26,6 +30,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +42,7 @@ from . import seal
 from .runtime import Emit, SessionInfo, TurnReply
 
 MAX_SLEEP = 24 * 3600.0
+MAX_SPIN = 60.0
 APPROVAL_TIMEOUT = 60.0
 STREAM_DELAY = 0.02
 # Where the supervisor lists a session's peers (supervisor/worktrees.py).
@@ -150,6 +156,26 @@ class ProbeRuntime:
         if self._cancelled.wait(seconds):
             return TurnReply("cancelled", {"cancelled": True})
         return TurnReply(f"slept {seconds:g}")
+
+    def _do_spin(self, rest: str, emit: Emit) -> TurnReply:
+        try:
+            seconds = float(rest)
+        except ValueError:
+            raise ProbeError("usage: spin SECONDS") from None
+        if not 0 <= seconds <= MAX_SPIN:
+            raise ProbeError(f"spin takes 0 to {MAX_SPIN:.0f} seconds")
+        # A thread waiting for the GIL asks for it only after the switch
+        # interval: raised past the spin, the main loop (which heartbeats)
+        # gets no turn while this thread burns CPU in plain Python.
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(seconds + 1.0)
+        try:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                pass
+        finally:
+            sys.setswitchinterval(before)
+        return TurnReply(f"spun {seconds:g}")
 
     def _do_write(self, rest: str, emit: Emit) -> TurnReply:
         name, _, content = rest.strip().partition(" ")
