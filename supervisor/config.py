@@ -377,7 +377,11 @@ class Settings:
     )
     heartbeat_timeout: float = field(
         default=10.0,
-        metadata=setting("--heartbeat-timeout", "a worker silent this long during a turn is hung"),
+        metadata=setting(
+            "--heartbeat-timeout",
+            "a worker silent this long during a turn, and making no progress (CPU time, "
+            "a runnable thread), is hung; one that is, gets up to 3 more",
+        ),
     )
     # An idle worker beats less often: a thousand idle sessions beating
     # every 2 s kept a 2-core machine a fifth busy.
