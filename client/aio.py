@@ -307,13 +307,14 @@ class AsyncClient:
         turn_timeout: float | None = None,
         context: dict[str, Any] | None = None,
         turn_id: str | None = None,
+        orphan_grace: float | None = None,
     ) -> AsyncTurn:
         """Send a turn; `async for` the result for its events as they stream.
         `context` goes to the session's runtime with the text (PROTOCOL.md);
-        `turn_id` as in the blocking client's `send`."""
+        `turn_id` and `orphan_grace` as in the blocking client's `send`."""
         pending = await self._start(
             Kind.SEND,
-            core.send_body(text, options, context),
+            core.send_body(text, options, context, orphan_grace),
             session,
             ttl=self.timeout,
             msg_id=turn_id,

@@ -318,16 +318,19 @@ class Client:
         turn_timeout: float | None = None,
         context: dict[str, Any] | None = None,
         turn_id: str | None = None,
+        orphan_grace: float | None = None,
     ) -> Turn:
         """Send a turn; iterate the result for its events as they stream. The
         last one is the `Reply`; an error raises its typed exception.
         `context` goes to the session's runtime with the text (PROTOCOL.md).
         `turn_id` (default: a fresh one, `Turn.id`) is the turn's id: sending
         the same id again, even after a restart or on another node, never
-        runs the turn twice; see `turn_status`."""
+        runs the turn twice; see `turn_status`. With `orphan_grace`, the turn
+        is cancelled once this client has been gone that many seconds
+        without sending it again (PROTOCOL.md)."""
         link, pending = self._start(
             Kind.SEND,
-            core.send_body(text, options, context),
+            core.send_body(text, options, context, orphan_grace),
             session,
             msg_id=turn_id,
             ttl=self.timeout,

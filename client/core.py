@@ -277,9 +277,14 @@ def shutdown() -> Call:
 
 
 def send_body(
-    text: str, options: dict[str, Any] | None, context: dict[str, Any] | None = None
+    text: str,
+    options: dict[str, Any] | None,
+    context: dict[str, Any] | None = None,
+    orphan_grace: float | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"text": text}
+    if orphan_grace is not None:
+        body["orphan_grace"] = orphan_grace
     if options:
         body["options"] = options
     if context:

@@ -87,6 +87,7 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
         "options": ((dict,), False),
         "context": ((dict,), False),
         "ack": ((bool,), False),  # false: no `running` event when the turn starts
+        "orphan_grace": (_NUM, False),  # cancel it when its client is gone this long
     },
     Kind.EVENT: {
         "type": ((str,), True),

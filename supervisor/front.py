@@ -43,6 +43,7 @@ from .journal import recorded_answer
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .logread import requested_lines
+from .orphans import MAX_GRACE
 from .pool import WorkerPool
 from .reports import Reports
 from .session import Session, StoredSession, Turn
@@ -198,6 +199,7 @@ class Front:
 
     def send(self, client: bytes, msg: Message) -> None:
         key = check_session_key(msg.session)
+        grace = orphan_grace(msg.body.get("orphan_grace"))
         self._check_accepting()
         session = self.table.find_or_create(key, msg.body.get("options"))
         s = self.ctx.settings
@@ -221,7 +223,11 @@ class Front:
                 self.table.ownership.release(session)
             return
         turn = Turn(
-            id=msg.id, client=client, text=msg.body["text"], context=msg.body.get("context")
+            id=msg.id,
+            client=client,
+            text=msg.body["text"],
+            context=msg.body.get("context"),
+            orphan_grace=grace,
         )
         turns.note_send(msg)  # `ack: false`: no `running` event when it starts
         turns.enqueue(session, turn)
@@ -457,6 +463,18 @@ class Front:
         session = self.table.require(check_session_key(msg.session))
         info = self.reports.session_details(session)
         self.endpoints.to_client(client, msg.reply(Kind.INSPECTED, {"session": info}))
+
+
+def orphan_grace(value: object) -> float | None:
+    """A send's `orphan_grace`: seconds, more than 0 and at most MAX_GRACE."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_GRACE:
+        raise RemoteProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"orphan_grace must be more than 0 and at most {MAX_GRACE:g} seconds, not {value!r}",
+        )
+    return float(value)
 
 
 def parse_signal(value: str) -> signal.Signals:

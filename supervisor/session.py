@@ -39,6 +39,10 @@ class Turn:
     # from the worker is dropped, the client already had an error.
     abandoned: bool = False
     started_at: float | None = None  # monotonic, when handed to the worker
+    # Seconds its client may be gone before it is cancelled (orphans.py),
+    # and since when it is (monotonic), if it is.
+    orphan_grace: float | None = None
+    orphaned_at: float | None = None
 
 
 @dataclass

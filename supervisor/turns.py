@@ -54,6 +54,7 @@ from .context import Context
 from .endpoints import Endpoints
 from .journal import TurnJournal, turn_state
 from .leases import holder_of
+from .orphans import Orphans
 from .session import Session, Turn, session_path
 from .states import Event, State
 from .table import SessionTable
@@ -135,6 +136,8 @@ class Turns:
         self.unacked: set[str] = set()
         # End a worker that will not stop a cancelled turn: the lifecycle's.
         self.terminate = terminate
+        # Running turns whose client asked for an orphan grace (orphans.py).
+        self.orphans = Orphans(endpoints)
         # What became of each turn, in its session's directory (journal.py).
         self.journal = TurnJournal(ctx.node, table.ownership.still_ours)
         table.ownership.on_taken = self.journal.taken
@@ -394,16 +397,17 @@ class Turns:
         session.cancel_on_hello = None
         if turn.id in self.unacked:
             self.unacked.discard(turn.id)
-        else:
-            self.endpoints.to_client(
-                turn.client,
-                Message(
-                    Kind.EVENT,
-                    {"type": "status", "data": {"state": "running", "pid": session.pid}},
-                    session=session.key,
-                    re=turn.id,
-                ),
-            )
+        elif not self.endpoints.to_client(
+            turn.client,
+            Message(
+                Kind.EVENT,
+                {"type": "status", "data": {"state": "running", "pid": session.pid}},
+                session=session.key,
+                re=turn.id,
+            ),
+        ):
+            self.orphans.undelivered(session, turn)
+        self.orphans.begin(session, turn)
         self.watchers.publish(
             session, "turn", {"text": turn.text}, turn=turn.id, bound=16 + 4 * len(turn.text)
         )
@@ -424,8 +428,8 @@ class Turns:
         # The worker's envelope names this session and this turn, so its
         # payload goes to the client as it is, re-signed.
         if msg.kind is Kind.EVENT:
-            if not turn.abandoned:
-                self.endpoints.to_client(turn.client, msg, payload)
+            if not turn.abandoned and not self.endpoints.to_client(turn.client, msg, payload):
+                self.orphans.undelivered(session, turn)
             event_type = msg.body["type"]
             if event_type in APPROVAL_EVENTS:
                 track_approval(session, event_type, msg.body.get("data"))
