@@ -236,13 +236,21 @@ async def chat_completions(api: Api, request: Request) -> Response:
     body = await api.read_json(request)
     stream = body.get("stream") in (True, "true", "True", "1", 1)
     # With an Idempotency-Key, a retry is the same turn (retries.py).
-    turn_id = turn_id_of(request, "chat", body, CHAT_FIELDS)
+    first = turn_id_of(request, "chat", body, CHAT_FIELDS)
+    turn_id = api.retries.attempt(first)
     if stream:
         return await _answer(api, request, body, stream, turn_id)
+
+    async def answer() -> Response:
+        try:
+            return await _answer(api, request, body, stream, turn_id)
+        except (ApiError, ClientError) as exc:
+            if not (isinstance(exc, ApiError) and exc.status == 409):  # 409: still running
+                api.retries.failed(first)
+            raise
+
     # A whole answer: a repeat with its Idempotency-Key gets it again (idempotency.py).
-    return await api.idempotency.run(
-        request, body, CHAT_FIELDS, lambda: _answer(api, request, body, stream, turn_id)
-    )
+    return await api.idempotency.run(request, body, CHAT_FIELDS, answer)
 
 
 async def _answer(

@@ -277,13 +277,21 @@ class Responses:
         body = await api.read_json(request)
         asked = parse_request(body)
         # With an Idempotency-Key, a retry is the same turn (retries.py).
-        turn_id = turn_id_of(request, "responses", body, RESPONSES_FIELDS)
+        first = turn_id_of(request, "responses", body, RESPONSES_FIELDS)
+        turn_id = api.retries.attempt(first)
         if asked.stream:
             return await self._start(request, body, asked, turn_id)
+
+        async def answer() -> Response:
+            try:
+                return await self._start(request, body, asked, turn_id)
+            except (ApiError, ClientError) as exc:
+                if not (isinstance(exc, ApiError) and exc.status == 409):  # 409: still running
+                    api.retries.failed(first)
+                raise
+
         # A whole answer: a repeat with its Idempotency-Key gets it again.
-        return await api.idempotency.run(
-            request, body, RESPONSES_FIELDS, lambda: self._start(request, body, asked, turn_id)
-        )
+        return await api.idempotency.run(request, body, RESPONSES_FIELDS, answer)
 
     async def _start(
         self, request: Request, body: dict[str, Any], asked: ResponseRequest, turn_id: str | None

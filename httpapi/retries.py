@@ -32,7 +32,11 @@ session, as its first try:
   the client's connection can hold one reader per turn id. A request whose
   client hung up leaves its turn running for `grace` seconds (`release`),
   so that a retry can take it over; if none comes, it is cancelled then,
-  as a turn nobody reads is. A request without an Idempotency-Key still
+  as a turn nobody reads is. A turn that failed, its client answered with
+  the error, is not given again by this process: as in Hermes, a repeat
+  runs anew (`attempt`, `failed`); a restarted endpoint, which does not
+  know it failed, answers a repeat with the recorded error instead of
+  running it twice. A request without an Idempotency-Key still
   cancels its turn at once when its client goes: that is how a front end
   stops one (hermes-webui's Stop button closes the stream).
 """
@@ -93,6 +97,7 @@ class Retries:
         self._reading: set[tuple[str, str]] = set()
         self._waiting: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._places: OrderedDict[str, Any] = OrderedDict()
+        self._failed: dict[str, int] = {}  # failures seen of each turn id, by its first
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def claim(self, session: str, turn: str) -> None:
@@ -128,6 +133,22 @@ class Retries:
         task = asyncio.get_running_loop().create_task(_cancel(client, session, turn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def attempt(self, turn: str | None) -> str | None:
+        """The turn id a request sends now: `turn` itself, unless its turn
+        failed in this process, then one derived from it per failure."""
+        if turn is None:
+            return None
+        tries = self._failed.get(turn, 0)
+        return turn if tries == 0 else derive(turn, "attempt", str(tries))
+
+    def failed(self, turn: str | None) -> None:
+        """The turn ended with an error its client was answered: as Hermes
+        keeps no failed answer, a repeat runs again (under the next id)."""
+        if turn is not None:
+            self._failed[turn] = self._failed.get(turn, 0) + 1
+            while len(self._failed) > REMEMBERED:
+                del self._failed[next(iter(self._failed))]
 
     def remember(self, turn: str, place: Any) -> None:
         """Where a retried turn went, when that cannot be derived again."""
