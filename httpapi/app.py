@@ -39,6 +39,7 @@ from .idempotency import IdempotencyCache
 from .keys import KeyStore, Tenant
 from .logsafe import kv
 from .responses import Responses
+from .retries import Retries
 from .runs import Runs
 from .sessions import TENANT, SessionRef, header_id, label_of, ref_for
 from .turns import OpenTurn, open_turn
@@ -69,6 +70,7 @@ class ApiSettings:
     run_ttl: float = 3600.0  # seconds an ended run stays readable
     max_runs: int = 1000  # ended runs kept at most, of each key's
     max_responses: int = 1000  # stored responses kept at most (in memory), of each key's
+    retry_grace: float = 30.0  # seconds a turn with an Idempotency-Key waits for a retry
     web_dir: Path | None = None  # static files served at / (no key needed for them)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed besides our own; "*" for any
 
@@ -87,6 +89,7 @@ class Api:
         self.runs = Runs(self)
         self.responses = Responses(self)
         self.idempotency = IdempotencyCache()
+        self.retries = Retries(settings.retry_grace)
         self.continuations = Continuations()
         self._mapped: set[str] = set()
         self._labelled: set[str] = set()  # sessions given their label by this process
@@ -124,6 +127,7 @@ class Api:
         return self._client
 
     async def close(self) -> None:
+        self.retries.close()
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -212,23 +216,56 @@ class Api:
         return model if isinstance(model, str) and model else self.settings.model
 
     async def open_turn(
-        self, ref: SessionRef, text: str, context: dict[str, Any] | None = None
+        self,
+        ref: SessionRef,
+        text: str,
+        context: dict[str, Any] | None = None,
+        turn_id: str | None = None,
     ) -> OpenTurn:
-        """Start the session's turn. The first turn this endpoint sends to a
-        session whose key is a mapped id names that id as the session's
-        `label`, so `hermes-sup list` shows what the client called it."""
+        """Start the session's turn, or with `turn_id` (a retry's,
+        retries.py) join it or read its answer. The first turn this endpoint
+        sends to a session whose key is a mapped id names that id as the
+        session's `label`, so `hermes-sup list` shows what the client called it."""
         client = self.client()
+        if turn_id is None:
+            return await self._open(client, ref, text, context, None)
+        self.retries.claim(ref.key, turn_id)
+        try:
+            opened = await self._open(client, ref, text, context, turn_id)
+        except BaseException:
+            self.retries.release(client, ref.key, turn_id, ended=True)
+            raise
+
+        def done(ended: bool) -> None:
+            self.retries.release(client, ref.key, turn_id, ended)
+
+        opened.on_done = done
+        return opened
+
+    async def _open(
+        self,
+        client: AsyncClient,
+        ref: SessionRef,
+        text: str,
+        context: dict[str, Any] | None,
+        turn_id: str | None,
+    ) -> OpenTurn:
         if not ref.mapped or ref.key in self._labelled:
-            return await open_turn(client, ref.key, text, context)
+            return await open_turn(client, ref.key, text, context, turn_id=turn_id)
         try:
             opened = await open_turn(
-                client, ref.key, text, context, options={"label": label_of(ref.original)}
+                client,
+                ref.key,
+                text,
+                context,
+                options={"label": label_of(ref.original)},
+                turn_id=turn_id,
             )
         except SessionConflict as exc:
             # The session runs with options of its own (an operator opened
             # it): it keeps them, and its turn goes on without a label.
             log.info(kv("http_session_label_skipped", session=ref.key, error=exc))
-            opened = await open_turn(client, ref.key, text, context)
+            opened = await open_turn(client, ref.key, text, context, turn_id=turn_id)
         if len(self._labelled) > 100_000:
             self._labelled.clear()
         self._labelled.add(ref.key)

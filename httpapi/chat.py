@@ -11,6 +11,18 @@ after the stream has started ends it with `finish_reason: "error"`, an
 a repeat with the same `Idempotency-Key` gets the first answer again
 instead of a second turn (idempotency.py).
 
+With an `Idempotency-Key`, streamed or not, a retry is the same turn
+(retries.py), also on an endpoint restarted since: it never runs twice,
+and a retry's answer has the first try's `id`. A retry of a turn not yet
+started, or still queued, is answered as the first try would have been. A
+retry of a turn that had started streams tool progress from where the
+turn is now, then the whole reply as its text when the turn ends (what
+the first try was sent is not sent again, and output lines of commands
+that ran before are not in it), its last chunk and `[DONE]`; a retry of a
+turn that had ended gets the recorded reply as that short stream at once,
+or the recorded error. A client that hangs up leaves such a turn running
+for a while for its retry (retries.py), instead of cancelling it at once.
+
 While a turn is silent (a tool runs, the model thinks), a streamed answer
 sends a `: keepalive` comment every `chat_keepalive` second (1 s), not
 every 30 s as on the other streams: hermes-webui's chat backend looks at
@@ -66,6 +78,7 @@ from .errors import ApiError, from_client_error
 from .idempotency import CHAT_FIELDS, HUNG_UP
 from .keys import Tenant
 from .logsafe import kv
+from .retries import conversation_id, turn_id_of
 from .sessions import (
     SESSION_ID_HEADER,
     SESSION_KEY_HEADER,
@@ -222,26 +235,39 @@ class ToolProgress:
 async def chat_completions(api: Api, request: Request) -> Response:
     body = await api.read_json(request)
     stream = body.get("stream") in (True, "true", "True", "1", 1)
+    # With an Idempotency-Key, a retry is the same turn (retries.py).
+    first = turn_id_of(request, "chat", body, CHAT_FIELDS)
+    turn_id = api.retries.attempt(first)
     if stream:
-        return await _answer(api, request, body, stream)
+        return await _answer(api, request, body, stream, turn_id)
+
+    async def answer() -> Response:
+        try:
+            return await _answer(api, request, body, stream, turn_id)
+        except (ApiError, ClientError) as exc:
+            if not (isinstance(exc, ApiError) and exc.status == 409):  # 409: still running
+                api.retries.failed(first)
+            raise
+
     # A whole answer: a repeat with its Idempotency-Key gets it again (idempotency.py).
-    return await api.idempotency.run(
-        request, body, CHAT_FIELDS, lambda: _answer(api, request, body, stream)
-    )
+    return await api.idempotency.run(request, body, CHAT_FIELDS, answer)
 
 
-async def _answer(api: Api, request: Request, body: dict[str, Any], stream: bool) -> Response:
+async def _answer(
+    api: Api, request: Request, body: dict[str, Any], stream: bool, turn_id: str | None
+) -> Response:
     chat = parse_chat(body)
     tenant = tenant_of(request)
-    place = _place(api, request, tenant, chat)
+    place = _place(api, request, tenant, chat, turn_id)
     ref = place.ref
     model = api.model_of(body)
-    completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
+    # A retry's answer has its first try's id.
+    completion_id = f"chatcmpl-{(turn_id or uuid.uuid4().hex)[:29]}"
     created = int(time.time())
     # The history goes too: a runtime that holds the conversation already
     # (the usual case) keeps its own, one whose data was purged uses it.
     context = turn_context(chat.system, chat.history, place.conversation)
-    opened = await api.open_turn(ref, chat.text, context)
+    opened = await api.open_turn(ref, chat.text, context, turn_id)
     # As Hermes answers: the conversation's id (the client's, or the one
     # made for it), and the session key header echoed when there was one.
     headers = {SESSION_ID_HEADER: place.conversation}
@@ -264,7 +290,7 @@ async def _answer(api: Api, request: Request, body: dict[str, Any], stream: bool
         )
     sink = QueueSink(api.settings.stream_queue, api.settings.stall_timeout, f"chat {ref.key}")
     pump = Pump(opened, sink, api.tasks, on_event=deny_approvals)
-    chunks = _chunks(api, pump, sink, completion_id, created, model, answered)
+    chunks = _chunks(api, pump, sink, completion_id, created, model, answered, opened.resumed)
     return EventStream(chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
 
@@ -279,10 +305,13 @@ class ChatPlace:
     noted: Callable[[list[dict[str, str]]], bytes] | None
 
 
-def _place(api: Api, request: Request, tenant: Tenant, chat: ChatTurn) -> ChatPlace:
+def _place(
+    api: Api, request: Request, tenant: Tenant, chat: ChatTurn, turn_id: str | None
+) -> ChatPlace:
     """X-Hermes-Session-Id names the conversation (its runtime holds its
     history, as Hermes's state.db does); else the request's history is the
-    conversation, continued where exactly it was left, or new."""
+    conversation, continued where exactly it was left, or new. A retry
+    (`turn_id`) goes where its first try went (retries.py)."""
     named = api.header_ref(request, tenant)  # the key header's session, else the id header's
     id_header = request.headers.get(SESSION_ID_HEADER, "").strip()
     if id_header:
@@ -293,11 +322,19 @@ def _place(api: Api, request: Request, tenant: Tenant, chat: ChatTurn) -> ChatPl
     def noted(said: list[dict[str, str]]) -> bytes:
         return digest(tenant.prefix, session, chat.system, said)
 
+    if turn_id is not None:
+        before = api.retries.recall(turn_id)
+        if isinstance(before, ChatPlace):
+            return before
     found = api.continuations.take(tenant.prefix, noted(chat.history)) if chat.history else None
     if found is not None:
         ref, going_on = found
-        return ChatPlace(ref, going_on or new_conversation_id(), noted)
-    conversation = new_conversation_id()
+        place = ChatPlace(ref, going_on or new_conversation_id(), noted)
+        if turn_id is not None:
+            # Taken from memory: its retries could not find it again.
+            api.retries.remember(turn_id, place)
+        return place
+    conversation = new_conversation_id() if turn_id is None else conversation_id(turn_id)
     ref = named if named is not None else api.ref(tenant, conversation)
     return ChatPlace(ref, conversation, noted)
 
@@ -370,7 +407,9 @@ async def _complete(
     if items is None:
         return Response(status_code=HUNG_UP)  # nobody reads it
     end = reply_of(items)
-    text = outputs_of(items) + end.text
+    # A retry that joined its turn late has only some of its output lines:
+    # its answer is the reply, as one that read the recorded answer gets.
+    text = ("" if opened.resumed else outputs_of(items)) + end.text
     answered(text)
     return JSONResponse(
         {
@@ -429,9 +468,12 @@ async def _chunks(
     created: int,
     model: str,
     answered: Callable[[str], None],
+    resumed: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE body. Ends the turn (through its pump) if the client leaves.
-    Whatever has arrived by the time it is written goes out as one write."""
+    Whatever has arrived by the time it is written goes out as one write.
+    `resumed`: a retry of a turn that had started; its text is the reply,
+    whole, at the end (see the module docstring)."""
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {
@@ -462,11 +504,11 @@ async def _chunks(
         `finished` at the stream's end."""
         nonlocal dropped, finished
         if isinstance(item, Token):
-            if item.text:
+            if item.text and not resumed:
                 streamed.append(item.text)
                 return content(item.text)
         elif isinstance(item, Output):
-            piece = outputs.add(item)
+            piece = outputs.add(item) if not resumed else None
             if piece is not None:
                 return content(piece)
         elif isinstance(item, (ToolStart, ToolComplete)):

@@ -100,6 +100,10 @@ def from_client_error(exc: ClientError) -> ApiError:
         return ApiError(504, message, "turn_timeout", SERVER)
     if isinstance(exc, (WorkerDied, SessionKilled)):
         return ApiError(502, message, exc.code, SERVER)
+    if isinstance(exc, SupervisorError) and exc.code in ("interrupted", "too_large", "expired"):
+        # A retry's turn ran once already and this is all that is known of
+        # its end: a server-side failure, not to be retried into a second run.
+        return ApiError(502, message, exc.code, SERVER)
     if isinstance(exc, SupervisorError) and exc.code == "turn_failed":
         return ApiError(502, message, "agent_error", SERVER)
     code = exc.code if isinstance(exc, SupervisorError) else "internal"

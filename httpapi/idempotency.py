@@ -11,8 +11,9 @@ turn would make the agent act twice. So:
   without a turn.
 - A repeat while the first is still running waits for it and gets its
   answer, error included: one turn for both. If the first's client hung
-  up, its turn was cancelled and it answered nobody; the waiters then go
-  on as if it had never been sent (one of them runs the turn).
+  up, it answered nobody; the waiters then go on as if it had never been
+  sent (one of them sends the turn again, under the same turn id, so it
+  joins the turn, left running for it, or reads its end).
 - Only successful answers (200) are kept: an error, or a request whose
   client hung up, is forgotten once the requests waiting on it have it.
 - At most `LIMIT` answers of each bearer key are kept, the oldest dropped
@@ -25,8 +26,10 @@ Unlike Hermes, whose cache is one for the whole server, keys are scoped to
 the bearer key that sent them: a front end never gets an answer made for
 another, whatever Idempotency-Key it guesses. The scope is a hash of the
 presented key itself, not its name, so a key revoked and made again under
-the same name does not see the old one's answers either. Everything is
-in memory: a restarted endpoint remembers nothing.
+the same name does not see the old one's answers either. Everything here
+is in memory: a restarted endpoint remembers nothing, but the request's
+turn id (retries.py) does, so a repeat after a restart reads the first
+turn's answer from the supervisor instead of running it again.
 """
 
 from __future__ import annotations

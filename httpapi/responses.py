@@ -39,7 +39,9 @@ As on chat completions, an approval cannot be answered here: the command
 is denied at once (use the runs API to approve). Client-side `tools` and
 `truncation` are not honoured. Not streaming, a repeat with the same
 `Idempotency-Key` gets the first response again instead of a second turn
-(idempotency.py).
+(idempotency.py). Streamed or not, a retry with an `Idempotency-Key` is
+the same turn, also on an endpoint restarted since, answered as on chat
+completions (chat.py, retries.py), with the first try's response id.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from .errors import ApiError
 from .idempotency import HUNG_UP, RESPONSES_FIELDS
 from .keys import Tenant
 from .response_items import ToolItems, message_item, shortened, text_part, usage_in_responses
+from .retries import turn_id_of
 from .runs import history_of
 from .sessions import (
     SESSION_KEY_HEADER,
@@ -273,19 +276,31 @@ class Responses:
         api = self.api
         body = await api.read_json(request)
         asked = parse_request(body)
+        # With an Idempotency-Key, a retry is the same turn (retries.py).
+        first = turn_id_of(request, "responses", body, RESPONSES_FIELDS)
+        turn_id = api.retries.attempt(first)
         if asked.stream:
-            return await self._start(request, body, asked)
+            return await self._start(request, body, asked, turn_id)
+
+        async def answer() -> Response:
+            try:
+                return await self._start(request, body, asked, turn_id)
+            except (ApiError, ClientError) as exc:
+                if not (isinstance(exc, ApiError) and exc.status == 409):  # 409: still running
+                    api.retries.failed(first)
+                raise
+
         # A whole answer: a repeat with its Idempotency-Key gets it again.
-        return await api.idempotency.run(
-            request, body, RESPONSES_FIELDS, lambda: self._start(request, body, asked)
-        )
+        return await api.idempotency.run(request, body, RESPONSES_FIELDS, answer)
 
     async def _start(
-        self, request: Request, body: dict[str, Any], asked: ResponseRequest
+        self, request: Request, body: dict[str, Any], asked: ResponseRequest, turn_id: str | None
     ) -> Response:
         api = self.api
         tenant = tenant_of(request)
-        response_id = f"resp_{uuid.uuid4().hex[:28]}"
+        # A retry's response has its first try's id, so its session (named
+        # after it when nothing else names one) is the same too.
+        response_id = f"resp_{(turn_id or uuid.uuid4().hex)[:28]}"
         instructions = asked.instructions
         previous = None
         if asked.previous:
@@ -306,7 +321,7 @@ class Responses:
                 ref = api.header_ref(request, tenant) or api.ref(tenant, response_id)
             conversation = ref.original
         context = turn_context(instructions, asked.history, conversation)
-        opened = await api.open_turn(ref, asked.text, context)
+        opened = await api.open_turn(ref, asked.text, context, turn_id)
         model = api.model_of(body)
         created_at = int(time.time())
         headers = {}
@@ -335,7 +350,7 @@ class Responses:
                 api.settings.stream_queue, api.settings.stall_timeout, f"responses {ref.key}"
             )
             pump = Pump(opened, sink, api.tasks, on_event=approval_denier(opened))
-            events = self._events(pump, sink, kept, keep)
+            events = self._events(pump, sink, kept, keep, opened.resumed)
             return EventStream(
                 events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
             )
@@ -368,7 +383,9 @@ class Responses:
             response.update(status="failed", error={"message": exc.message, "type": "server_error"})
             keep()
             raise
-        said = outputs_of(items) + reply.text
+        # A retry that joined its turn late has only some of its output
+        # lines: its text is the reply, as one that read the recorded one.
+        said = ("" if opened.resumed else outputs_of(items)) + reply.text
         output = [{k: v for k, v in item.items() if k != "status"} for item in tools.items] + [
             message_item(said, f"msg_{uuid.uuid4().hex[:24]}", "completed")
         ]
@@ -378,9 +395,15 @@ class Responses:
         return JSONResponse(response, headers=headers)
 
     async def _events(
-        self, pump: Pump, sink: QueueSink, kept: Stored, keep: Callable[[], None]
+        self,
+        pump: Pump,
+        sink: QueueSink,
+        kept: Stored,
+        keep: Callable[[], None],
+        resumed: bool = False,
     ) -> AsyncIterator[bytes]:
-        """The SSE body (see the module docstring)."""
+        """The SSE body (see the module docstring). `resumed`: a retry of a
+        turn that had started; its text is the reply, whole, at the end."""
         response = kept.response
         sequence = 0
 
@@ -453,12 +476,12 @@ class Responses:
                 if isinstance(item, Dropped):
                     dropped += item.count
                 elif isinstance(item, Token):
-                    if item.text:
+                    if item.text and not resumed:
                         tokens.append(item.text)
                         for chunk in text(item.text):
                             yield chunk
                 elif isinstance(item, Output):
-                    piece = outputs.add(item)
+                    piece = outputs.add(item) if not resumed else None
                     for chunk in text(piece) if piece is not None else []:
                         yield chunk
                 elif isinstance(item, ToolStart):

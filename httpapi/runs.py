@@ -23,13 +23,23 @@ were dropped (PROTOCOL.md, "Slow consumers"), the run publishes
 `events.dropped` {count, reason, message} where they went missing: the
 text deltas have a gap there; `run.completed`'s `output` is still the
 whole reply.
+
+A run's turn id is derived from its run id and the bearer key (retries.py),
+and the run id names its session, so `GET /v1/runs/{id}` still answers
+after the endpoint restarted and forgot the run: its status (queued,
+running, completed with its `output`, failed, cancelled), read back from the
+supervisor's turn journal, with `recovered: true`; its events are gone.
+With an `Idempotency-Key`, `POST /v1/runs` sent again gets the same run id
+and starts nothing new, before or after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -43,8 +53,10 @@ from starlette.responses import JSONResponse, Response
 from hermes_sup.client import (
     ApprovalRequest,
     ApprovalTimeout,
+    BadRequest,
     ClientError,
     Dropped,
+    Duplicate,
     Event,
     Output,
     Queued,
@@ -58,7 +70,9 @@ from hermes_sup.client import (
 
 from .chat import SSE_HEADERS, Outputs, usage_of
 from .errors import ApiError
+from .idempotency import scope_of
 from .logsafe import kv
+from .retries import derive, turn_id_of
 from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
@@ -171,6 +185,37 @@ class Run:
         return queue
 
 
+# The body fields that make two POST /v1/runs the same run (with an Idempotency-Key).
+RUN_FIELDS = (
+    "input",
+    "instructions",
+    "conversation_history",
+    "session_id",
+    "previous_response_id",
+    "model",
+)
+# run_<32 hex>, and `.` and its session's id (base64url) when the run named one.
+_RUN_ID = re.compile(r"run_([0-9a-f]{32})(?:\.([A-Za-z0-9_-]+))?")
+
+
+def run_turn_id(request: Request, run_id: str) -> str:
+    """The turn id of a run: derived from its id and the bearer key."""
+    return derive(scope_of(request), "run", run_id)
+
+
+def _encode(original: str) -> str:
+    raw = original.encode("utf-8", "surrogateescape")
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode(encoded: str) -> str | None:
+    try:
+        raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+        return raw.decode("utf-8", "surrogateescape")
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 def history_of(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
     """The conversation the front end sends with a run, as Hermes reads
     it: `conversation_history`, else the messages of an `input` array
@@ -258,7 +303,6 @@ class Runs:
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise ApiError(400, "'instructions' must be a string", "invalid_instructions")
-        run_id = f"run_{uuid.uuid4().hex}"
         session_id = body.get("session_id")
         if session_id is not None and not isinstance(session_id, str):
             raise ApiError(400, "'session_id' must be a string", "invalid_session_id")
@@ -272,15 +316,24 @@ class Runs:
         if stored is not None and instructions is None:
             instructions = stored.instructions
         named = api.header_ref(request, tenant)
+        # With an Idempotency-Key, a retry is the same run (the same id, so
+        # the same turn id) and starts nothing new.
+        made = turn_id_of(request, "runs", body, RUN_FIELDS) or uuid.uuid4().hex
+        run_id = f"run_{made}"
         if named is None and not session_id and stored is not None:
             ref, conversation = stored.ref, stored.conversation
         else:
             ref = named or api.ref(tenant, session_id or run_id)
             conversation = session_id or ref.original
+        if ref.original != run_id:
+            run_id = f"{run_id}.{_encode(ref.original)}"  # its session, found again from it
+        known = self.by_id.get(run_id)
+        if known is not None and known.owner == tenant.prefix:
+            return JSONResponse({"run_id": run_id, "status": "started"}, 202)
         model = api.model_of(body)
         self._sweep(tenant.prefix)
         context = turn_context(instructions, history, conversation)
-        opened = await api.open_turn(ref, text, context)
+        opened = await api.open_turn(ref, text, context, run_turn_id(request, run_id))
         run = Run(run_id, ref, model, api.settings.run_events, tenant.prefix)
         run.turn = opened.id
         self.by_id[run_id] = run
@@ -317,7 +370,7 @@ class Runs:
                 run.publish("reasoning.available", text=preview if isinstance(preview, str) else "")
         elif isinstance(item, Queued):
             run.set_status("queued")
-        elif isinstance(item, Running):
+        elif isinstance(item, (Running, Duplicate)):  # Duplicate: a retry joined it
             if not run.stopping:
                 run.set_status("running")
         elif isinstance(item, Token):
@@ -408,7 +461,67 @@ class Runs:
                 run.publish("run.failed", error=message)
 
     async def status(self, request: Request) -> Response:
-        return JSONResponse(self.get(request).describe())
+        try:
+            return JSONResponse(self.get(request).describe())
+        except ApiError:
+            recalled = await self._recall(request)
+            if recalled is None:
+                raise
+            return JSONResponse(recalled)
+
+    async def _recall(self, request: Request) -> dict[str, Any] | None:
+        """The status of a run this endpoint no longer knows (restarted, or
+        the run forgotten), from what the supervisor says of its turn; None
+        if it knows nothing of it either. The run's id names its session
+        and, with the bearer key, its turn: another key finds nothing."""
+        run_id = request.path_params["run_id"]
+        found = _RUN_ID.fullmatch(run_id)
+        if found is None:
+            return None
+        original = run_id if found.group(2) is None else _decode(found.group(2))
+        if original is None:
+            return None
+        try:
+            ref = self.api.ref(tenant_of(request), original)
+        except ApiError:
+            return None
+        try:
+            state = await self.api.client().turn_status(ref.key, run_turn_id(request, run_id))
+        except BadRequest:
+            return None  # not a session key the supervisor takes: no such run
+        described: dict[str, Any] = {
+            "object": "hermes.run",
+            "run_id": run_id,
+            "created_at": state.get("started"),
+            "updated_at": state.get("ended") or state.get("started"),
+            "session_id": ref.original,
+            "model": self.api.settings.model,
+            # Read back from the supervisor: the run's events are not kept.
+            "recovered": True,
+        }
+        kind = state.get("state")
+        if kind in ("queued", "running"):
+            return {**described, "status": kind}
+        if kind == "interrupted":
+            error = "the run was interrupted: the supervisor running it stopped"
+            return {**described, "status": "failed", "error": error}
+        if kind != "ended":
+            return None  # unknown: never started, or forgotten
+        outcome = state.get("outcome") or {}
+        answer = outcome.get("body")
+        if not isinstance(answer, dict):
+            # Too large to keep: it ended, how is no longer known.
+            return {**described, "status": "completed", "output": None}
+        if outcome.get("kind") == "error":
+            return {**described, "status": "failed", "error": str(answer.get("message", ""))}
+        raw = answer.get("data")
+        data: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        text = str(answer.get("text", ""))
+        if data.get("cancelled") or data.get("interrupted"):
+            return {**described, "status": "cancelled"}
+        if not answer.get("ok"):
+            return {**described, "status": "failed", "error": text}
+        return {**described, "status": "completed", "output": text}
 
     async def events(self, request: Request) -> Response:
         run = self.get(request)

@@ -27,7 +27,7 @@ from typing import Any, TypeAlias
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from hermes_sup.client import AsyncClient, AsyncTurn, ClientError, Event, Reply
+from hermes_sup.client import AsyncClient, AsyncTurn, ClientError, Event, Queued, Reply, Running
 
 from .logsafe import kv
 
@@ -48,10 +48,20 @@ class OpenTurn:
     turn: AsyncTurn
     events: AsyncGenerator[Event, None]
     first: Event
+    # Called once its reader is done, with whether it read the turn to its
+    # end; a turn with one is not cancelled when its reader goes (retries.py).
+    on_done: Callable[[bool], None] | None = None
 
     @property
     def id(self) -> str:
         return self.turn.id
+
+    @property
+    def resumed(self) -> bool:
+        """Whether this is a retry of a turn that had started: a new turn's
+        first answer is `queued` or `running`; a resent one's is `duplicate`
+        (or the next of its events), or its final answer if it had ended."""
+        return not isinstance(self.first, (Queued, Running))
 
 
 async def open_turn(
@@ -60,12 +70,13 @@ async def open_turn(
     text: str,
     context: dict[str, Any] | None = None,
     options: dict[str, Any] | None = None,
+    turn_id: str | None = None,
 ) -> OpenTurn:
     """Send a turn (with its front end's context, if any, and session
-    options) and read its first answer (queued or running, said at once), so
-    that a refusal (overloaded, busy, failed session) raises here, before
-    the HTTP response has started."""
-    turn = await client.send(key, text, context=context or None, options=options)
+    options; under `turn_id`, a retry's, if given) and read its first answer
+    (queued or running, said at once), so that a refusal (overloaded, busy,
+    failed session) raises here, before the HTTP response has started."""
+    turn = await client.send(key, text, context=context or None, options=options, turn_id=turn_id)
     events: AsyncGenerator[Event, None] = turn.__aiter__()
     try:
         first = await events.__anext__()
@@ -111,7 +122,7 @@ async def read_turn(
 ) -> bool:
     """Hand every item of the turn to `sink`, to its end; whether it ended.
     If it did not (the sink gave up, or this was cancelled), the turn is
-    cancelled in the supervisor."""
+    cancelled in the supervisor, unless it waits for a retry (`on_done`)."""
     ended = False
     try:
         event: Event = o.first
@@ -131,9 +142,11 @@ async def read_turn(
         ended = True  # cannot happen: a turn ends with its Reply or an error
         return ended
     finally:
-        if not ended:
+        if not ended and o.on_done is None:
             await _cancel_turn(o)
         await o.events.aclose()
+        if o.on_done is not None:
+            o.on_done(ended)
 
 
 async def _cancel_turn(o: OpenTurn) -> None:
