@@ -97,6 +97,14 @@ def start_http_beside(settings: Any, listen: str, web_dir: Path | None = None) -
     help="Seconds a stream may go unread before its turn is cancelled.",
 )
 @click.option(
+    "--retry-grace",
+    type=click.FloatRange(0, 3600, min_open=True),
+    default=None,
+    help="Seconds a turn whose client hung up, or whose endpoint died, waits for a retry "
+    "(the same Idempotency-Key) before it is cancelled "
+    "[default: env HERMES_SUP_HTTP_RETRY_GRACE, else 30].",
+)
+@click.option(
     "--cors-origin",
     "cors_origins",
     multiple=True,
@@ -116,6 +124,7 @@ def http(
     model: str,
     max_body: int,
     stall_timeout: float,
+    retry_grace: float | None,
     cors_origins: tuple[str, ...],
     web_dir: Path | None,
     log_level: str,
@@ -142,6 +151,8 @@ def http(
     else:
         argv += ["--state-dir", str(ctx.obj["state_dir"])]
     argv += ["--model", model, "--max-body", str(max_body), "--stall-timeout", str(stall_timeout)]
+    if retry_grace is not None:
+        argv += ["--retry-grace", str(retry_grace)]
     for origin in cors_origins:  # none given: the endpoint reads the environment's
         argv += ["--cors-origin", origin]
     from hermes_sup.httpapi.serve import HttpSetupError, check_web_dir, parse_listen, require_keys

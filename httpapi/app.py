@@ -250,8 +250,13 @@ class Api:
         context: dict[str, Any] | None,
         turn_id: str | None,
     ) -> OpenTurn:
+        # Should this endpoint die, the supervisor cancels the turn once it
+        # has been gone this long, unless a restarted one takes it back.
+        grace = self.settings.retry_grace
         if not ref.mapped or ref.key in self._labelled:
-            return await open_turn(client, ref.key, text, context, turn_id=turn_id)
+            return await open_turn(
+                client, ref.key, text, context, turn_id=turn_id, orphan_grace=grace
+            )
         try:
             opened = await open_turn(
                 client,
@@ -260,12 +265,15 @@ class Api:
                 context,
                 options={"label": label_of(ref.original)},
                 turn_id=turn_id,
+                orphan_grace=grace,
             )
         except SessionConflict as exc:
             # The session runs with options of its own (an operator opened
             # it): it keeps them, and its turn goes on without a label.
             log.info(kv("http_session_label_skipped", session=ref.key, error=exc))
-            opened = await open_turn(client, ref.key, text, context, turn_id=turn_id)
+            opened = await open_turn(
+                client, ref.key, text, context, turn_id=turn_id, orphan_grace=grace
+            )
         if len(self._labelled) > 100_000:
             self._labelled.clear()
         self._labelled.add(ref.key)

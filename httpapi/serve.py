@@ -40,7 +40,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +241,27 @@ def start_beside_supervisor(
     return url
 
 
+RETRY_GRACE_ENV = "HERMES_SUP_HTTP_RETRY_GRACE"
+
+
+def retry_grace_of(given: float | None, environ: Mapping[str, str]) -> float:
+    """The retry grace: given, else from the environment, else the default
+    (more than 0, at most an hour: the supervisor's orphan_grace limit)."""
+    value: float = ApiSettings.retry_grace if given is None else given
+    if given is None and environ.get(RETRY_GRACE_ENV, "").strip():
+        try:
+            value = float(environ[RETRY_GRACE_ENV])
+        except ValueError:
+            raise HttpSetupError(
+                f"{RETRY_GRACE_ENV}={environ[RETRY_GRACE_ENV]!r} is not a number of seconds"
+            ) from None
+    if not 0 < value <= 3600:
+        raise HttpSetupError(
+            f"the retry grace must be more than 0 and at most 3600 s, not {value:g}"
+        )
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m hermes_sup.httpapi`: the process `serve --http` starts."""
     parser = argparse.ArgumentParser(prog="python -m hermes_sup.httpapi")
@@ -256,6 +277,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--header-timeout", type=float, default=ApiSettings.header_timeout)
     parser.add_argument("--body-timeout", type=float, default=ApiSettings.body_timeout)
     parser.add_argument("--max-connections", type=int, default=None)
+    parser.add_argument(
+        "--retry-grace",
+        type=float,
+        default=None,
+        help=f"seconds a turn whose client hung up (or whose endpoint died) waits for a retry "
+        f"before it is cancelled [default: env {RETRY_GRACE_ENV}, else "
+        f"{ApiSettings.retry_grace:g}]",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--web", type=Path, help="a directory of static files to serve at /")
     parser.add_argument(
@@ -310,7 +339,13 @@ def main(argv: list[str] | None = None) -> None:
     cors_origins = (
         parse_origins(args.cors_origin) if args.cors_origin else origins_from_env(os.environ)
     )
+    try:
+        retry_grace = retry_grace_of(args.retry_grace, os.environ)
+    except HttpSetupError as exc:
+        log.error(kv("http_failed", error=exc))
+        sys.exit(1)
     settings = ApiSettings(
+        retry_grace=retry_grace,
         model=args.model,
         max_body=args.max_body,
         stall_timeout=args.stall_timeout,

@@ -71,12 +71,20 @@ async def open_turn(
     context: dict[str, Any] | None = None,
     options: dict[str, Any] | None = None,
     turn_id: str | None = None,
+    orphan_grace: float | None = None,
 ) -> OpenTurn:
     """Send a turn (with its front end's context, if any, and session
     options; under `turn_id`, a retry's, if given) and read its first answer
     (queued or running, said at once), so that a refusal (overloaded, busy,
     failed session) raises here, before the HTTP response has started."""
-    turn = await client.send(key, text, context=context or None, options=options, turn_id=turn_id)
+    turn = await client.send(
+        key,
+        text,
+        context=context or None,
+        options=options,
+        turn_id=turn_id,
+        orphan_grace=orphan_grace,
+    )
     events: AsyncGenerator[Event, None] = turn.__aiter__()
     try:
         first = await events.__anext__()

@@ -143,8 +143,10 @@ class Front:
         try:
             handler(client, msg)
         except RemoteProtocolError as exc:
-            if exc.code is ErrorCode.MOVED:
-                self.guard.forget(msg.id)  # refused before it did anything: may come again
+            if exc.code is ErrorCode.MOVED or msg.kind is Kind.SEND:
+                # Refused before it did anything (a `send` raises only before
+                # its turn is queued): the same message may come again.
+                self.guard.forget(msg.id)
             endpoints.to_client(
                 client,
                 error_message(

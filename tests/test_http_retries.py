@@ -16,6 +16,7 @@ import signal
 import httpx
 import pytest
 
+from hermes_sup.httpapi.serve import RETRY_GRACE_ENV
 from tests import test_http
 from tests.test_http_tenancy import generate
 from tests.waiting import wait_for
@@ -191,3 +192,28 @@ def test_a_run_is_found_after_an_endpoint_restart_and_not_started_twice(endpoint
     assert runs_of(endpoint, "runs-1") == 1
     # Another key finds nothing of it.
     assert httpx.get(status, headers=bob.headers(), timeout=30).status_code == 404
+
+
+def test_a_turn_whose_endpoint_died_and_no_retry_came_is_cancelled(endpoint_factory) -> None:
+    """The endpoint is SIGKILLed mid-stream and nobody retries: the supervisor
+    cancels the turn once the endpoint has been gone its retry grace (the
+    send's orphan_grace), so no turn runs on unseen."""
+    os.environ[RETRY_GRACE_ENV] = "1"
+    try:
+        endpoint = endpoint_factory()
+    finally:
+        del os.environ[RETRY_GRACE_ENV]
+    headers = endpoint.headers(**{"X-Hermes-Session-Id": "gone"})
+    url = endpoint.url + "/v1/chat/completions"
+    body = chat("sh echo ran >> ran.txt; echo started; sleep 60", True)
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as first:
+        assert any("started" in line for line in first.iter_lines()), "the turn never started"
+        kill_endpoint(endpoint)
+
+    def idle() -> bool:
+        with endpoint.sup.client() as c:
+            return [row["state"] for row in c.sessions()] == ["idle"]
+
+    wait_for(idle, 60, what="the orphaned turn cancelled")
+    assert "turn_orphaned" in endpoint.sup.log()
+    assert runs_of(endpoint, "gone") == 1
