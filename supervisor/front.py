@@ -119,7 +119,9 @@ class Front:
             now = time.time()
             self.guard.check(msg.id, msg.ts, now)
             if msg.ttl is not None and now - msg.ts > msg.ttl:
-                # Its sender has stopped waiting and told its caller it failed.
+                # Its sender has stopped waiting and told its caller it failed;
+                # not carried out, its id may come again (a retry).
+                self.guard.forget(msg.id)
                 raise RemoteProtocolError(
                     ErrorCode.EXPIRED,
                     f"the {msg.kind.value!r} request arrived {now - msg.ts:.1f}s after it was "

@@ -207,3 +207,12 @@ def test_a_request_past_its_time_to_live_is_refused_and_not_carried_out(supervis
     assert got is not None and got.body["code"] == "bad_field" and "'ttl'" in got.body["message"]
     with supervisor.client() as client:
         assert [r["key"] for r in client.sessions()] == ["in-time"]
+    # Not carried out, so its id is not spent: the same turn sent again, in
+    # time, runs (a client's retry by turn id after `expired`).
+    retry = Message(Kind.SEND, {"text": "pid"}, session="too-late", id=late.id, ttl=30.0)
+    sock.send_multipart(encode(retry, key))
+    got = answer(sock, key)
+    assert got is not None and got.kind is Kind.EVENT and got.re == late.id, got
+    while (got := answer(sock, key)) is not None and got.kind is Kind.EVENT:
+        pass
+    assert got is not None and got.kind is Kind.REPLY, got
