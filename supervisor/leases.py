@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ EPOCH_FILE = "epoch"
 _HELD = (errno.EACCES, errno.EAGAIN)
 EPOCH_SIZE = 64  # the epoch line, padded: "<n> <token>"
 HOLDER_SIZE = 1024  # the lease file's content, padded: who holds it (JSON)
+NAMING_WAIT = 0.01  # seconds a refused taker waits for a holder to write its name
 _OFD = hasattr(fcntl, "F_OFD_SETLK")
 
 
@@ -144,6 +146,18 @@ def read_holder(session_dir: Path) -> Holder | None:
     return Holder(text("node"), text("endpoint"), pid if isinstance(pid, int) else None)
 
 
+def named_holder(session_dir: Path) -> Holder | None:
+    """`read_holder` for a lease found locked: a taker writes its name
+    right after it locks, so an unnamed holder is waited for a moment
+    (NAMING_WAIT at most), so that `moved` can say where the session is."""
+    deadline = time.monotonic() + NAMING_WAIT
+    while True:
+        holder = read_holder(session_dir)
+        if holder is not None or time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.001)
+
+
 def read_epoch(session_dir: Path) -> tuple[int, str]:
     """The epoch line's counter and token ((0, "") if there is none yet).
     os.open and one read: it runs before every turn (table.transition)."""
@@ -210,7 +224,7 @@ class Leases:
         fd = os.open(session_dir / LEASE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if not lock_file(fd):
-                raise LeaseHeld(session_dir, read_holder(session_dir))
+                raise LeaseHeld(session_dir, named_holder(session_dir))
             epoch, _ = read_epoch(session_dir)
             lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex())
             # The holder's name first: one refused meanwhile reads who holds it.
@@ -275,7 +289,7 @@ class Leases:
                 return None
         finally:
             os.close(fd)
-        return read_holder(session_dir) or Holder(None, None, None)
+        return named_holder(session_dir) or Holder(None, None, None)
 
 
 def holder_of(session_dir: Path) -> str | None:
