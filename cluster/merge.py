@@ -9,12 +9,17 @@ then the row of the node the key is placed on, then the first by node name.
 
 `status`: the router's own fields, session counts summed over the nodes,
 and one row per node (`nodes`), with what that node said of itself.
+
+`reload`: what changed anywhere, and what needs a restart anywhere; if
+every node that answered refused it, the first refusal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from hermes_sup.protocol import Kind, Message
 
 EXITED = "exited"
 
@@ -91,3 +96,16 @@ def merge_status(
         rows.append(row)
     info["nodes"] = rows
     return info
+
+
+def merge_reloads(answers: Mapping[str, Message | None], re: str) -> Message:
+    """One answer to a `reload` from each node's (None: it did not answer)."""
+    ok = [m for m in answers.values() if m is not None and m.kind is not Kind.ERROR]
+    errors = [m for m in answers.values() if m is not None and m.kind is Kind.ERROR]
+    if not ok and errors:
+        return Message(Kind.ERROR, errors[0].body, re=re)  # e.g. every node refused it
+    changed = {str(x) for m in ok for x in m.body.get("changed", [])}
+    restart = {str(x) for m in ok for x in m.body.get("restart_needed", [])}
+    return Message(
+        Kind.RELOADED, {"changed": sorted(changed), "restart_needed": sorted(restart)}, re=re
+    )

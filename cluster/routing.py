@@ -76,7 +76,7 @@ from hermes_sup.protocol import (
     error_message,
 )
 
-from .merge import merge_sessions, merge_status
+from .merge import merge_reloads, merge_sessions, merge_status
 from .nodes import NodeSpec
 from .placement import Candidate, Placement
 
@@ -539,18 +539,7 @@ class RoutingTable:
             return Message(
                 Kind.INFO, {"supervisor": merge_status(self.about(), answers, nodes)}, re=p.id
             )
-        # reload: what changed anywhere, and what needs a restart anywhere
-        changed: set[str] = set()
-        restart: set[str] = set()
-        for m in ok.values():
-            changed.update(str(x) for x in m.body.get("changed", []))
-            restart.update(str(x) for x in m.body.get("restart_needed", []))
-        errors = [m for m in p.answers.values() if m is not None and m.kind is Kind.ERROR]
-        if not ok and errors:
-            return Message(Kind.ERROR, errors[0].body, re=p.id)  # e.g. every node refused it
-        return Message(
-            Kind.RELOADED, {"changed": sorted(changed), "restart_needed": sorted(restart)}, re=p.id
-        )
+        return merge_reloads(p.answers, p.id)
 
     # -- time, failed sends, gone front ends ----------------------------------
 

@@ -280,32 +280,33 @@ class Leases:
     def holder_elsewhere(self, session_dir: Path) -> Holder | None:
         """If another supervisor holds the session's lease now, who (a
         Holder, maybe with nothing known in it); None if nobody does."""
-        try:
-            fd = os.open(session_dir / LEASE_FILE, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            if not _locked_elsewhere(fd):
-                return None
-        finally:
-            os.close(fd)
-        return named_holder(session_dir) or Holder(None, None, None)
+        return locked_by(session_dir)
 
 
-def holder_of(session_dir: Path) -> str | None:
-    """The node holding a session's lease now (\"\" if its name is not
-    known), or None if no one holds it (or the directory is not there)."""
+def locked_by(session_dir: Path) -> Holder | None:
+    """Who holds a session's lease now (a Holder, maybe with nothing known
+    in it; ourselves included), None if nobody does or there is no lease
+    file (OSError if it cannot be read)."""
     try:
         fd = os.open(session_dir / LEASE_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except FileNotFoundError:
         return None
     try:
         if not _locked_elsewhere(fd):
             return None
     finally:
         os.close(fd)
-    holder = read_holder(session_dir)
-    return (holder.node if holder else None) or ""
+    return named_holder(session_dir) or Holder(None, None, None)
+
+
+def holder_of(session_dir: Path) -> str | None:
+    """The node holding a session's lease now ("" if its name is not
+    known), or None if no one holds it (or it cannot be told)."""
+    try:
+        holder = locked_by(session_dir)
+    except OSError:
+        return None
+    return None if holder is None else holder.node or ""
 
 
 def log_lost(key: str, why: object) -> None:
