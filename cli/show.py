@@ -10,7 +10,16 @@ from typing import Any
 
 import click
 
-STATE_ORDER = ["busy", "starting", "idle", "stopping", "backoff", "failed", "exited"]
+STATE_ORDER = [
+    "busy",
+    "starting",
+    "idle",
+    "stopping",
+    "backoff",
+    "failed",
+    "hibernated",
+    "exited",
+]
 STATE_COLORS = {
     "busy": "yellow",
     "idle": "green",
@@ -18,6 +27,7 @@ STATE_COLORS = {
     "stopping": "cyan",
     "backoff": "magenta",
     "failed": "red",
+    "hibernated": None,
     "exited": None,
 }
 

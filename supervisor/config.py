@@ -516,10 +516,16 @@ class Settings:
             shown=f"one per CPU, at most {MAX_DEFAULT_SPARES} (0 = none)",
         ),
     )
-    # Busy sessions never are stopped for it.
+    # Busy sessions never are stopped for it, nor those with a process of
+    # their own still running (health.py).
     idle_timeout: float | None = field(
-        default=None,
-        metadata=setting("--idle-timeout", "stop sessions idle this many seconds", zero="off"),
+        default=600.0,
+        metadata=setting(
+            "--idle-timeout",
+            "hibernate sessions idle this many seconds: their worker stops, their files and "
+            "history stay, the next turn wakes them",
+            zero="off",
+        ),
     )
     log_max_bytes: int = field(
         default=10 * 1024 * 1024,

@@ -309,6 +309,7 @@ class Front:
         delete_branch = bool(msg.body.get("delete_branch", False))
 
         async def kill_and_reply() -> None:
+            session.hibernated = False  # stopped by request now, not for idleness
             pid, reason = await self.lifecycle.killer.kill_session(session, force=force)
             if purge and session.state is State.EXITED and self.table.get(key) is session:
                 note = await self.lifecycle.preparation.purge(session, delete_branch)
@@ -325,7 +326,7 @@ class Front:
         chosen = [
             s
             for key, s in self.table.sessions.items()
-            if key.startswith(prefix) and (state is None or s.state.value == state)
+            if key.startswith(prefix) and (state is None or s.listed_state == state)
         ]
         # Sessions an earlier run left on disk are exited ones, too.
         stored = [

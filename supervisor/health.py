@@ -34,7 +34,10 @@ Hung: SIGABRT (so its log gets a traceback from faulthandler), then SIGKILL
 after `abort_grace`. Workers are signalled, and their /proc read, by their
 pid as the supervisor sees it (`session.proc`), sealed or not.
 
-An idle session past `idle_timeout` is stopped politely. Memory and process
+An idle session past `idle_timeout` (10 minutes by default) hibernates:
+its worker is stopped politely, it is listed `hibernated`, and its next
+turn wakes it on its files and history; one with a process of its own
+still running (a background job) is not idle. Memory and process
 limits are checked by sampling every worker's process tree in a thread (it
 reads /proc), spaced so that sampling costs about 5% of the time at most.
 Memory is the PSS of the tree (a shared page counts once), read only for
@@ -152,12 +155,7 @@ class Health:
                 and not session.queue
                 and wall - session.last_activity > own.idle_timeout
             ):
-                idle = wall - session.last_activity
-                self.ctx.spawn(
-                    self.lifecycle.killer.kill_session(
-                        session, force=False, reason=f"idle for {idle:.0f}s"
-                    )
-                )
+                self._hibernate(session, wall - session.last_activity)
         if (
             now >= self._next_scan
             and not self._scanning
@@ -170,6 +168,23 @@ class Health:
             self.ctx.spawn(self._check_limits())
         if self._watches:
             self._forget_watches()
+
+    def _hibernate(self, session: Session, idle: float) -> None:
+        """Stop an idle session's worker; it is listed `hibernated` and its
+        next turn wakes it. Not while a process of its own still runs (a
+        background job, a watcher): that is work, so its idle clock starts
+        over."""
+        left = session.proc.descendants() if session.proc is not None else []
+        if left:
+            session.touch()
+            log.info(kv("hibernate_deferred", session=session.key, processes=len(left)))
+            return
+        session.hibernated = True
+        self.ctx.spawn(
+            self.lifecycle.killer.kill_session(
+                session, force=False, reason=f"hibernated: idle for {idle:.0f}s"
+            )
+        )
 
     @staticmethod
     def _judged(session: Session) -> bool:

@@ -164,6 +164,7 @@ class Lifecycle:
     def start_worker(self, session: Session) -> None:
         """Start a worker for the session (admitted: its lease is held)."""
         self.table.ownership.claim(session)  # held already, but never a worker without it
+        session.hibernated = False  # woken
         if session.retry_timer is not None:
             session.retry_timer.cancel()
             session.retry_timer = None

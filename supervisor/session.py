@@ -22,6 +22,7 @@ from .states import Event, State, next_state
 
 SESSION_FILE = "session.json"
 LOG_FILE = "worker.log"
+HIBERNATED = "hibernated"  # a listed state: exited for idleness, woken by its next turn
 
 
 @dataclass
@@ -84,6 +85,9 @@ class Session:
     lease: Lease | None = None
     epoch_seen: int = 0
     meta_dirty: bool = False
+    # Its worker was stopped for idleness (health.py), not by request: it is
+    # listed `hibernated` until its next worker starts.
+    hibernated: bool = False
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     last_activity: float = field(default_factory=time.time)
@@ -167,11 +171,19 @@ class Session:
         """Note activity (any message either way)."""
         self.last_activity = time.time()
 
+    @property
+    def listed_state(self) -> str:
+        """Its state as `list` shows it: `hibernated` for a session whose
+        worker was stopped for idleness (the next turn wakes it)."""
+        if self.hibernated and self.state is State.EXITED:
+            return HIBERNATED
+        return self.state.value
+
     def describe(self) -> dict[str, Any]:
         """The session as a `sessions` list entry."""
         return {
             "key": self.key,
-            "state": self.state.value,
+            "state": self.listed_state,
             "pid": self.pid,
             "started": self.started_at,
             "last_activity": self.last_activity,

@@ -267,7 +267,7 @@ class SessionTable:
     def counts_by_state(self) -> dict[str, int]:
         """How many sessions are in each state (only states that occur).
         Copies the session list first: the metrics thread calls this too."""
-        return dict(Counter(session.state.value for session in list(self.sessions.values())))
+        return dict(Counter(session.listed_state for session in list(self.sessions.values())))
 
     def least_recent_idle(self, excluding: Session) -> Session | None:
         """The idle session (nothing queued) used longest ago, other than

@@ -198,19 +198,19 @@ def test_crash_at_import_backs_off_then_fails(supervisor_factory) -> None:
         assert row(client, "crashy")["state"] == "exited"
 
 
-def test_idle_sessions_are_culled_but_busy_ones_are_not(supervisor_factory) -> None:
+def test_idle_sessions_hibernate_but_busy_ones_do_not(supervisor_factory) -> None:
     sup = supervisor_factory("--idle-timeout", "1")
     with sup.client() as client:
         client.run("idle", "pid")
         req = client.submit(Kind.SEND, {"text": "sleep 3"}, session="busy")
         wait_running(client, req)
-        assert until(lambda: row(client, "idle")["state"] == "exited", timeout=5)
+        assert until(lambda: row(client, "idle")["state"] == "hibernated", timeout=5)
         assert "idle for" in row(client, "idle")["last_exit"]
         assert row(client, "busy")["state"] == "busy"
         assert final(client, req).body["text"] == "slept 3"
         # The busy-to-idle transition reset its clock: culled a second later, not at once.
         assert row(client, "busy")["state"] == "idle"
-        assert until(lambda: row(client, "busy")["state"] == "exited", timeout=5)
+        assert until(lambda: row(client, "busy")["state"] == "hibernated", timeout=5)
         # Data stays; it comes back transparently.
         assert client.run("idle", "env HERMES_SESSION_KEY").text == "idle"
 

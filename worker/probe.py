@@ -3,7 +3,9 @@
 It lets tests and operators see a session's isolation for themselves:
 
     env NAME           the value of NAME in this worker's os.environ ("" if unset)
-    setenv NAME VALUE  set NAME in this worker's os.environ
+    setenv NAME VALUE  set NAME in this worker's os.environ (kept in the
+                       session's home, so a hibernated session woken later
+                       has it again)
     cwd                this worker's current directory
     pid                this worker's pid
     sh COMMAND         run COMMAND with /bin/sh in the workspace, streaming its
@@ -47,6 +49,9 @@ APPROVAL_TIMEOUT = 60.0
 STREAM_DELAY = 0.02
 # Where the supervisor lists a session's peers (supervisor/worktrees.py).
 PEERS_PATH = ".hermes-sup/peers"
+# What `setenv` set, in the session's home: what the probe keeps across a
+# hibernation (a woken worker reads it back at start).
+SETENV_FILE = ".probe-env.json"
 
 
 class ProbeError(Exception):
@@ -64,6 +69,7 @@ class ProbeRuntime:
         self._answers: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self._asked = 0  # approval requests made, for their ids
         self._context: dict[str, Any] | None = None
+        os.environ.update(self._kept_env())  # a woken session's earlier setenv
 
     def run_turn(self, text: str, emit: Emit, context: dict[str, Any] | None = None) -> TurnReply:
         """Handle one probe command."""
@@ -136,7 +142,23 @@ class ProbeRuntime:
         if not name or "=" in name or "\0" in name + value:
             raise ProbeError("usage: setenv NAME VALUE")
         os.environ[name] = value
+        kept = self._kept_env()
+        kept[name] = value
+        path = self.session.home / SETENV_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(kept))
+        tmp.replace(path)
         return TurnReply(f"{name}={value}")
+
+    def _kept_env(self) -> dict[str, str]:
+        """What `setenv` set in this session before (its home's file)."""
+        try:
+            kept = json.loads((self.session.home / SETENV_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(kept, dict):
+            return {}
+        return {k: v for k, v in kept.items() if isinstance(k, str) and isinstance(v, str)}
 
     def _do_cwd(self, rest: str, emit: Emit) -> TurnReply:
         return TurnReply(os.getcwd())
