@@ -92,8 +92,13 @@ def test_a_node_sharing_the_data_answers_for_a_turn_another_node_ran(
         assert state["state"] == "running" and state["node"] == "node-a", state
         assert ca.cancel("bob", "t-bob")
         assert turn.collect().text == "cancelled"
-        done = cb.turn_status("bob", "t-bob")
-        assert done["state"] == "ended" and done["node"] == "node-a", done
+        # node-a records the end just after its client has it: node-b,
+        # reading the journal, sees it a moment later.
+        done = wait_for(
+            lambda: (s := cb.turn_status("bob", "t-bob"))["state"] == "ended" and s,
+            what="the end in node-a's journal",
+        )
+        assert done["node"] == "node-a" and done["outcome"]["body"]["text"] == "cancelled"
     kill_hard(a)
     with b.client() as cb:
         # The session moves to node-b, which never saw the turn: the
