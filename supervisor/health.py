@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from hermes_sup.local.logfmt import kv
 
 from .context import Context
+from .deadlines import Deadlines
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .session import Session
@@ -70,6 +71,12 @@ IDLE_BEATS_PER_TIMEOUT = 3
 # Ticks are a quarter second apart: one this much later than the last means
 # the supervisor itself was not running (see the module docstring).
 GAP = 1.0
+# Looking at a session a moment after its deadline, rather than a moment
+# before, finds it due (not one float's rounding short of it).
+JUDGE_SLACK = 0.001
+# An idle session that could not hibernate yet (turns queued, or the
+# supervisor not accepting) is looked at again this long after.
+IDLE_RETRY = 1.0
 # How many times a silent worker that makes progress gets one more limit.
 PROGRESS_GRACE = 3
 # CPU time (seconds) a silent worker must have used since its last sample to
@@ -122,69 +129,115 @@ class Health:
         self._next_scan = 0.0
         self._last_tick: float | None = None
         self._watches: dict[str, Watch] = {}
+        self._due = Deadlines()
+        self._read = False  # whether this tick has read the workers' socket
+        table.on_judged = self.judge_soon
 
     def begin(self, now: float) -> None:
         """The ticks start (`now` monotonic): a gap before the first is one too."""
         self._last_tick = now
 
+    def judge_soon(self, session: Session) -> None:
+        """Look at this session at the next tick: its worker became idle or
+        busy (the table calls this), or its settings may have changed."""
+        self._due.set(session.key, 0.0)
+
+    def judge_all_soon(self) -> None:
+        """Look at every live session at the next tick (settings reloaded)."""
+        for session in self.table.judged.values():
+            self.judge_soon(session)
+
     def tick(self, now: float, wall: float) -> None:
-        """Check every session once (`now` monotonic, `wall` time.time())."""
-        s = self.ctx.settings
-        settings_for = self.ctx.settings_for
+        """Look at the sessions whose deadline has come (`now` monotonic,
+        `wall` time.time()): the cost follows what is due, not what is held."""
         last, self._last_tick = self._last_tick, now
         if last is not None and now - last > GAP:
             self._forgive_gap(now, now - last)
-        read = False
-        for session in list(self.table.sessions.values()):
-            own = settings_for(session)
-            if self._judged(session):
-                limit = own.heartbeat_timeout
-                if session.state is State.IDLE:
-                    limit = max(limit, IDLE_BEATS_PER_TIMEOUT * own.idle_heartbeat_interval)
-                if now - session.last_heartbeat > limit and not read:
-                    # A beat may be waiting unread: hear it before judging.
-                    read = True
-                    self.read_workers()
-                    now = time.monotonic()
-                if self._judged(session) and not session.hang_signalled:
-                    self._judge_silence(session, now - session.last_heartbeat, limit)
-            if (
-                own.idle_timeout is not None
-                and self.ctx.accepting
-                and session.state is State.IDLE
-                and not session.queue
-                and wall - session.last_activity > own.idle_timeout
-            ):
-                self._hibernate(session, wall - session.last_activity)
-        if (
-            now >= self._next_scan
-            and not self._scanning
-            and any(
-                x.memory_limit_mb or x.max_procs
-                for x in [s, *(v.settings for v in self.table.sessions.values() if v.settings)]
-            )
-        ):
-            self._next_scan = now + s.limits_interval
-            self.ctx.spawn(self._check_limits())
+        self._read = False
+        sessions = self.table.sessions
+        for key in self._due.pop_due(now):
+            session = sessions.get(key)
+            if session is None or not self._judged(session):
+                self._watches.pop(key, None)
+                continue  # the table calls judge_soon when it has a worker again
+            when = self._look_at(session, now, wall)
+            if when is not None:
+                self._due.set(key, when)
+        self._start_limits_scan(now)
         if self._watches:
             self._forget_watches()
 
-    def _hibernate(self, session: Session, idle: float) -> None:
+    def _look_at(self, session: Session, now: float, wall: float) -> float | None:
+        """Judge one session's silence and idleness; return when to look
+        at it again (monotonic), or None if it is on its way out."""
+        own = self.ctx.settings_for(session)
+        limit = own.heartbeat_timeout
+        if session.state is State.IDLE:
+            limit = max(limit, IDLE_BEATS_PER_TIMEOUT * own.idle_heartbeat_interval)
+        if now - session.last_heartbeat > limit and not self._read:
+            # A beat may be waiting unread: hear it before judging.
+            self._read = True
+            self.read_workers()
+            now = time.monotonic()
+        if not self._judged(session) or session.hang_signalled:
+            return None
+        self._judge_silence(session, now - session.last_heartbeat, limit)
+        if session.hang_signalled:
+            return None
+        watch = self._watches.get(session.key)
+        if watch is None:
+            # Watched from half the limit (a sample to compare with later).
+            when = session.last_heartbeat + limit / 2 + JUDGE_SLACK
+        else:
+            # Judged at the limit and at each extension's end; never sooner
+            # than the next tick, so that there is CPU time to compare.
+            when = max(now + JUDGE_SLACK, session.last_heartbeat + limit * (1 + watch.extensions))
+        if own.idle_timeout is not None and session.state is State.IDLE:
+            idle = wall - session.last_activity
+            if idle > own.idle_timeout:
+                if self.ctx.accepting and not session.queue:
+                    if self._hibernate(session, idle):
+                        return None
+                    idle = 0.0  # deferred: its clock starts over
+                else:
+                    idle = own.idle_timeout - IDLE_RETRY  # look again in a moment
+            when = min(when, now + own.idle_timeout - idle + JUDGE_SLACK)
+        return when
+
+    def _start_limits_scan(self, now: float) -> None:
+        """Sample live workers' trees every `limits_interval`, when a limit
+        applies to any of them."""
+        if now < self._next_scan or self._scanning:
+            return
+        judged = self.table.judged.values()
+        if self.ctx.settings.memory_limit_mb or self.ctx.settings.max_procs:
+            wanted = bool(judged)
+        else:
+            wanted = any(
+                v.settings is not None and (v.settings.memory_limit_mb or v.settings.max_procs)
+                for v in judged
+            )
+        if wanted:
+            self._next_scan = now + self.ctx.settings.limits_interval
+            self.ctx.spawn(self._check_limits())
+
+    def _hibernate(self, session: Session, idle: float) -> bool:
         """Stop an idle session's worker; it is listed `hibernated` and its
         next turn wakes it. Not while a process of its own still runs (a
         background job, a watcher): that is work, so its idle clock starts
-        over."""
+        over (False)."""
         left = session.proc.descendants() if session.proc is not None else []
         if left:
             session.touch()
             log.info(kv("hibernate_deferred", session=session.key, processes=len(left)))
-            return
+            return False
         session.hibernated = True
         self.ctx.spawn(
             self.lifecycle.killer.kill_session(
                 session, force=False, reason=f"hibernated: idle for {idle:.0f}s"
             )
         )
+        return True
 
     @staticmethod
     def _judged(session: Session) -> bool:
@@ -194,7 +247,7 @@ class Health:
     def _forgive_gap(self, now: float, gap: float) -> None:
         """The supervisor was not running for `gap` seconds: that is no
         session's silence (see the module docstring)."""
-        live = [x for x in self.table.sessions.values() if self._judged(x)]
+        live = [x for x in self.table.judged.values() if self._judged(x)]
         log.warning(kv("gap", seconds=f"{gap:.1f}", sessions=len(live), silence="not counted"))
         for session in live:
             moved = min(now, session.last_heartbeat + gap)
@@ -285,7 +338,7 @@ class Health:
         recycle the sessions over their memory or process limit."""
         workers = {
             sess.proc.pid: sess
-            for sess in self.table.sessions.values()
+            for sess in list(self.table.judged.values())
             if sess.proc is not None
             and sess.proc.returncode is None
             and sess.state in (State.IDLE, State.BUSY)

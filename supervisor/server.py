@@ -391,6 +391,7 @@ class Supervisor:
         self.ctx.settings = new
         self.ctx.base_env = allowlisted(self.ctx.environ, new.pass_env)
         self._size_for_fd_limit()
+        self.health.judge_all_soon()  # limits and idle time may have changed
         log.info(
             kv(
                 "reloaded",

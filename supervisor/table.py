@@ -44,6 +44,8 @@ from .worktrees import Peer, branch_for, repository_problem
 log = logging.getLogger("hermes_sup.supervisor")
 
 RUNNING_STATES = LIVE_STATES - {State.STOPPING}
+# A worker in these states beats, and may hang or go idle.
+JUDGED_STATES = frozenset({State.IDLE, State.BUSY})
 
 
 class SessionTable:
@@ -54,6 +56,9 @@ class SessionTable:
         self.watchers = watchers
         self.sessions: dict[str, Session] = {}
         self.running = 0  # sessions with a worker that is not being stopped
+        # Sessions whose worker is up (idle or busy): what periodic work
+        # looks at, so that its cost follows these, not every session held.
+        self.judged: dict[str, Session] = {}
         # Keys whose worktree is being removed before their data is deleted:
         # no new worker for them meanwhile.
         self.purging: set[str] = set()
@@ -64,6 +69,9 @@ class SessionTable:
         self.ownership.forget = self._forget
         # Set by the lifecycle: stop a session gone idle while draining.
         self.on_drained_idle: Callable[[Session], None] = lambda session: None
+        # Set by health: a session whose worker became idle or busy (its
+        # deadlines change with its state).
+        self.on_judged: Callable[[Session], None] = lambda session: None
         self.store.load_stored(self.sessions)
 
     def __len__(self) -> int:
@@ -91,6 +99,7 @@ class SessionTable:
             session.log.close()
         self.watchers.forget_follows(session)
         self.sessions.pop(session.key, None)
+        self.judged.pop(session.key, None)
         if session.repo is not None:
             on_repo = self.by_repo.get(session.repo, {})
             on_repo.pop(session.key, None)
@@ -221,6 +230,11 @@ class SessionTable:
         previous = session.state
         session.advance(event)
         self.running += (session.state in RUNNING_STATES) - (previous in RUNNING_STATES)
+        if session.state in JUDGED_STATES:
+            self.judged[session.key] = session
+            self.on_judged(session)
+        elif previous in JUDGED_STATES:
+            self.judged.pop(session.key, None)
         self.watchers.publish(
             session,
             "state",
@@ -274,7 +288,7 @@ class SessionTable:
         `excluding`: the one to stop when a new worker needs its slot."""
         idle = [
             s
-            for s in self.sessions.values()
+            for s in self.judged.values()
             if s.state is State.IDLE and not s.queue and s is not excluding
         ]
         return min(idle, key=lambda s: s.last_activity) if idle else None
