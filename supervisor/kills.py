@@ -6,14 +6,26 @@ before the first signal (once a parent dies, its children's links are
 gone). The supervisor's own reasons (a limit, a hang) go straight to
 SIGKILL (`terminate`), and a supervisor told twice to shut down kills
 every worker at once (`force_kill_all`).
+
+Polite stops are staggered: at most `STOPS_AT_ONCE` workers are between
+their `stop` and their exit at any moment. Each stopping worker runs its
+own exit path (a runtime saving its state, Python tearing down), and
+thousands stopped at once (a shutdown, an hour's idle sessions hibernating
+together, `kill --all`) made the host's run queue thousands long, the
+supervisor among them. Forced kills are not staggered: SIGKILL costs the
+worker nothing to run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import time
+
+import psutil
 
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, Kind, Message
@@ -21,13 +33,16 @@ from hermes_sup.protocol import ErrorCode, Kind, Message
 from .context import Context
 from .endpoints import Endpoints
 from .pool import WorkerPool
-from .process import kill_processes
+from .process import WorkerProcess, kill_processes
 from .session import Session
 from .states import Event, State
 from .table import SessionTable
 from .turns import Turns
 
 log = logging.getLogger("hermes_sup.supervisor")
+
+# Workers stopping politely at one time (see the module docstring).
+STOPS_AT_ONCE = max(8, 4 * (os.cpu_count() or 1))
 
 
 class Killer:
@@ -46,6 +61,7 @@ class Killer:
         self.turns = turns
         self.pool = pool
         self.endpoints = endpoints
+        self._stopping = asyncio.Semaphore(STOPS_AT_ONCE)
 
     async def kill_session(
         self,
@@ -86,6 +102,26 @@ class Killer:
         if proc is None:
             await session.exited.wait()
             return None, "never started"
+        polite = not (force or self.ctx.forced)
+        async with self._stopping if polite else contextlib.nullcontext():
+            how, tree = await self._stop(session, proc, s.stop_timeout, s.term_timeout, force)
+        killed = kill_processes(tree)
+        await session.exited.wait()
+        if killed:
+            log.info(kv("descendants_killed", session=session.key, count=killed))
+        log.info(kv("killed", session=session.key, pid=proc.pid, how=how, reason=reason))
+        return proc.pid, how
+
+    async def _stop(
+        self,
+        session: Session,
+        proc: WorkerProcess,
+        stop_timeout: float,
+        term_timeout: float,
+        force: bool,
+    ) -> tuple[str, list[psutil.Process]]:
+        """Ask, then SIGTERM, then SIGKILL; return how it ended and every
+        process of its tree seen on the way."""
         # Snapshot the whole tree before the first signal: once a parent dies,
         # its children's parent links are gone.
         tree = proc.descendants()
@@ -93,25 +129,20 @@ class Killer:
         if not (force or self.ctx.forced) and self.endpoints.to_worker(
             session, Message(Kind.STOP, {}, session=session.key)
         ):
-            await self._wait_exit(session, s.stop_timeout)
+            await self._wait_exit(session, stop_timeout)
         if not session.exited.is_set():
             tree += proc.descendants()
             how = "terminated"
             proc.signal_group(signal.SIGTERM)
             proc.terminate()
             if not (force or self.ctx.forced):
-                await self._wait_exit(session, s.term_timeout)
+                await self._wait_exit(session, term_timeout)
         if not session.exited.is_set():
             tree += proc.descendants()
             how = "killed"
             proc.signal_group(signal.SIGKILL)
             proc.kill()
-        killed = kill_processes(tree)
-        await session.exited.wait()
-        if killed:
-            log.info(kv("descendants_killed", session=session.key, count=killed))
-        log.info(kv("killed", session=session.key, pid=proc.pid, how=how, reason=reason))
-        return proc.pid, how
+        return how, tree
 
     async def _wait_exit(self, session: Session, timeout: float) -> None:
         try:
