@@ -157,9 +157,13 @@ class Health:
         sessions = self.table.sessions
         for key in self._due.pop_due(now):
             session = sessions.get(key)
-            if session is None or not self._judged(session):
+            if session is None or session.state not in (State.IDLE, State.BUSY):
                 self._watches.pop(key, None)
                 continue  # the table calls judge_soon when it has a worker again
+            if session.proc is None:
+                # Its hello came before the zygote's word of its pid: soon.
+                self._due.set(key, now + JUDGE_SLACK)
+                continue
             when = self._look_at(session, now, wall)
             if when is not None:
                 self._due.set(key, when)

@@ -152,3 +152,27 @@ def _ticks(health: Health, start: float, end: float, wall: float | None = None) 
 
 async def _noop() -> None:
     return None
+
+
+def test_a_session_idle_before_its_pid_is_known_is_still_watched() -> None:
+    """A worker's hello can come before the zygote says its pid: the
+    session is idle with no process handle yet, and must not be lost."""
+    settings = Settings(Path("/nonexistent"), Path("/nonexistent"), idle_timeout=60.0)
+    ctx = CountingContext(settings)
+    table = _table(held=0, live=1)
+    (session,) = table.judged.values()
+    proc, session.proc = session.proc, None
+    health = Health(
+        ctx,
+        table,
+        lifecycle=SimpleNamespace(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
+    )  # type: ignore[arg-type]
+    table.on_judged(session)
+    now, wall = time.monotonic(), time.time()
+    session.last_activity = wall
+    health.begin(now)
+    _ticks(health, now, now + 1.0, wall)
+    session.proc = proc  # the zygote's word arrives
+    session.last_heartbeat = now + 40.0  # and it keeps beating
+    _ticks(health, now + 1.0, now + 61.0, wall + 1.0)
+    assert session.hibernated
