@@ -164,7 +164,11 @@ class Health:
                 # Its hello came before the zygote's word of its pid: soon.
                 self._due.set(key, now + JUDGE_SLACK)
                 continue
-            when = self._look_at(session, now, wall)
+            try:
+                when = self._look_at(session, now, wall)
+            except Exception:  # a bug: logged, and the others still looked at
+                log.exception(kv("bug", where="health", session=key))
+                when = now + IDLE_RETRY
             if when is not None:
                 self._due.set(key, when)
         self._start_limits_scan(now)
