@@ -7,13 +7,16 @@ gone). The supervisor's own reasons (a limit, a hang) go straight to
 SIGKILL (`terminate`), and a supervisor told twice to shut down kills
 every worker at once (`force_kill_all`).
 
-Polite stops are staggered: at most `STOPS_AT_ONCE` workers are between
-their `stop` and their exit at any moment. Each stopping worker runs its
-own exit path (a runtime saving its state, Python tearing down), and
-thousands stopped at once (a shutdown, an hour's idle sessions hibernating
-together, `kill --all`) made the host's run queue thousands long, the
-supervisor among them. Forced kills are not staggered: SIGKILL costs the
-worker nothing to run.
+Polite stops in a shutdown or a drain are staggered: at most
+`STOPS_AT_ONCE` workers are between their `stop` and their exit at any
+moment. Each stopping worker runs its own exit path (a runtime saving its
+state, Python tearing down), and thousands stopped at once made the host's
+run queue thousands long, the supervisor among them. Only then: while new
+sessions are admitted, a stopping worker no longer counts against
+`max_sessions` but still holds its descriptors, so stops parked behind
+others let new workers in past the descriptor limit (EMFILE at about 6,700
+sessions hibernating 2 s after one turn each, 40 new ones a second).
+Forced kills are never staggered: SIGKILL costs the worker nothing.
 """
 
 from __future__ import annotations
@@ -102,8 +105,10 @@ class Killer:
         if proc is None:
             await session.exited.wait()
             return None, "never started"
-        polite = not (force or self.ctx.forced)
-        async with self._stopping if polite else contextlib.nullcontext():
+        # Staggered only while no new session can take the slots they free
+        # (see the module docstring).
+        stagger = not (force or self.ctx.forced) and (not self.ctx.accepting or self.ctx.draining)
+        async with self._stopping if stagger else contextlib.nullcontext():
             how, tree = await self._stop(session, proc, s.stop_timeout, s.term_timeout, force)
         killed = kill_processes(tree)
         await session.exited.wait()
