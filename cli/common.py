@@ -13,17 +13,17 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from hermes_sup.client import (
-    Client,
-    ClientError,
-    NotRunning,
-    SupervisorError,
-    session_options,
-)
+# The errors only: the client itself (zmq, its protocol core) is imported
+# by `connect`, when a command talks to the supervisor, not for --help or Tab.
+from hermes_sup.client.connection import session_options
+from hermes_sup.client.errors import ClientError, NotRunning, SupervisorError
+
+if TYPE_CHECKING:
+    from hermes_sup.client.blocking import Client
 
 from .serve import parse_pairs
 from .terminal import is_terminal, neutralize
@@ -57,6 +57,8 @@ def start_hint(ctx: click.Context) -> str:
 @contextmanager
 def connect(ctx: click.Context) -> Iterator[Client]:
     """A client for the command, with errors turned into one-line messages."""
+    from hermes_sup.client.blocking import Client
+
     state_dir: Path = ctx.obj["state_dir"]
     connection: Path | None = ctx.obj.get("connection")
     try:
@@ -85,6 +87,8 @@ def connect(ctx: click.Context) -> Iterator[Client]:
 def complete_sessions(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
     """Shell completion of session keys, asked of the running supervisor."""
     from click.shell_completion import CompletionItem
+
+    from hermes_sup.client.blocking import Client
 
     obj = ctx.obj if isinstance(ctx.obj, dict) else {}
     state_dir = obj.get("state_dir") or ctx.find_root().params.get("state_dir")

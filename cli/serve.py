@@ -21,7 +21,7 @@ from hermes_sup.supervisor.config import (
     default_state_dir,
 )
 
-from .options import web_dir_option
+from .options import state_dir_option, web_dir_option
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -231,6 +231,10 @@ def serve(
     except (StateDirError, RemoteError, SealingUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
+
+
+# serve --state-dir works as hermes-sup --state-dir serve does.
+serve.params.append(state_dir_option())
 
 
 @click.group()

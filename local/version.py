@@ -9,25 +9,55 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
-from importlib import metadata
 from typing import Any
-
-from hermes_sup.protocol import PROTOCOL_VERSION
 
 
 @functools.cache
 def version() -> str:
     """The installed hermes-sup version ("0+unknown" when not installed)."""
+    found = _version_from_dist_info()
+    if found:
+        return found
+    # importlib.metadata, which reads any kind of install, costs more than
+    # the whole of `hermes-sup --version` else: only when the above fails.
+    from importlib import metadata
+
     try:
         return metadata.version("hermes-sup")
     except metadata.PackageNotFoundError:
         return "0+unknown"
 
 
+def _version_from_dist_info() -> str | None:
+    """The Version line of the first hermes_sup-*.dist-info on sys.path,
+    the one importlib.metadata would read (a wheel's install and an
+    editable one both leave it there), or None."""
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("hermes_sup-") and name.endswith(".dist-info"):
+                try:
+                    with open(os.path.join(entry or ".", name, "METADATA"), encoding="utf-8") as f:
+                        for line in f:
+                            if line.startswith("Version:"):
+                                return line.split(":", 1)[1].strip()
+                            if not line.strip():  # the headers end at the first blank line
+                                break
+                except OSError:
+                    pass
+    return None
+
+
 def pong_body(started: float) -> dict[str, Any]:
     """What a service's `pong` says (PROTOCOL.md, "ping"): its version, the
     protocol's, its pid and its uptime since `started` (epoch seconds)."""
+    from hermes_sup.protocol import PROTOCOL_VERSION
+
     return {
         "version": version(),
         "protocol": PROTOCOL_VERSION,

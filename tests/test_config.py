@@ -210,9 +210,8 @@ def serve_values(*args: str) -> dict:
 
 
 def test_every_setting_has_a_flag_of_serve() -> None:
-    from hermes_sup.cli.main import cli
+    from hermes_sup.cli.serve import serve
 
-    serve = cli.commands["serve"]
     flags = {opt for param in serve.params for opt in param.opts}
     for setting in SETTINGS.values():
         if setting.name == "session_defaults":  # a table of options: the file only
