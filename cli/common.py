@@ -55,8 +55,10 @@ def start_hint(ctx: click.Context) -> str:
 
 
 @contextmanager
-def connect(ctx: click.Context) -> Iterator[Client]:
-    """A client for the command, with errors turned into one-line messages."""
+def connect(ctx: click.Context, when_down: str = "") -> Iterator[Client]:
+    """A client for the command, with errors turned into one-line messages;
+    `when_down`, if given, is added to the one saying the supervisor is not
+    running (what the command can do without it)."""
     from hermes_sup.client.blocking import Client
 
     state_dir: Path = ctx.obj["state_dir"]
@@ -69,13 +71,14 @@ def connect(ctx: click.Context) -> Iterator[Client]:
     except NotRunning as exc:
         raise NotRunningError(
             f"{exc}. Start it with: hermes-sup --state-dir {shlex.quote(str(state_dir))} serve"
+            + (f"; {when_down}" if when_down else "")
         ) from None
     except ClientError as exc:  # permission denied, a bad connection file
         raise click.ClickException(one_line(exc)) from None
     try:
         yield client
     except NotRunning as exc:
-        raise NotRunningError(one_line(exc)) from None
+        raise NotRunningError(one_line(exc) + (f"; {when_down}" if when_down else "")) from None
     except SupervisorError as exc:
         raise click.ClickException(one_line(exc)) from None
     except ClientError as exc:

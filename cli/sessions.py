@@ -125,9 +125,20 @@ def restart(ctx: click.Context, sessions: tuple[str, ...], force: bool) -> None:
         sys.exit(1)
 
 
+def _signal_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A signal this host knows, or a usage error (exit 2) before connecting."""
+    from hermes_sup.protocol.exits import signal_named
+
+    try:
+        signal_named(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @client_options
 @click.command(name="signal")
-@click.argument("sig", metavar="SIGNAL")
+@click.argument("sig", metavar="SIGNAL", callback=_signal_name)
 @SESSION
 @click.option("--group", is_flag=True, help="Signal the worker's whole process group.")
 @click.pass_context

@@ -135,7 +135,10 @@ class SessionTable:
                 bound = stored_worktree(meta)
                 session.repo, session.branch = bound["repo"], bound["branch"]
             _check_same_repo(session, options)
-            self.store.stored.pop(key, None)
+            known = self.store.stored.pop(key, None)
+            if known is not None:
+                # Loaded from disk is not active: it stays idle since its log last changed.
+                session.last_activity = known.last_activity
             created = None if meta is None else meta.get("created")
             if isinstance(created, (int, float)) and not isinstance(created, bool):
                 session.created_at = float(created)  # the session's, not this load's

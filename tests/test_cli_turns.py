@@ -183,6 +183,42 @@ def test_ctrl_c_on_send_cancels_the_turn_and_exits_130(supervisor) -> None:
         child.close(force=True)
 
 
+def test_a_send_whose_turn_is_cancelled_fails(supervisor) -> None:
+    """Cancelled from elsewhere (`hermes-sup cancel`), a turn has no answer:
+    `send` prints none, says so on stderr and exits 1; --json's reply is
+    `"ok": false, "cancelled": true`."""
+    import json
+
+    procs = {
+        key: subprocess.Popen(
+            hs_cmd(supervisor, "send", key, "sleep 60", *extra),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for key, extra in (("hal", ()), ("ida", ("--json",)))
+    }
+    try:
+        with supervisor.client() as client:
+            for key in procs:
+                until(lambda key=key: running_turn(client, key) == "busy")
+                client.cancel(key)
+        done = {key: proc.communicate(timeout=30) for key, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    out, err = done["hal"]
+    assert procs["hal"].returncode == 1
+    assert out == ""
+    assert "the turn was cancelled before it finished" in err
+    out, err = done["ida"]
+    assert procs["ida"].returncode == 1
+    last = json.loads(out.splitlines()[-1])
+    assert last["type"] == "reply" and last["ok"] is False and last["cancelled"] is True
+
+
 def test_cancel_command(supervisor) -> None:
     with supervisor.client() as client:
         req = client.submit(Kind.SEND, {"text": "sleep 60"}, session="gina")
