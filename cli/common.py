@@ -141,19 +141,10 @@ def new_session_options(func: Any) -> Any:
 
 
 def parse_duration(text: str) -> float:
-    """'90', '90s', '10m', '2h', '1h30m', '1d' -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    total, number = 0.0, ""
-    for ch in text.strip().lower():
-        if ch.isdigit() or ch == ".":
-            number += ch
-        elif ch in units and number:
-            total += float(number) * units[ch]
-            number = ""
-        else:
-            raise click.BadParameter(f"{text!r} is not a duration like 90s, 10m, 2h or 1h30m")
-    if number:
-        total += float(number)
-    if not text.strip():
-        raise click.BadParameter("empty duration")
-    return total
+    """'90', '90s', '10m', '2h', '1h30m', '1d' -> seconds; a usage error else."""
+    from hermes_sup.local.durations import parse_duration as parse
+
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None

@@ -167,6 +167,11 @@ class Sender:
                 if not self.interactive:
                     poller.unregister(stdin)  # end of input
             msg = self._next()
+            if self.waiting:
+                # The turn waits on a person (the prompt, or the hint to
+                # approve): no "still waiting" over it; silence counts after.
+                last_heard = time.monotonic()
+                quiet_said = 0
             silent = time.monotonic() - last_heard
             if msg is None and self.screen.clean_err and silent >= QUIET_NOTICE * (quiet_said + 1):
                 quiet_said += 1

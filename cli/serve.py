@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import click
 
+from hermes_sup.local.durations import parse_duration
 from hermes_sup.supervisor.config import (
     SETTINGS,
     Setting,
@@ -53,7 +54,12 @@ class SettingNumber(click.ParamType):  # type: ignore[type-arg]
         try:
             number = self.kind(value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
+            if not (self.setting.seconds and isinstance(value, str)):
+                self.fail(f"{value!r} is not a number", param, ctx)
+            try:
+                number = parse_duration(value)  # 30m, as kill --idle-for takes
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
         if number < 0:
             self.fail(f"{value!r} is negative", param, ctx)
         if number < self.setting.minimum:
