@@ -227,6 +227,8 @@ def list_(
 
     Memory (RSS) and CPU% are of the worker and everything it started, sampled
     when you ask (CPU% since the previous list, or since the worker started).
+    The memory limit (serve --memory-limit) counts the tree's PSS instead,
+    shared pages once: a tree's RSS here may be over its limit.
     The key column is as wide as the longest key; on a narrower terminal keys
     are cut in the middle (…), unless --no-trunc.
 

@@ -159,7 +159,7 @@ class Reports:
             for i in range(1, settings.log_backups + 1)
         ]
         history = [
-            {k: body["data"].get(k) for k in ("state", "previous", "pid", "reason")}
+            {k: body["data"].get(k) for k in ("state", "previous", "pid", "reason", "at")}
             for kind, body in session.history
             if kind == "state" and isinstance(body.get("data"), dict)
         ]

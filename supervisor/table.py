@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -232,8 +233,9 @@ class SessionTable:
                 "previous": previous.value,
                 "pid": session.pid,
                 "reason": reason,
+                "at": time.time(),
             },
-            bound=128 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
+            bound=160 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
         )
         if session.state is State.EXITED and not session.queue:
             self.ownership.release(session)  # nothing waits: another node may take it
