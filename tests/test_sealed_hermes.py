@@ -105,7 +105,7 @@ def swap_and_replay(base: Path, mode: str, template: Path | None = None) -> dict
         env={k: v for k, v in os.environ.items() if not k.startswith(("HERMES_", "TERMINAL_"))},
     )
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,15 @@ def test_replay_loads_the_sessions_env_and_config_not_the_zygotes(replayed: dict
     # The CA bundle was checked in the zygote for a session that names none.
     assert env["HERMES_SKIP_SSL_GUARD"] == "1"
     assert replayed["threads"] == 1
+
+
+def test_terminal_cwd_set_by_us_is_not_called_a_deprecated_env_setting(
+    replayed: dict[str, Any],
+) -> None:
+    """Preload and replay both run gateway.run's deprecation check, with
+    TERMINAL_CWD the fixed workspace: Hermes must not take it for a .env's."""
+    assert "TERMINAL_CWD" not in replayed["stderr"]
+    assert "Deprecated .env settings" not in replayed["stderr"]
 
 
 def test_replay_recomputes_what_the_import_froze_from_the_zygotes_env(

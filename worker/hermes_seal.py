@@ -181,6 +181,10 @@ def preload(paths: SealedPathsLike) -> Preloaded:
     # preload stops half way: a worker may replay what got imported.
     _ENTERED = done.paths
     before = dict(os.environ)
+    # TERMINAL_CWD is W here and in every worker: not a deprecated .env's.
+    from .hermes import quiet_own_terminal_cwd
+
+    quiet_own_terminal_cwd()
     for name in BASE_MODULES:
         try:
             importlib.import_module(name)
