@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from hermes_sup.local.durations import parse_duration
+from hermes_sup.local.version import install_hint
 from hermes_sup.supervisor.config import (
     SETTINGS,
     Setting,
@@ -213,7 +214,7 @@ def serve(
             raise click.BadParameter(str(exc), param_hint="--metrics") from None
         if importlib.util.find_spec("prometheus_client") is None:
             raise click.ClickException(
-                "metrics need prometheus-client: pip install 'hermes-sup[metrics]'"
+                "metrics need prometheus-client (the metrics extra): " + install_hint("metrics")
             )
     if settings.runtime == "hermes" and not settings.preload:
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD

@@ -55,3 +55,34 @@ def test_kill_all_leaves_stopped_sessions_idle_time(supervisor_factory) -> None:
         assert result.returncode == 0, result.stderr
         (row,) = client.sessions()
     assert row["last_activity"] == before
+
+
+def test_a_key_for_the_http_endpoint_is_made_without_starlette(tmp_path: Path) -> None:
+    """Making a key needs no web framework: `keys http generate` works in an
+    install without the http extra (starlette and uvicorn made unimportable
+    here), and `http` itself says how to add the extra, as it is installed."""
+    import json
+    import subprocess
+    import sys
+
+    without = (
+        "import sys; sys.modules.update(starlette=None, uvicorn=None); "
+        "from hermes_sup.cli.main import main; sys.argv[0] = 'hermes-sup'; main()"
+    )
+    args = ["keys", "http", "generate", "web", "--data-dir", str(tmp_path)]
+    made = subprocess.run(
+        [sys.executable, "-c", without, *args], capture_output=True, text=True, timeout=60
+    )
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.startswith("hsk-")
+    assert "web" in json.dumps(sorted(p.name for p in (tmp_path / "http" / "keys").iterdir()))
+    serve = subprocess.run(
+        [sys.executable, "-c", without, "http", "--listen", "0", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert serve.returncode == 1
+    assert "needs starlette and uvicorn (the http extra)" in serve.stderr
+    assert "pip install" in serve.stderr and "'hermes-sup[http]'" not in serve.stderr
+    assert "Traceback" not in serve.stderr
