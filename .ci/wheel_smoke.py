@@ -126,7 +126,9 @@ def smoke(work: Path) -> None:
         deadline = time.monotonic() + READY_WITHIN
         while subprocess.run([*client, "ping"], cwd=work, env=env, capture_output=True).returncode:
             if server.poll() is not None or time.monotonic() > deadline:
-                raise SmokeFailed("serve did not answer a ping:\n" + (work / "serve.log").read_text())
+                raise SmokeFailed(
+                    "serve did not answer a ping:\n" + (work / "serve.log").read_text()
+                )
             time.sleep(0.2)
         said = run([*client, "send", "smoke", "sh echo from-the-wheel"], cwd=work, env=env)
         if "from-the-wheel" not in said:
