@@ -172,10 +172,25 @@ def status(ctx: click.Context, as_json: bool) -> None:
     Example:
       hermes-sup status
     """
-    from .common import connect
+    from .common import NotRunningError, connect
 
-    with connect(ctx) as client:
-        info = client.status()
+    try:
+        with connect(ctx) as client:
+            info = client.status()
+    except NotRunningError:
+        # Not answering yet may be a start still under way (the sealed
+        # Hermes preload): say how far it is.
+        from hermes_sup.local.statedir import read_starting
+
+        starting = read_starting(ctx.obj["state_dir"])
+        if starting is None or ctx.obj.get("connection") is not None:
+            raise
+        seconds = starting.get("seconds")
+        so_far = f", {seconds:.0f}s so far" if isinstance(seconds, int | float) else ""
+        raise NotRunningError(
+            f"the supervisor (pid {starting.get('pid')}) is starting: {starting.get('stage')}"
+            f"{so_far}; it answers once that is done"
+        ) from None
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -223,6 +238,14 @@ def sealing_lines(info: dict[str, Any]) -> list[str]:
         if not sealed.get("signals_scoped") and not sealed.get("pid_namespaces"):
             parts.append("signals between sessions not scoped")
         lines.append("sealing:   " + ", ".join(parts))
+    preload = info.get("preload")
+    if isinstance(preload, dict) and preload.get("recorded"):
+        missing = preload.get("missing") or 0
+        lines.append(
+            f"preload:   Hermes, {preload['recorded'] - missing} of {preload['recorded']} "
+            f"recorded modules ({preload.get('modules')} in all) in "
+            f"{preload.get('seconds', 0):.1f}s"
+        )
     limits = info.get("limits") or {}
     if limits:
         lines.append(

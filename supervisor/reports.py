@@ -125,6 +125,8 @@ class Reports:
             "sealed": pool.sealing.describe(),
             # How each per-session limit is enforced here.
             "limits": describe_limits(ctx.settings, pool.sealing),
+            # What the sealed Hermes preload did (None: there was none).
+            "preload": pool.preload,
         }
 
     def node_info(self) -> dict[str, object]:

@@ -165,7 +165,9 @@ class Supervisor:
             log.info(kv("session_limits", **sealing.describe_limits(s, pool.sealing)))
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
+            pool.on_preload_progress = self._starting
             pool.start_zygote()
+            statedir.clear_starting(s.state_dir)
             return asyncio.run(self._main())
         finally:
             if pool is not None and pool.zygote is not None:
@@ -175,7 +177,20 @@ class Supervisor:
                     (s.state_dir / name).unlink()
                 except FileNotFoundError:
                     pass
+            statedir.clear_starting(s.state_dir)
             self._lock.release()
+
+    def _starting(self, report: dict[str, Any]) -> None:
+        """The sealed Hermes preload's progress, before the control socket
+        is up: for `status` (statedir.STARTING_FILE) and systemd."""
+        said = f"preloading Hermes: {report.get('done')} of {report.get('of')} modules"
+        self.notifier.status(said)
+        try:
+            statedir.write_starting(
+                self.settings.state_dir, {"pid": os.getpid(), "stage": said, **report}
+            )
+        except OSError as exc:
+            log.warning(kv("starting_file_failed", error=str(exc)))
 
     def _check_unsealed_preload(self) -> None:
         """hermes-agent's own modules may be preloaded only into a sealed

@@ -86,3 +86,30 @@ def test_a_key_for_the_http_endpoint_is_made_without_starlette(tmp_path: Path) -
     assert "needs starlette and uvicorn (the http extra)" in serve.stderr
     assert "pip install" in serve.stderr and "'hermes-sup[http]'" not in serve.stderr
     assert "Traceback" not in serve.stderr
+
+
+def test_status_during_a_long_start_says_how_far_it_is(tmp_path: Path) -> None:
+    """Before the control socket is up (the sealed Hermes preload), status
+    reads the starting supervisor's report; one left by a supervisor that
+    died (no lock held) is not believed."""
+    import fcntl
+    import os
+
+    from hermes_sup.local import statedir
+
+    report = {"pid": 4242, "stage": "preloading Hermes: 640 of 1820 modules", "seconds": 35.2}
+    statedir.write_starting(tmp_path, report)
+    assert (tmp_path / statedir.STARTING_FILE).stat().st_mode & 0o777 == 0o600
+    code, out = run("--state-dir", str(tmp_path), "status")
+    assert code == 3 and "is starting" not in out  # nobody holds the lock
+    fd = os.open(tmp_path / statedir.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as the starting supervisor does
+        code, out = run("--state-dir", str(tmp_path), "status")
+    finally:
+        os.close(fd)
+    assert code == 3
+    assert (
+        "the supervisor (pid 4242) is starting: preloading Hermes: 640 of 1820 modules, "
+        "35s so far" in out
+    )
