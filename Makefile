@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install test-tools run test test-fast lint typecheck wheel-smoke settings-doc clean bench soak
+.PHONY: install test-tools run test test-fast lint typecheck wheel-smoke man settings-doc clean bench soak
 
 $(BIN)/python:
 	@echo "making $(VENV) with $(PYTHON)..."
@@ -83,13 +83,18 @@ lint: install
 typecheck: install
 	MYPYPATH=$$(echo build/__editable__.hermes_sup-*) $(BIN)/mypy -p hermes_sup
 
+# A man page for every command, from the commands' own help (click-man):
+# man -l man/hermes-sup-send.1
+man: install
+	$(BIN)/python -m hermes_sup.cli.manpages man
+
 # The README's table of settings, made from their declarations in
 # supervisor/config.py (tests/test_config.py fails while the two differ).
 settings-doc: $(BIN)/python
 	$(BIN)/python -m hermes_sup.supervisor.config README.md
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis man
 
 # Benchmarks, never part of the tests: results in bench/results/latest.json,
 # summarised in BENCHMARKS.md. Every benchmark runs as `python -m bench.NAME`

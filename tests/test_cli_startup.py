@@ -97,3 +97,18 @@ def test_a_command_still_finds_what_it_defers() -> None:
         command = cli.get_command(ctx, name)
         assert command is not None, name
         assert command.get_short_help_str(), name
+
+
+# click-man 0.6 calls click.utils.make_default_short_help, deprecated in click 8.3.
+@pytest.mark.filterwarnings("ignore:'click.utils.make_default_short_help':DeprecationWarning")
+def test_man_pages_are_made_from_the_commands_help(tmp_path) -> None:  # noqa: ANN001
+    """`make man`: a page for every command, the lazy ones included, each
+    saying what its --help says."""
+    pytest.importorskip("click_man", reason="click-man is in the dev extra")
+    from hermes_sup.cli.manpages import write
+
+    pages = {p.name for p in write(tmp_path)}
+    assert {"hermes-sup.1", "hermes-sup-send.1", "hermes-sup-keys-http-generate.1"} <= pages
+    assert "hermes-sup-completion.1" in pages and "hermes-sup-ping.1" in pages
+    send = (tmp_path / "hermes-sup-send.1").read_text()
+    assert ".SH OPTIONS" in send and "turn\\-id" in send
