@@ -172,7 +172,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     Example:
       hermes-sup status
     """
-    from .common import NotRunningError, connect
+    from .common import NotRunningError, connect, one_line
 
     try:
         with connect(ctx) as client:
@@ -187,9 +187,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
             raise
         seconds = starting.get("seconds")
         so_far = f", {seconds:.0f}s so far" if isinstance(seconds, int | float) else ""
+        # A file, so shown as a session's text would be (escapes made visible).
+        said = f"the supervisor (pid {starting.get('pid')}) is starting: {starting.get('stage')}"
         raise NotRunningError(
-            f"the supervisor (pid {starting.get('pid')}) is starting: {starting.get('stage')}"
-            f"{so_far}; it answers once that is done"
+            one_line(Exception(f"{said}{so_far}; it answers once that is done"))
         ) from None
     if as_json:
         click.echo(json.dumps(info, indent=2))
