@@ -78,7 +78,7 @@ def test_signal_reaches_the_worker(supervisor) -> None:
     assert until(lambda: row(supervisor, "s1")["pid"] is None)
     assert "SIGTERM" in row(supervisor, "s1")["last_exit"]
     bad = hs(supervisor, "signal", "SIGNOPE", "s1")
-    assert bad.returncode == 1 and "not a signal name or number" in bad.stderr
+    assert bad.returncode == 2 and "not a signal name or number" in bad.stderr  # usage
     idle = hs(supervisor, "signal", "HUP", "s1")
     assert idle.returncode == 1 and "no running worker to signal" in idle.stderr
 
