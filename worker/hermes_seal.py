@@ -192,7 +192,7 @@ def preload(
     _ENTERED = done.paths
     before = dict(os.environ)
     # TERMINAL_CWD is W here and in every worker: not a deprecated .env's.
-    from .hermes import quiet_own_terminal_cwd
+    from .hermes_warnings import quiet_own_terminal_cwd
 
     quiet_own_terminal_cwd()
     for name in BASE_MODULES:
