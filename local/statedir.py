@@ -113,7 +113,12 @@ def write_starting(state_dir: Path, report: dict[str, object]) -> None:
     """Say how far the start is (STARTING_FILE, 0600, replaced whole)."""
     path = state_dir / STARTING_FILE
     tmp = path.with_name(f".{STARTING_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        tmp.unlink()  # one left by a start that died: made anew, never followed
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(report, f)
     os.replace(tmp, path)
