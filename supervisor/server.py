@@ -91,6 +91,9 @@ class Supervisor:
         own.pop("NOTIFY_SOCKET", None)
         self.ctx = Context(settings, own)
         self._next_watchdog = 0.0
+        # Serving (the control socket is up): a zygote restarted from now on
+        # is no start of ours to report in the state directory.
+        self._serving = False
         self._lock = privatedir.InstanceLock(settings.state_dir)
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._next_full_gc = time.monotonic() + FULL_GC_INTERVAL
@@ -185,6 +188,8 @@ class Supervisor:
         is up: for `status` (statedir.STARTING_FILE) and systemd."""
         said = f"preloading Hermes: {report.get('done')} of {report.get('of')} modules"
         self.notifier.status(said)
+        if self._serving:
+            return
         try:
             statedir.write_starting(
                 self.settings.state_dir, {"pid": os.getpid(), "stage": said, **report}
@@ -230,6 +235,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
         self.endpoints.open(loop, self.front.on_frames, self.back.on_frames)
+        self._serving = True
         if self.pool.sealing.mode == "root":
             sealing.open_worker_socket(self.settings.state_dir / statedir.WORKER_SOCKET)
         zygote = self.pool.zygote
