@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install test-tools run test test-fast lint typecheck settings-doc clean bench soak
+.PHONY: install test-tools run test test-fast lint typecheck wheel-smoke man settings-doc clean bench soak
 
 $(BIN)/python:
 	@echo "making $(VENV) with $(PYTHON)..."
@@ -18,30 +18,57 @@ $(BIN)/python:
 # later is seen after the next `make install` (every target below runs it).
 EDITABLE := --config-settings editable_mode=strict
 
-# Install (or refresh) the package, its test tools and its checkers into the venv.
-install: $(BIN)/python
-	@echo "installing hermes-sup and its test tools into $(VENV) (about a minute the first time)..."
-	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http,ray,dev]' $(EDITABLE)
+# What a change to makes an install stale: the project's metadata, and the
+# package folders (a folder's time changes when a module is added or
+# removed, which the link tree must show). Each install leaves a stamp in
+# the venv; the next one runs only when one of these is newer.
+PACKAGE_DIRS := protocol supervisor worker cli client local httpapi cluster door
+INSTALL_INPUTS := pyproject.toml $(PACKAGE_DIRS)
 
-# Running needs only the package; the test extras (hermes-agent among them) are for tests.
-run: $(BIN)/python
-	@echo "installing hermes-sup into $(VENV)..."
-	$(BIN)/python -m pip install -q -e . $(EDITABLE)
+# Install (or refresh) the package, its test tools and its checkers into the venv.
+install: $(VENV)/.installed-dev
+$(VENV)/.installed-dev: $(INSTALL_INPUTS) | $(BIN)/python
+	@echo "installing hermes-sup with its test tools and checkers into $(VENV)"
+	@echo "  (extras test, hermes, metrics, http, ray, dev: some minutes the first time, pip is quiet)..."
+	@start=$$(date +%s); \
+	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http,ray,dev]' $(EDITABLE) && \
+	echo "  installed in $$(( $$(date +%s) - start ))s"
+	@touch $@
+
+# Running needs only the package; the test extras (hermes-agent among them)
+# are for tests. Installed again only when something above changed.
+run: $(VENV)/.installed-run
 	$(BIN)/hermes-sup serve
+
+$(VENV)/.installed-run: $(INSTALL_INPUTS) | $(BIN)/python
+	@echo "installing hermes-sup into $(VENV) (pyproject.toml or a package folder changed)..."
+	@start=$$(date +%s); \
+	$(BIN)/python -m pip install -q -e . $(EDITABLE) && \
+	echo "  installed in $$(( $$(date +%s) - start ))s"
+	@touch $@
 
 # The browser and Node.js tests need Debian's Chromium (installed here when
 # running as root) and the Node example's packages. Without them those tests
 # skip, unless HSUP_REQUIRE_ALL=1 (as in CI) makes them fail.
 test-tools:
+	@echo "checking the browser and Node.js test tools (Chromium, the Node example's packages)..."
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "  installing Chromium with apt-get (some minutes)..." && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 		echo "note: no Chromium; the web test will be skipped"
-	@if command -v npm >/dev/null; then npm ci --prefix examples/node --no-audit --no-fund --silent; \
+	@if command -v npm >/dev/null; then echo "  npm ci in examples/node..."; \
+		npm ci --prefix examples/node --no-audit --no-fund --silent; \
 		else echo "note: no npm; the Node.js test will be skipped"; fi
 
-# The whole suite, after the linter and the type checker (CI runs this).
-test: install test-tools lint typecheck
+# The whole suite, after the linter, the type checker and the wheel's own
+# smoke test (CI runs this).
+test: install test-tools lint typecheck wheel-smoke
 	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
+
+# The wheel as a user gets it: built from the tracked files, installed into
+# a fresh venv outside the checkout (base dependencies only), then serve,
+# send, keys, and the sealed preload's module list found (.ci/wheel_smoke.py).
+wheel-smoke: install
+	$(BIN)/python .ci/wheel_smoke.py
 
 # The fast tier: in-process tests and fakes, no supervisor (tests marked e2e
 # start the real processes); well under a minute.
@@ -56,13 +83,18 @@ lint: install
 typecheck: install
 	MYPYPATH=$$(echo build/__editable__.hermes_sup-*) $(BIN)/mypy -p hermes_sup
 
+# A man page for every command, from the commands' own help (click-man):
+# man -l man/hermes-sup-send.1
+man: install
+	$(BIN)/python -m hermes_sup.cli.manpages man
+
 # The README's table of settings, made from their declarations in
 # supervisor/config.py (tests/test_config.py fails while the two differ).
 settings-doc: $(BIN)/python
 	$(BIN)/python -m hermes_sup.supervisor.config README.md
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis man
 
 # Benchmarks, never part of the tests: results in bench/results/latest.json,
 # summarised in BENCHMARKS.md. Every benchmark runs as `python -m bench.NAME`

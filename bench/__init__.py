@@ -12,6 +12,7 @@ Entry points, run from the repository root as `python -m bench.NAME`
 - route: routed turns, a cluster's scale and a node's failover
 - sealed, sealed_probe: sealed sessions, Hermes and probe
 - soak: mixed load and faults for minutes (`make soak`; soak_*.py)
+- startup: how long a `hermes-sup` command takes to start, beside its floors
 
 common.py holds what they share: percentiles, the measured supervisor,
 CPU and memory readings. Results go to bench/results/ (not committed).

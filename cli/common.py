@@ -13,17 +13,17 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from hermes_sup.client import (
-    Client,
-    ClientError,
-    NotRunning,
-    SupervisorError,
-    session_options,
-)
+# The errors only: the client itself (zmq, its protocol core) is imported
+# by `connect`, when a command talks to the supervisor, not for --help or Tab.
+from hermes_sup.client.connection import session_options
+from hermes_sup.client.errors import ClientError, NotRunning, SupervisorError
+
+if TYPE_CHECKING:
+    from hermes_sup.client.blocking import Client
 
 from .serve import parse_pairs
 from .terminal import is_terminal, neutralize
@@ -55,8 +55,12 @@ def start_hint(ctx: click.Context) -> str:
 
 
 @contextmanager
-def connect(ctx: click.Context) -> Iterator[Client]:
-    """A client for the command, with errors turned into one-line messages."""
+def connect(ctx: click.Context, when_down: str = "") -> Iterator[Client]:
+    """A client for the command, with errors turned into one-line messages;
+    `when_down`, if given, is added to the one saying the supervisor is not
+    running (what the command can do without it)."""
+    from hermes_sup.client.blocking import Client
+
     state_dir: Path = ctx.obj["state_dir"]
     connection: Path | None = ctx.obj.get("connection")
     try:
@@ -67,13 +71,14 @@ def connect(ctx: click.Context) -> Iterator[Client]:
     except NotRunning as exc:
         raise NotRunningError(
             f"{exc}. Start it with: hermes-sup --state-dir {shlex.quote(str(state_dir))} serve"
+            + (f"; {when_down}" if when_down else "")
         ) from None
     except ClientError as exc:  # permission denied, a bad connection file
         raise click.ClickException(one_line(exc)) from None
     try:
         yield client
     except NotRunning as exc:
-        raise NotRunningError(one_line(exc)) from None
+        raise NotRunningError(one_line(exc) + (f"; {when_down}" if when_down else "")) from None
     except SupervisorError as exc:
         raise click.ClickException(one_line(exc)) from None
     except ClientError as exc:
@@ -85,6 +90,8 @@ def connect(ctx: click.Context) -> Iterator[Client]:
 def complete_sessions(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
     """Shell completion of session keys, asked of the running supervisor."""
     from click.shell_completion import CompletionItem
+
+    from hermes_sup.client.blocking import Client
 
     obj = ctx.obj if isinstance(ctx.obj, dict) else {}
     state_dir = obj.get("state_dir") or ctx.find_root().params.get("state_dir")
@@ -134,19 +141,10 @@ def new_session_options(func: Any) -> Any:
 
 
 def parse_duration(text: str) -> float:
-    """'90', '90s', '10m', '2h', '1h30m', '1d' -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    total, number = 0.0, ""
-    for ch in text.strip().lower():
-        if ch.isdigit() or ch == ".":
-            number += ch
-        elif ch in units and number:
-            total += float(number) * units[ch]
-            number = ""
-        else:
-            raise click.BadParameter(f"{text!r} is not a duration like 90s, 10m, 2h or 1h30m")
-    if number:
-        total += float(number)
-    if not text.strip():
-        raise click.BadParameter("empty duration")
-    return total
+    """'90', '90s', '10m', '2h', '1h30m', '1d' -> seconds; a usage error else."""
+    from hermes_sup.local.durations import parse_duration as parse
+
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None

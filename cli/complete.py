@@ -14,7 +14,7 @@ separator between a value and its description, so colons in values are
 escaped there (`telegram\\:-100123`).
 
 Both register under click's names (bash, zsh): `_HERMES_SUP_COMPLETE=bash_source`
-prints our script.
+prints our script, as `hermes-sup completion bash` does (fish: click's own).
 """
 
 from __future__ import annotations
@@ -22,13 +22,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import click
 from click.shell_completion import (
     BashComplete,
     CompletionItem,
     ZshComplete,
     add_completion_class,
+    get_completion_class,
     split_arg_string,
 )
+
+PROG_NAME = "hermes-sup"
+COMPLETE_VAR = "_HERMES_SUP_COMPLETE"
+SHELLS = ("bash", "zsh", "fish")
 
 DEFAULT_WORDBREAKS = " \t\n\"'><=;|&(:"
 
@@ -106,3 +112,25 @@ def install() -> None:
     """Use these classes for bash and zsh (click's own for other shells)."""
     add_completion_class(KeyBashComplete, "bash")
     add_completion_class(KeyZshComplete, "zsh")
+
+
+@click.command()
+@click.argument("shell", type=click.Choice(SHELLS))
+@click.pass_context
+def completion(ctx: click.Context, shell: str) -> None:
+    """Print the shell completion script for SHELL (bash, zsh or fish).
+
+    Completes commands, options and session keys (asked of the running
+    supervisor).
+
+    \b
+    Examples:
+      eval "$(hermes-sup completion bash)"        # in ~/.bashrc
+      eval "$(hermes-sup completion zsh)"         # in ~/.zshrc
+      hermes-sup completion fish > ~/.config/fish/completions/hermes-sup.fish
+    """
+    root = ctx.find_root().command
+    found = get_completion_class(shell)
+    if found is None:  # not reached: SHELLS are all registered
+        raise click.ClickException(f"no completion for {shell}")
+    click.echo(found(root, {}, PROG_NAME, COMPLETE_VAR).source(), nl=False)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hermes_sup.local.version import install_hint
 from hermes_sup.supervisor import configfile
 from hermes_sup.supervisor.worktrees import repository_problem
 
@@ -56,8 +57,8 @@ def check_runtime(spec: str) -> str | None:
         missing = [m for m in HERMES_MODULES if importlib.util.find_spec(m) is None]
         if missing:
             return (
-                f"hermes-agent is not installed (no {', '.join(missing)}): "
-                "pip install 'hermes-sup[hermes]'"
+                f"hermes-agent is not installed (no {', '.join(missing)}); add the hermes "
+                f"extra: {install_hint('hermes')}"
             )
     return None
 
@@ -108,6 +109,7 @@ def check_file(
             errors.append(f"{path}: metrics: {exc}")
         if importlib.util.find_spec("prometheus_client") is None:
             errors.append(
-                f"{path}: metrics needs prometheus-client: pip install 'hermes-sup[metrics]'"
+                f"{path}: metrics needs prometheus-client (the metrics extra): "
+                + install_hint("metrics")
             )
     return values, errors

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from hermes_sup.local.version import install_hint
 from hermes_sup.supervisor.config import DATA_DIR_ENV, default_data_dir
 
 from .options import LOG_LEVEL, web_dir_option
@@ -29,7 +30,8 @@ def _need_http_extra() -> None:
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise click.ClickException(
-            f"the HTTP endpoint needs {' and '.join(missing)}: pip install 'hermes-sup[http]'"
+            f"the HTTP endpoint needs {' and '.join(missing)} (the http extra): "
+            + install_hint("http")
         )
 
 

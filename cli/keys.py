@@ -114,3 +114,13 @@ def keys_revoke(name: str, data_dir: Path | None) -> None:
     if not found:
         raise click.ClickException(f"no front end named {name!r} is allowed")
     click.echo(f"revoked {name}")
+
+
+def _add_http_keys() -> None:
+    """`keys http ...`: the HTTP endpoint's keys, beside the front ends'."""
+    from .http import http_keys
+
+    keys.add_command(http_keys)
+
+
+_add_http_keys()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from collections.abc import Iterable
 from datetime import datetime
@@ -25,7 +26,7 @@ from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.config import DATA_DIR_ENV, default_data_dir
 from hermes_sup.supervisor.logread import MAX_LOG_TAIL, format_stamp, split_stamp, stamp_seconds
 
-from .common import RAW, SESSION, connect, parse_duration
+from .common import RAW, SESSION, connect, parse_duration, start_hint
 from .options import client_options
 from .terminal import Screen
 
@@ -226,7 +227,12 @@ def logs(
         body["since"] = since
     if until is not None:
         body["until"] = until
-    with connect(ctx) as client:
+    # Down, the supervisor cannot send the log; the log is on disk all the same.
+    from_disk = (
+        f"or read the log from disk: {start_hint(ctx)} logs {shlex.quote(session)} --data-dir "
+        f"DIR ('-': the default, {default_data_dir()})"
+    )
+    with connect(ctx, when_down=from_disk) as client:
         req = client.submit(Kind.LOGS, body, session=session)
         _print_all(printer, client.answer(req).body["lines"])
         if not follow:

@@ -16,6 +16,7 @@ cancelled with Ctrl-C.
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from pathlib import Path
@@ -23,16 +24,9 @@ from typing import Any
 
 import click
 
-from hermes_sup.local.version import version
-from hermes_sup.protocol import Kind
-from hermes_sup.supervisor.config import STATE_DIR_ENV
+from hermes_sup.local.statedir import STATE_DIR_ENV
 
 from . import complete
-from .common import connect
-from .conversation import approve, attach, cancel, events, send, turn
-from .http import http, http_keys
-from .keys import keys
-from .logs import logs
 from .options import (
     CONNECTION_ENV,
     CONNECTION_HELP,
@@ -42,22 +36,66 @@ from .options import (
     TIMEOUT_HELP,
     client_options,
     init_obj,
-    state_dir_option,
 )
-from .ray import ray_group
-from .route import route
-from .serve import config, serve
-from .service import install_service
-from .sessions import inspect, kill, list_, open_, restart, signal_
-from .show import (
-    duration,
-    size,
-)
+from .show import duration, size
 
 complete.install()
 
+# The commands kept beside this module, by name: "module:attribute". Each
+# module is imported when its command runs (or is listed, for --help and
+# completion), so `--version`, a Tab press or `hermes-sup ping` load click
+# and the blocking client, never the supervisor, asyncio or starlette.
+COMMANDS = {
+    "serve": "serve:serve",
+    "config": "serve:config",
+    "keys": "keys:keys",
+    "install-service": "service:install_service",
+    "http": "http:http",
+    "send": "conversation:send",
+    "cancel": "conversation:cancel",
+    "turn": "conversation:turn",
+    "approve": "conversation:approve",
+    "events": "conversation:events",
+    "attach": "conversation:attach",
+    "open": "sessions:open_",
+    "start": "sessions:open_",
+    "restart": "sessions:restart",
+    "signal": "sessions:signal_",
+    "list": "sessions:list_",
+    "inspect": "sessions:inspect",
+    "kill": "sessions:kill",
+    "logs": "logs:logs",
+    "route": "route:route",
+    "ray": "ray:ray_group",
+    "completion": "complete:completion",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    """A group whose commands in COMMANDS are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module, attribute = COMMANDS[cmd_name].split(":")
+            loaded = importlib.import_module(f"{__package__}.{module}")
+            self.commands[cmd_name] = getattr(loaded, attribute)
+        return super().get_command(ctx, cmd_name)
+
+
+def show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """--version: the installed version, looked up only when asked for."""
+    if not value or ctx.resilient_parsing:
+        return
+    from hermes_sup.local.version import version
+
+    click.echo(f"hermes-sup, version {version()}")
+    ctx.exit()
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, readable=False, path_type=Path),
@@ -72,7 +110,15 @@ complete.install()
     default=None,
     help=CONNECTION_HELP,
 )
-@click.version_option(version(), "--version", "-V", prog_name="hermes-sup")
+@click.option(
+    "--version",
+    "-V",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=show_version,
+    help="Show the version and exit.",
+)
 @click.pass_context
 def cli(
     ctx: click.Context, state_dir: Path | None, timeout: float, connection: Path | None
@@ -85,35 +131,9 @@ def cli(
     \b
     Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running,
     130 a turn cancelled with Ctrl-C.
-    Completion: eval "$(_HERMES_SUP_COMPLETE=bash_source hermes-sup)"
+    Completion: eval "$(hermes-sup completion bash)"
     """
     init_obj(ctx, state_dir, timeout, connection)
-
-
-cli.add_command(serve)
-# serve --state-dir works as hermes-sup --state-dir serve does.
-serve.params.append(state_dir_option())
-cli.add_command(config)
-cli.add_command(keys)
-cli.add_command(install_service)
-cli.add_command(http)
-cli.add_command(send)
-cli.add_command(cancel)
-cli.add_command(turn)
-cli.add_command(approve)
-cli.add_command(events)
-cli.add_command(attach)
-cli.add_command(open_)
-cli.add_command(open_, name="start")
-cli.add_command(restart)
-cli.add_command(signal_)
-cli.add_command(list_)
-cli.add_command(inspect)
-cli.add_command(kill)
-cli.add_command(logs)
-cli.add_command(route)
-cli.add_command(ray_group, name="ray")
-keys.add_command(http_keys)
 
 
 # ------------------------------------------------------------------ ping
@@ -129,6 +149,8 @@ def ping(ctx: click.Context) -> None:
     Example:
       hermes-sup ping
     """
+    from .common import connect
+
     with connect(ctx) as client:
         started = time.perf_counter()
         info = client.ping()
@@ -150,8 +172,26 @@ def status(ctx: click.Context, as_json: bool) -> None:
     Example:
       hermes-sup status
     """
-    with connect(ctx) as client:
-        info = client.status()
+    from .common import NotRunningError, connect, one_line
+
+    try:
+        with connect(ctx) as client:
+            info = client.status()
+    except NotRunningError:
+        # Not answering yet may be a start still under way (the sealed
+        # Hermes preload): say how far it is.
+        from hermes_sup.local.statedir import read_starting
+
+        starting = read_starting(ctx.obj["state_dir"])
+        if starting is None or ctx.obj.get("connection") is not None:
+            raise
+        seconds = starting.get("seconds")
+        so_far = f", {seconds:.0f}s so far" if isinstance(seconds, int | float) else ""
+        # A file, so shown as a session's text would be (escapes made visible).
+        said = f"the supervisor (pid {starting.get('pid')}) is starting: {starting.get('stage')}"
+        raise NotRunningError(
+            one_line(Exception(f"{said}{so_far}; it answers once that is done"))
+        ) from None
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -199,6 +239,14 @@ def sealing_lines(info: dict[str, Any]) -> list[str]:
         if not sealed.get("signals_scoped") and not sealed.get("pid_namespaces"):
             parts.append("signals between sessions not scoped")
         lines.append("sealing:   " + ", ".join(parts))
+    preload = info.get("preload")
+    if isinstance(preload, dict) and preload.get("recorded"):
+        missing = preload.get("missing") or 0
+        lines.append(
+            f"preload:   Hermes, {preload['recorded'] - missing} of {preload['recorded']} "
+            f"recorded modules ({preload.get('modules')} in all) in "
+            f"{preload.get('seconds', 0):.1f}s"
+        )
     limits = info.get("limits") or {}
     if limits:
         lines.append(
@@ -223,6 +271,10 @@ def reload(ctx: click.Context) -> None:
     Example:
       hermes-sup reload
     """
+    from hermes_sup.protocol import Kind
+
+    from .common import connect
+
     with connect(ctx) as client:
         body = client.request(Kind.RELOAD).body
     click.echo("reloaded; changed: " + (", ".join(body["changed"]) or "nothing"))
@@ -262,6 +314,10 @@ def drain(ctx: click.Context, off: bool, wait: bool, name: str | None) -> None:
     body: dict[str, object] = {"on": not off}
     if name is not None:
         body["node"] = name
+    from hermes_sup.protocol import Kind
+
+    from .common import connect
+
     with connect(ctx) as client:
         node = client.request(Kind.DRAIN, body).body["node"]
         if off:
@@ -316,6 +372,8 @@ def shutdown(ctx: click.Context, wait: bool) -> None:
     Example:
       hermes-sup shutdown
     """
+    from .common import connect
+
     with connect(ctx) as client:
         running = sum(1 for r in client.sessions() if r["state"] == "busy")
         info = client.shutdown()

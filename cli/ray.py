@@ -12,6 +12,8 @@ from types import ModuleType
 
 import click
 
+from hermes_sup.local.version import install_hint
+
 ADDRESS = click.option(
     "--address",
     required=True,
@@ -21,7 +23,7 @@ ADDRESS = click.option(
 
 @click.group(name="ray")
 def ray_group() -> None:
-    """Node agents on a Ray cluster (needs the ray extra: pip install 'hermes-sup[ray]')."""
+    """Node agents on a Ray cluster (needs the ray extra)."""
 
 
 def _agents() -> ModuleType:
@@ -29,7 +31,7 @@ def _agents() -> ModuleType:
         from hermes_sup.cluster import ray_agents
     except ImportError as exc:
         raise click.ClickException(
-            f"Ray is not installed ({exc}); pip install 'hermes-sup[ray]'"
+            f"Ray is not installed ({exc}); add the ray extra: {install_hint('ray')}"
         ) from None
     return ray_agents
 

@@ -68,7 +68,10 @@ def event_json(event: Event) -> dict[str, Any]:
     """An event as one JSON object: its wire type, data and turn."""
     out: dict[str, Any] = {"type": event.type, "data": event.data, "turn": event.turn}
     if isinstance(event, Reply):
-        out.update(text=event.text, ok=event.ok)
+        # A cancelled turn is not ok, whatever its runtime answered.
+        out.update(text=event.text, ok=event.ok and not event.cancelled)
+        if event.cancelled:
+            out["cancelled"] = True
     if event.session is not None:
         out["session"] = event.session
     return out
@@ -164,6 +167,11 @@ class Sender:
                 if not self.interactive:
                     poller.unregister(stdin)  # end of input
             msg = self._next()
+            if self.waiting:
+                # The turn waits on a person (the prompt, or the hint to
+                # approve): no "still waiting" over it; silence counts after.
+                last_heard = time.monotonic()
+                quiet_said = 0
             silent = time.monotonic() - last_heard
             if msg is None and self.screen.clean_err and silent >= QUIET_NOTICE * (quiet_said + 1):
                 quiet_said += 1
@@ -361,8 +369,15 @@ class Sender:
         if not self.as_json:
             if self.streamed:
                 self._end_stream()  # its text is on screen already
-            else:
+            elif not reply.cancelled:  # "cancelled" is no answer to print
                 self.screen.out(reply.text)
+        if reply.cancelled:
+            click.echo(
+                f"Error: the turn was cancelled before it finished "
+                f"({self.hint_prefix} cancel {self.key}, or the session was stopped)",
+                err=True,
+            )
+            return 1
         if self.timed_out_approvals:
             what = ", ".join(self.timed_out_approvals)
             hint = "answer at the prompt" if self.interactive else "answer with "

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import click
 
+from hermes_sup.local.durations import parse_duration
+from hermes_sup.local.version import install_hint
 from hermes_sup.supervisor.config import (
     SETTINGS,
     Setting,
@@ -21,7 +23,7 @@ from hermes_sup.supervisor.config import (
     default_state_dir,
 )
 
-from .options import web_dir_option
+from .options import state_dir_option, web_dir_option
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -53,7 +55,12 @@ class SettingNumber(click.ParamType):  # type: ignore[type-arg]
         try:
             number = self.kind(value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
+            if not (self.setting.seconds and isinstance(value, str)):
+                self.fail(f"{value!r} is not a number", param, ctx)
+            try:
+                number = parse_duration(value)  # 30m, as kill --idle-for takes
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
         if number < 0:
             self.fail(f"{value!r} is negative", param, ctx)
         if number < self.setting.minimum:
@@ -207,7 +214,7 @@ def serve(
             raise click.BadParameter(str(exc), param_hint="--metrics") from None
         if importlib.util.find_spec("prometheus_client") is None:
             raise click.ClickException(
-                "metrics need prometheus-client: pip install 'hermes-sup[metrics]'"
+                "metrics need prometheus-client (the metrics extra): " + install_hint("metrics")
             )
     if settings.runtime == "hermes" and not settings.preload:
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
@@ -231,6 +238,10 @@ def serve(
     except (StateDirError, RemoteError, SealingUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
+
+
+# serve --state-dir works as hermes-sup --state-dir serve does.
+serve.params.append(state_dir_option())
 
 
 @click.group()

@@ -110,7 +110,7 @@ CONFIG_TEMPLATE = """\
 # `systemctl reload hermes-sup` re-reads this file, `hermes-sup config check`
 # checks it. Everything is commented out: the defaults apply.
 #
-# runtime = "probe"          # or "hermes" (pip install 'hermes-sup[hermes]')
+# runtime = "probe"          # or "hermes" (needs the hermes extra)
 # spare_workers = 2
 # idle_timeout = 3600
 # memory_limit_mb = 2048

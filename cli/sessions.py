@@ -125,9 +125,20 @@ def restart(ctx: click.Context, sessions: tuple[str, ...], force: bool) -> None:
         sys.exit(1)
 
 
+def _signal_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A signal this host knows, or a usage error (exit 2) before connecting."""
+    from hermes_sup.protocol.exits import signal_named
+
+    try:
+        signal_named(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @client_options
 @click.command(name="signal")
-@click.argument("sig", metavar="SIGNAL")
+@click.argument("sig", metavar="SIGNAL", callback=_signal_name)
 @SESSION
 @click.option("--group", is_flag=True, help="Signal the worker's whole process group.")
 @click.pass_context
@@ -216,6 +227,8 @@ def list_(
 
     Memory (RSS) and CPU% are of the worker and everything it started, sampled
     when you ask (CPU% since the previous list, or since the worker started).
+    The memory limit (serve --memory-limit) counts the tree's PSS instead,
+    shared pages once: a tree's RSS here may be over its limit.
     The key column is as wide as the longest key; on a narrower terminal keys
     are cut in the middle (…), unless --no-trunc.
 

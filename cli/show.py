@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import click
@@ -195,6 +196,16 @@ def format_rows(template: str, rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def clock(epoch: float) -> str:
+    """A moment for a person: local time to the second, with the date
+    only when it is not today (2026-12-03 09:15:02, or 09:15:02)."""
+    moment = time.localtime(epoch)
+    today = time.localtime()
+    if moment[:3] == today[:3]:
+        return time.strftime("%H:%M:%S", moment)
+    return time.strftime("%Y-%m-%d %H:%M:%S", moment)
+
+
 def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
     """`hermes-sup inspect`: one session, a field a line."""
     pid = info.get("pid")
@@ -226,7 +237,8 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
         if {h.get("previous"), h.get("state")} != {"idle", "busy"}
     ]
     steps = [
-        f"{h.get('previous')} -> {h.get('state')}"
+        (f"{clock(h['at'])} " if isinstance(h.get("at"), (int, float)) else "")
+        + f"{h.get('previous')} -> {h.get('state')}"
         + (f" ({h['reason']})" if h.get("reason") else "")
         for h in history[-8:]
     ]
@@ -257,7 +269,9 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
         + ("" if logs else " (nothing logged yet)"),
         f"options:    {'; '.join(opts) or 'none'}",
         f"env names:  {' '.join(info.get('env_names') or [])}",
-        f"history:    {'; '.join(steps) or 'no start or stop in its recent history'}",
+        # One step a line, each with its time.
+        f"history:    {steps[0] if steps else 'no start or stop in its recent history'}",
+        *(f"            {step}" for step in steps[1:]),
     ]
     if info.get("approvals_waiting"):
         after_turns = next(i for i, line in enumerate(lines) if line.startswith("turns:")) + 1

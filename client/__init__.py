@@ -10,50 +10,124 @@
 
 `AsyncClient` has the same calls, awaited. Both are thin transports over one
 sans-IO core (`core.py`): the protocol logic exists once.
+
+Each name is imported from its module when first used (PEP 562), so that
+`from hermes_sup.client import Client` does not load asyncio for the
+blocking client, nor the blocking one for `AsyncClient`.
 """
 
-from .aio import AsyncClient, AsyncTurn
-from .blocking import Client, Turn
-from .connection import Connection, Curve, session_options
-from .core import Killed, Opened, Pong, Signalled
-from .errors import (
-    AccessDenied,
-    BadRequest,
-    Busy,
-    ClientError,
-    InternalError,
-    NoSuchSession,
-    NothingToApprove,
-    NotRunning,
-    Overloaded,
-    ProtocolError,
-    SessionConflict,
-    SessionFailed,
-    SessionKilled,
-    ShuttingDown,
-    SupervisorError,
-    Timeout,
-    TurnFailed,
-    TurnTimeout,
-    WorkerDied,
-)
-from .events import (
-    ApprovalRequest,
-    ApprovalTimeout,
-    Backoff,
-    Dropped,
-    Duplicate,
-    Event,
-    Output,
-    Queued,
-    Reply,
-    Running,
-    StateChange,
-    Token,
-    ToolComplete,
-    ToolStart,
-    TurnStarted,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .aio import AsyncClient, AsyncTurn
+    from .blocking import Client, Turn
+    from .connection import Connection, Curve, session_options
+    from .core import Killed, Opened, Pong, Signalled
+    from .errors import (
+        AccessDenied,
+        BadRequest,
+        Busy,
+        ClientError,
+        InternalError,
+        NoSuchSession,
+        NothingToApprove,
+        NotRunning,
+        Overloaded,
+        ProtocolError,
+        SessionConflict,
+        SessionFailed,
+        SessionKilled,
+        ShuttingDown,
+        SupervisorError,
+        Timeout,
+        TurnFailed,
+        TurnTimeout,
+        WorkerDied,
+    )
+    from .events import (
+        ApprovalRequest,
+        ApprovalTimeout,
+        Backoff,
+        Dropped,
+        Duplicate,
+        Event,
+        Output,
+        Queued,
+        Reply,
+        Running,
+        StateChange,
+        Token,
+        ToolComplete,
+        ToolStart,
+        TurnStarted,
+    )
+
+_WHERE = {
+    "AccessDenied": "errors",
+    "ApprovalRequest": "events",
+    "ApprovalTimeout": "events",
+    "AsyncClient": "aio",
+    "AsyncTurn": "aio",
+    "Backoff": "events",
+    "BadRequest": "errors",
+    "Busy": "errors",
+    "Client": "blocking",
+    "ClientError": "errors",
+    "Connection": "connection",
+    "Curve": "connection",
+    "Dropped": "events",
+    "Duplicate": "events",
+    "Event": "events",
+    "InternalError": "errors",
+    "Killed": "core",
+    "NoSuchSession": "errors",
+    "NotRunning": "errors",
+    "NothingToApprove": "errors",
+    "Opened": "core",
+    "Output": "events",
+    "Overloaded": "errors",
+    "Pong": "core",
+    "ProtocolError": "errors",
+    "Queued": "events",
+    "Reply": "events",
+    "Running": "events",
+    "SessionConflict": "errors",
+    "SessionFailed": "errors",
+    "SessionKilled": "errors",
+    "ShuttingDown": "errors",
+    "Signalled": "core",
+    "StateChange": "events",
+    "SupervisorError": "errors",
+    "Timeout": "errors",
+    "Token": "events",
+    "ToolComplete": "events",
+    "ToolStart": "events",
+    "Turn": "blocking",
+    "TurnFailed": "errors",
+    "TurnStarted": "events",
+    "TurnTimeout": "errors",
+    "WorkerDied": "errors",
+    "session_options": "connection",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, as `from hermes_sup.client import *` sees them."""
+    return sorted(__all__)
+
 
 __all__ = [
     "AccessDenied",

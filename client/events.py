@@ -142,6 +142,13 @@ class Reply(Event):
     ok: bool = True
     events: list[Event] = field(default_factory=list)
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether the turn was cancelled before it finished (the probe
+        says `cancelled`, Hermes `interrupted`): its text is no answer."""
+        data = self.data if isinstance(self.data, dict) else {}
+        return bool(data.get("cancelled") or data.get("interrupted"))
+
 
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None

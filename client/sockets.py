@@ -70,7 +70,9 @@ def refused(monitor: Any) -> str | None:
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             reason = (
                 "the supervisor refused this client's CURVE key: it is not in the "
-                "supervisor's allowlist (hermes-sup keys allow)"
+                "supervisor's allowlist (revoked, or never allowed). On the supervisor's "
+                "host, `hermes-sup keys list` shows who is allowed and `hermes-sup keys "
+                "generate NAME --endpoint HOST:PORT` makes a new connection file"
             )
         else:
             reason = (

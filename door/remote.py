@@ -12,7 +12,7 @@ reboots (the state directory may not):
                                     a name `router` or `router-*` is a
                                     router's, whose key may also drain
 
-The allowlist is read at every handshake: `hermes-sup keys allow/revoke`
+The allowlist is read at every handshake: `hermes-sup keys generate/revoke`
 take effect for the next connection, without a restart.
 
 Refusals and failed handshakes are logged through throttles (throttle.py):

@@ -28,10 +28,31 @@ responses unless granted more.
     guard.py     uvicorn's protocol with a header timeout and a connection cap
     serve.py     running it with uvicorn: beside `serve`, or on its own
 
-Starlette and uvicorn come with the `http` extra: `pip install 'hermes-sup[http]'`.
+Starlette and uvicorn come with the `http` extra. Only app.py, serve.py and
+what they import need them: keys.py does not (`hermes-sup keys http
+generate` works without them), so the names below are imported on first
+use, not with the package.
 """
 
-from .app import ApiSettings, create_app
-from .keys import KeyStore
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import ApiSettings, create_app
+    from .keys import KeyStore
+
+_WHERE = {"ApiSettings": "app", "create_app": "app", "KeyStore": "keys"}
 
 __all__ = ["ApiSettings", "KeyStore", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -12,6 +12,7 @@ only: no zmq.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,9 @@ KEY_FILE = "hmac.key"
 LOCK_FILE = "supervisor.lock"
 CONTROL_SOCKET = "control.sock"
 WORKER_SOCKET = "workers.sock"
+# What a supervisor does while it starts, before its control socket is up
+# (the sealed Hermes preload: seconds to minutes): `status` reads it.
+STARTING_FILE = "starting.json"
 
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 MAX_IPC_PATH = 107
@@ -103,3 +107,40 @@ def is_locked(state_dir: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def write_starting(state_dir: Path, report: dict[str, object]) -> None:
+    """Say how far the start is (STARTING_FILE, 0600, replaced whole)."""
+    path = state_dir / STARTING_FILE
+    tmp = path.with_name(f".{STARTING_FILE}.{os.getpid()}")
+    try:
+        tmp.unlink()  # one left by a start that died: made anew, never followed
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
+
+
+def clear_starting(state_dir: Path) -> None:
+    """The start is over (ready, or failed)."""
+    try:
+        (state_dir / STARTING_FILE).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def read_starting(state_dir: Path) -> dict[str, object] | None:
+    """How far the start of the supervisor on `state_dir` is, if one is
+    starting: it holds the lock and has said so. None otherwise (a file
+    left by one that died is not believed: the lock went with it)."""
+    try:
+        with open(state_dir / STARTING_FILE, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or not is_locked(state_dir):
+        return None
+    return report

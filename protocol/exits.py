@@ -50,3 +50,17 @@ def describe_exit(code: int | None, signal_name: str | None) -> str:
         WorkerExit.SEAL_FAILED: "could not seal its session (status 73: a namespace, mount or "
         "privilege step failed; nothing of the session ran; see the session log)",
     }[named]
+
+
+def signal_named(value: str) -> signal.Signals:
+    """'TERM', 'SIGTERM', 'sigterm' or '15' as a signal (what `signal` takes
+    on the wire); ValueError naming the forms otherwise."""
+    text = value.strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"{value[:20]!r} is not a signal name or number (e.g. TERM, HUP, 10)"
+        ) from None

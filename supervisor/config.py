@@ -176,6 +176,13 @@ class Setting:
         return self.type
 
     @property
+    def seconds(self) -> bool:
+        """A time in seconds (every float setting but the `_ms` ones): also
+        written as a duration, "30m" or "1h30m", in the file and on the
+        command line, as `kill --idle-for` takes it."""
+        return self.base is float and not self.name.endswith("_ms")
+
+    @property
     def table(self) -> bool:
         """A TOML table of its own ([agent], [session_defaults])."""
         return self.base == dict[str, Any]
@@ -231,6 +238,8 @@ class Setting:
         then its environment variable and default."""
         text = plain(self.meaning()).removesuffix(".")
         text = text[:1].upper() + text[1:] + (" (repeat)." if self.repeatable else ".")
+        if self.seconds:
+            text += " Also a duration: 90s, 30m, 2h."
         extra = [f"env {self.envvar}"] if self.envvar else []
         if self.default_text(markdown=False):
             extra.append(f"default: {self.default_text(markdown=False)}")

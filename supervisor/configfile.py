@@ -24,6 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from hermes_sup.local.durations import parse_duration
 from hermes_sup.protocol import RemoteProtocolError
 
 from .config import AGENT_KEYS, SETTINGS, Setting, Settings
@@ -111,6 +112,11 @@ def check_value(path: Path, setting: Setting, value: Any) -> Any:
     naming the file, the key and what is wrong."""
     kind = setting.base
     where = f"{path}: {setting.file_key}"
+    if setting.seconds and isinstance(value, str):
+        try:
+            value = parse_duration(value)  # "30m", as `kill --idle-for` takes
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     if kind in (int, float):
         whole = kind is int
         if (
@@ -119,7 +125,8 @@ def check_value(path: Path, setting: Setting, value: Any) -> Any:
             or (whole and not isinstance(value, int))
         ):
             off = " (0 = off)" if setting.optional else ""
-            raise ConfigError(f"{where} must be a {'whole ' if whole else ''}number{off}")
+            also = ' or a duration ("30m")' if setting.seconds else ""
+            raise ConfigError(f"{where} must be a {'whole ' if whole else ''}number{also}{off}")
         if value < 0:
             raise ConfigError(f"{where} must not be negative")
         if value < setting.minimum:

@@ -36,6 +36,7 @@ from hermes_sup.protocol import (
     decode,
     error_message,
 )
+from hermes_sup.protocol.exits import signal_named
 
 from .context import Context
 from .endpoints import Endpoints
@@ -484,13 +485,7 @@ def orphan_grace(value: object) -> float | None:
 
 def parse_signal(value: str) -> signal.Signals:
     """'TERM', 'SIGTERM', 'sigterm' or '15' as a signal; a bad_field error otherwise."""
-    text = value.strip().upper()
     try:
-        if text.isdigit():
-            return signal.Signals(int(text))
-        return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
-    except (KeyError, ValueError):
-        raise RemoteProtocolError(
-            ErrorCode.BAD_FIELD,
-            f"{value[:20]!r} is not a signal name or number (e.g. TERM, HUP, 10)",
-        ) from None
+        return signal_named(value)
+    except ValueError as exc:
+        raise RemoteProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None

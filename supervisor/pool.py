@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -59,8 +60,9 @@ from .spawner import Zygote, ZygoteError
 from .watchers import Watchers
 
 log = logging.getLogger("hermes_sup.supervisor")
-# How long a zygote that preloads Hermes for sealed sessions may take to be
-# ready (seen: 3 - 5 s quiet, over 30 s at a load of 28 on 2 cores).
+# How long a zygote that preloads Hermes for sealed sessions may go without
+# a word (it reports progress every 2 s; the whole preload was seen taking
+# 3 - 5 s quiet, over 30 s at a load of 28 on 2 cores).
 ZYGOTE_HERMES_TIMEOUT = 300.0
 
 MAX_UNCLAIMED_EXITS = 4096
@@ -98,6 +100,13 @@ class WorkerPool:
         # sealing.py), and as root the uid each live session runs as.
         self.sealing = Sealing()
         self.sealed_uids: dict[str, int] = {}
+        # The sealed Hermes preload: how far it is while the zygote starts
+        # ({done, of, seconds}), then what it did ({modules, recorded,
+        # seconds, missing}), for `status`; None when there is none. Whoever
+        # starts the pool may hear of its progress too (the server: systemd,
+        # and `status` before the control socket is up).
+        self.preload: dict[str, Any] | None = None
+        self.on_preload_progress: Callable[[dict[str, Any]], None] = lambda report: None
 
     # ------------------------------------------------------------- zygote
 
@@ -135,7 +144,25 @@ class WorkerPool:
         sealed_hermes = mode is not None and hermes
         if sealed_hermes:
             log.info(kv("zygote_preloading", what="hermes", sealed=mode))
-        ready = self.zygote.start(timeout=ZYGOTE_HERMES_TIMEOUT if sealed_hermes else 30.0)
+
+        def heard(report: dict[str, Any]) -> None:
+            self.preload = report
+            log.info(
+                kv(
+                    "zygote_preloading",
+                    what="hermes",
+                    modules=f"{report.get('done')}/{report.get('of')}",
+                    seconds=f"{report.get('seconds', 0):.1f}",
+                )
+            )
+            self.on_preload_progress(report)
+
+        ready = self.zygote.start(
+            timeout=ZYGOTE_HERMES_TIMEOUT if sealed_hermes else 30.0,
+            on_progress=heard if sealed_hermes else None,
+        )
+        done = ready.get("sealed_preload")
+        self.preload = dict(done) if isinstance(done, dict) else None
         self.sealing.pid_namespaces = bool(ready.get("pid_namespaces"))
         if ready.get("failed"):
             for mod, why in ready["failed"].items():

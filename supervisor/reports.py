@@ -125,6 +125,8 @@ class Reports:
             "sealed": pool.sealing.describe(),
             # How each per-session limit is enforced here.
             "limits": describe_limits(ctx.settings, pool.sealing),
+            # What the sealed Hermes preload did (None: there was none).
+            "preload": pool.preload,
         }
 
     def node_info(self) -> dict[str, object]:
@@ -159,7 +161,7 @@ class Reports:
             for i in range(1, settings.log_backups + 1)
         ]
         history = [
-            {k: body["data"].get(k) for k in ("state", "previous", "pid", "reason")}
+            {k: body["data"].get(k) for k in ("state", "previous", "pid", "reason", "at")}
             for kind, body in session.history
             if kind == "state" and isinstance(body.get("data"), dict)
         ]

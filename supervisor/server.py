@@ -91,6 +91,9 @@ class Supervisor:
         own.pop("NOTIFY_SOCKET", None)
         self.ctx = Context(settings, own)
         self._next_watchdog = 0.0
+        # Serving (the control socket is up): a zygote restarted from now on
+        # is no start of ours to report in the state directory.
+        self._serving = False
         self._lock = privatedir.InstanceLock(settings.state_dir)
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._next_full_gc = time.monotonic() + FULL_GC_INTERVAL
@@ -165,7 +168,9 @@ class Supervisor:
             log.info(kv("session_limits", **sealing.describe_limits(s, pool.sealing)))
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
+            pool.on_preload_progress = self._starting
             pool.start_zygote()
+            statedir.clear_starting(s.state_dir)
             return asyncio.run(self._main())
         finally:
             if pool is not None and pool.zygote is not None:
@@ -175,7 +180,22 @@ class Supervisor:
                     (s.state_dir / name).unlink()
                 except FileNotFoundError:
                     pass
+            statedir.clear_starting(s.state_dir)
             self._lock.release()
+
+    def _starting(self, report: dict[str, Any]) -> None:
+        """The sealed Hermes preload's progress, before the control socket
+        is up: for `status` (statedir.STARTING_FILE) and systemd."""
+        said = f"preloading Hermes: {report.get('done')} of {report.get('of')} modules"
+        self.notifier.status(said)
+        if self._serving:
+            return
+        try:
+            statedir.write_starting(
+                self.settings.state_dir, {"pid": os.getpid(), "stage": said, **report}
+            )
+        except OSError as exc:
+            log.warning(kv("starting_file_failed", error=str(exc)))
 
     def _check_unsealed_preload(self) -> None:
         """hermes-agent's own modules may be preloaded only into a sealed
@@ -215,6 +235,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
         self.endpoints.open(loop, self.front.on_frames, self.back.on_frames)
+        self._serving = True
         if self.pool.sealing.mode == "root":
             sealing.open_worker_socket(self.settings.state_dir / statedir.WORKER_SOCKET)
         zygote = self.pool.zygote

@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -68,9 +68,15 @@ class Zygote:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writing = False
 
-    def start(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Start the zygote and wait (blocking) until its preload is done.
-        Call before any zmq context or thread exists in this process."""
+    def start(
+        self,
+        timeout: float = 30.0,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Start the zygote and wait (blocking) until its preload is done:
+        at most `timeout` seconds without a word from it (a preload that
+        reports progress, `on_progress(report)`, is not stuck). Call before
+        any zmq context or thread exists in this process."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         theirs.set_inheritable(True)
         argv = [
@@ -94,15 +100,22 @@ class Zygote:
         self.pid = os.posix_spawn(sys.executable, argv, self.env, setsid=False)
         theirs.close()
         ours.settimeout(timeout)
-        try:
-            data = ours.recv(MAX_REPLY)
-        except TimeoutError:
-            raise ZygoteError(
-                f"zygote (pid {self.pid}) did not get ready in {timeout:.0f}s"
-            ) from None
-        if not data:
-            raise ZygoteError(f"zygote (pid {self.pid}) exited during start-up; see the log above")
-        ready = msgpack.unpackb(data, raw=False)
+        while True:
+            try:
+                data = ours.recv(MAX_REPLY)
+            except TimeoutError:
+                raise ZygoteError(
+                    f"zygote (pid {self.pid}) said nothing for {timeout:.0f}s while getting ready"
+                ) from None
+            if not data:
+                raise ZygoteError(
+                    f"zygote (pid {self.pid}) exited during start-up; see the log above"
+                )
+            ready = msgpack.unpackb(data, raw=False)
+            if not (isinstance(ready, dict) and "progress" in ready):
+                break
+            if on_progress is not None:
+                on_progress(dict(ready["progress"]))
         ours.setblocking(False)
         self._sock = ours
         self.started_at = time.monotonic()

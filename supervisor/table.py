@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -144,7 +145,10 @@ class SessionTable:
                 bound = stored_worktree(meta)
                 session.repo, session.branch = bound["repo"], bound["branch"]
             _check_same_repo(session, options)
-            self.store.stored.pop(key, None)
+            known = self.store.stored.pop(key, None)
+            if known is not None:
+                # Loaded from disk is not active: it stays idle since its log last changed.
+                session.last_activity = known.last_activity
             created = None if meta is None else meta.get("created")
             if isinstance(created, (int, float)) and not isinstance(created, bool):
                 session.created_at = float(created)  # the session's, not this load's
@@ -243,8 +247,9 @@ class SessionTable:
                 "previous": previous.value,
                 "pid": session.pid,
                 "reason": reason,
+                "at": time.time(),
             },
-            bound=128 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
+            bound=160 + 4 * len(reason or ""),  # UTF-8: at most 4 bytes a character
         )
         if session.state is State.EXITED and not session.queue:
             self.ownership.release(session)  # nothing waits: another node may take it

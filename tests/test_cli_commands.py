@@ -14,6 +14,7 @@ import threading
 import time
 from importlib import metadata
 
+from hermes_sup.cli.show import clock
 from hermes_sup.protocol import session_dir_name
 
 from .clirunner import hermes_sup
@@ -77,7 +78,7 @@ def test_signal_reaches_the_worker(supervisor) -> None:
     assert until(lambda: row(supervisor, "s1")["pid"] is None)
     assert "SIGTERM" in row(supervisor, "s1")["last_exit"]
     bad = hs(supervisor, "signal", "SIGNOPE", "s1")
-    assert bad.returncode == 1 and "not a signal name or number" in bad.stderr
+    assert bad.returncode == 2 and "not a signal name or number" in bad.stderr  # usage
     idle = hs(supervisor, "signal", "HUP", "s1")
     assert idle.returncode == 1 and "no running worker to signal" in idle.stderr
 
@@ -103,6 +104,10 @@ def test_inspect_names_directories_options_and_env_names_not_values(supervisor) 
     assert "s3cr3t-value" not in json.dumps(info)
     assert info["options"]["env"] == ["API_TOKEN"]
     assert [h["state"] for h in info["state_history"]][:2] == ["starting", "idle"]
+    # Each step of the history says when it happened.
+    started = info["state_history"][0]["at"]
+    assert abs(started - info["started"]) < 60
+    assert f"history:    {clock(started)} exited -> starting" in shown.stdout
     missing = hs(supervisor, "inspect", "nobody")
     assert missing.returncode == 1 and "no session 'nobody'" in missing.stderr
 

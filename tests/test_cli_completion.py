@@ -55,7 +55,7 @@ def test_bash_completes_keys_with_colons(keyed) -> None:
     child = shell(keyed, ["bash", "--norc", "--noprofile", "-i"])
     try:
         child.sendline("PS1='> '; bind 'set bell-style none'")
-        child.sendline('eval "$(_HERMES_SUP_COMPLETE=bash_source hermes-sup)"; echo rea""dy')
+        child.sendline('eval "$(hermes-sup completion bash)"; echo rea""dy')
         child.expect("ready")
         child.expect_exact("> ")
         assert completed_line(child, "hermes-sup kill tg:-100123:ali", "> ") == (
@@ -78,7 +78,7 @@ def test_zsh_completes_keys_with_colons(keyed) -> None:
     child = shell(keyed, ["zsh", "-f", "-i"])
     try:
         child.sendline("PROMPT='> '; unsetopt beep; autoload -U compinit; compinit -u")
-        child.sendline('eval "$(_HERMES_SUP_COMPLETE=zsh_source hermes-sup)"; echo rea""dy')
+        child.sendline('eval "$(hermes-sup completion zsh)"; echo rea""dy')
         child.expect("ready")
         child.expect_exact("> ")
         assert completed_line(child, "hermes-sup kill tg:-100123:ali", "> ") == (
@@ -89,3 +89,38 @@ def test_zsh_completes_keys_with_colons(keyed) -> None:
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+
+
+@pytest.mark.parametrize("shell_name", ["bash", "zsh", "fish"])
+def test_completion_prints_the_script_click_would_source(shell_name: str) -> None:
+    """`hermes-sup completion SHELL` is the script `_HERMES_SUP_COMPLETE=SHELL_source`
+    prints (ours for bash and zsh), so either way of installing it works."""
+    import subprocess
+
+    script = BIN / "hermes-sup"
+    if not script.exists():
+        pytest.skip(f"no hermes-sup script in {BIN} (install the package)")
+    printed = subprocess.run(
+        [script, "completion", shell_name], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    sourced = subprocess.run(
+        [script],
+        env={**os.environ, "_HERMES_SUP_COMPLETE": f"{shell_name}_source"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert printed == sourced
+    assert "_HERMES_SUP_COMPLETE" in printed
+    if shell_name == "bash":
+        assert "COMP_LINE" in printed  # ours, which reads keys with ':' whole
+
+
+def test_completion_refuses_an_unknown_shell() -> None:
+    from click.testing import CliRunner
+
+    from hermes_sup.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["completion", "tcsh"])
+    assert result.exit_code == 2
+    assert "'tcsh' is not one of 'bash', 'zsh', 'fish'" in result.output

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hermes_sup.cli import configcheck
+from hermes_sup.local.version import install_hint
 
 from .clirunner import hermes_sup
 
@@ -68,5 +69,8 @@ def test_hermes_without_hermes_agent(tmp_path: Path, monkeypatch: pytest.MonkeyP
     _, errors = configcheck.check_file(config)
     assert errors == [
         f"{config}: runtime 'hermes' cannot start: hermes-agent is not installed (no "
-        "no_such_hermes_module_hsup): pip install 'hermes-sup[hermes]'"
+        "no_such_hermes_module_hsup); add the hermes extra: " + install_hint("hermes")
     ]
+    # Said as it works here, from this checkout: not from a package index.
+    assert "pip install -e '" in errors[0] and "[hermes]'" in errors[0]
+    assert "'hermes-sup[" not in errors[0]

@@ -82,6 +82,39 @@ def test_send_on_a_terminal_asks_for_the_approval_and_answers_it(supervisor) -> 
     assert target.exists()
 
 
+def test_no_still_waiting_line_over_the_approval_prompt(supervisor) -> None:
+    """While the prompt waits for a person, `send` does not print its
+    "still waiting" notice over it (here due every 0.2 s of silence)."""
+    patched = (
+        "import sys, hermes_sup.cli.send as send; send.QUIET_NOTICE = 0.2; "
+        "from hermes_sup.cli.main import main; sys.argv[0] = 'hermes-sup'; main()"
+    )
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", patched, "--state-dir", str(supervisor.state_dir), "send", "eve", "ask true"],
+        encoding="utf-8",
+        timeout=20,
+        env=dict(os.environ, NO_COLOR="1"),
+        dimensions=(40, 160),
+    )
+    try:
+        child.expect(r"allow it\? \[once/session/deny\]")
+        # Twenty notices' worth of silence under the prompt, then the answer.
+        deadline = time.monotonic() + 20 * 0.2
+        seen = ""
+        while time.monotonic() < deadline:
+            try:
+                seen += child.read_nonblocking(4096, timeout=0.2)
+            except pexpect.TIMEOUT:
+                pass
+        child.sendline("once")
+        child.expect("exit 0")
+        assert finished(child) == 0
+    finally:
+        child.close(force=True)
+    assert "still waiting" not in seen
+
+
 def test_send_without_a_terminal_says_how_to_answer(supervisor) -> None:
     target = workspace_of(supervisor, "bob") / "from-elsewhere"
     proc = subprocess.Popen(
@@ -181,6 +214,42 @@ def test_ctrl_c_on_send_cancels_the_turn_and_exits_130(supervisor) -> None:
             assert until(lambda: running_turn(client, "frank") == "idle")
     finally:
         child.close(force=True)
+
+
+def test_a_send_whose_turn_is_cancelled_fails(supervisor) -> None:
+    """Cancelled from elsewhere (`hermes-sup cancel`), a turn has no answer:
+    `send` prints none, says so on stderr and exits 1; --json's reply is
+    `"ok": false, "cancelled": true`."""
+    import json
+
+    procs = {
+        key: subprocess.Popen(
+            hs_cmd(supervisor, "send", key, "sleep 60", *extra),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for key, extra in (("hal", ()), ("ida", ("--json",)))
+    }
+    try:
+        with supervisor.client() as client:
+            for key in procs:
+                until(lambda key=key: running_turn(client, key) == "busy")
+                client.cancel(key)
+        done = {key: proc.communicate(timeout=30) for key, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    out, err = done["hal"]
+    assert procs["hal"].returncode == 1
+    assert out == ""
+    assert "the turn was cancelled before it finished" in err
+    out, err = done["ida"]
+    assert procs["ida"].returncode == 1
+    last = json.loads(out.splitlines()[-1])
+    assert last["type"] == "reply" and last["ok"] is False and last["cancelled"] is True
 
 
 def test_cancel_command(supervisor) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -294,6 +295,11 @@ def test_unknown_key_no_key_and_forged_hmac_are_refused(remote, workdir) -> None
         with pytest.raises(AccessDenied) as refused:
             client.ping()
     assert "not in the supervisor's allowlist" in str(refused.value)
+    # Every command the refusal names is one that exists.
+    named = re.findall(r"hermes-sup keys (\w+)", str(refused.value))
+    assert named
+    for command in named:
+        assert hs(sup, "keys", command, "--help").returncode == 0, command
     assert "remote_client_refused" in sup.log() and public.decode() in sup.log()
 
     ctx = zmq.Context()

@@ -210,9 +210,8 @@ def serve_values(*args: str) -> dict:
 
 
 def test_every_setting_has_a_flag_of_serve() -> None:
-    from hermes_sup.cli.main import cli
+    from hermes_sup.cli.serve import serve
 
-    serve = cli.commands["serve"]
     flags = {opt for param in serve.params for opt in param.opts}
     for setting in SETTINGS.values():
         if setting.name == "session_defaults":  # a table of options: the file only
@@ -247,9 +246,33 @@ def test_a_flag_reads_its_value_as_the_file_does(tmp_path: Path) -> None:
     }
 
 
+def test_a_time_in_seconds_is_also_a_duration_in_the_file_and_on_the_line(
+    tmp_path: Path,
+) -> None:
+    """idle_timeout = "30m" reads as `kill --idle-for 30m` does; a duration
+    is only for settings in seconds (not the _ms one, not a count)."""
+    path = tmp_path / "c.toml"
+    path.write_text('idle_timeout = "30m"\nturn_timeout = "1h30m"\nstop_timeout = "90s"\n')
+    assert configfile.load(path) == {
+        "idle_timeout": 1800.0,
+        "turn_timeout": 5400.0,
+        "stop_timeout": 90.0,
+    }
+    assert serve_values("--idle-timeout", "30m", "--turn-timeout", "2h") == {
+        "idle_timeout": 1800.0,
+        "turn_timeout": 7200.0,
+    }
+    assert serve_values("--idle-timeout", "0") == {"idle_timeout": None}  # still: 0 is off
+    for line in ('idle_timeout = "soon"', 'stream_coalesce_ms = "5s"', 'max_queue = "5m"'):
+        path.write_text(line + "\n")
+        with pytest.raises(configfile.ConfigError):
+            configfile.load(path)
+
+
 @pytest.mark.parametrize(
     "args, words, line",
     [
+        (["--idle-timeout", "soon"], "'soon' is not a duration like 90s", 'idle_timeout = "soon"'),
         (["--max-frame-size", "1000"], "'1000' is less than 1024", "max_frame_size = 1000"),
         (["--max-queue", "0"], "'0' is less than 1", "max_queue = 0"),
         (["--log-backups", "-1"], "'-1' is negative", "log_backups = -1"),

@@ -168,6 +168,9 @@ def test_concurrent_hermes_sessions_see_only_their_own_values(hermes, model) -> 
                         assert session_dir_name(other) not in content, (path, other)
         assert (d / "home" / "state.db").exists()
         assert (d / "home" / "config.yaml").read_text().startswith("approvals")  # template
+        # The supervisor's TERMINAL_CWD is not called a deprecated .env setting.
+        log = (d / "worker.log").read_text(errors="replace")
+        assert "Deprecated .env settings" not in log and "found in .env" not in log
         # Hermes's terminal wrote its shell snapshot (the session's whole
         # environment) into the session's own tmp/, not the shared /tmp.
         snaps = list((d / "tmp").glob("hermes-snap-*.sh"))

@@ -174,6 +174,9 @@ def test_the_supervisors_key_sockets_and_state_are_out_of_reach(lab: Lab) -> Non
             {
                 "key": f"cat {state}/hmac.key",
                 "listing": f"ls -A {state} | grep .",
+                # What status believes of a supervisor still starting (statedir.py).
+                "starting": f'echo \'{{"stage": "forged"}}\' > {state}/starting.json '
+                f"&& cat {state}/starting.json",
                 "control": f"{sys.executable} -m hermes_sup.cli --state-dir {state} "
                 "send victim 'sh cat secret.txt > stolen.txt'",
                 "connect": python(f"""

@@ -44,6 +44,12 @@ def test_node_client_streams_a_turn_and_answers_an_approval(supervisor) -> None:
     assert "approval requested: echo allowed" in asked.stdout
     assert "output: allowed" in asked.stdout and asked.stdout.endswith("reply: exit 0\n")
 
+    # Without --approve the example denies at once (no wait for the timeout).
+    denied = chat("--state-dir", state, "node-2", "ask echo refused")
+    assert denied.returncode == 0, denied.stderr
+    assert "denied (no --approve given" in denied.stdout
+    assert "output: refused" not in denied.stdout and "reply: denied" in denied.stdout
+
     env = chat("--state-dir", state, "node-3", "env HERMES_SESSION_CHAT_ID", "--env", "chat_id=77")
     assert env.stdout.endswith("reply: 77\n"), env.stdout
 

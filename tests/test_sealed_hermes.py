@@ -44,7 +44,8 @@ for p in (paths.home, paths.workspace, paths.user):
 os.environ.update(HERMES_HOME=str(paths.home), TERMINAL_CWD=str(paths.workspace),
                   HOME=str(paths.user), HERMES_YOLO_MODE="1", HERMES_REDACT_SECRETS="false")
 os.chdir(paths.workspace)
-done = hermes_seal.preload(paths)
+reports = []
+done = hermes_seal.preload(paths, lambda n, of: reports.append([n, of]))
 from hermes_cli import config
 config.load_config()  # the zygote's (empty) config, memoized under P's path
 
@@ -83,6 +84,7 @@ print(json.dumps({
         "certs": min(len(c.get_ca_certs()) for c in made),
         "pooled": type(ssl.create_default_context).__name__,
     },
+    "progress": reports,
     "yolo": approval._YOLO_MODE_FROZEN,
     "redact": redact._REDACT_ENABLED,
 }))
@@ -105,7 +107,7 @@ def swap_and_replay(base: Path, mode: str, template: Path | None = None) -> dict
         env={k: v for k, v in os.environ.items() if not k.startswith(("HERMES_", "TERMINAL_"))},
     )
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +125,25 @@ def test_replay_loads_the_sessions_env_and_config_not_the_zygotes(replayed: dict
     # The CA bundle was checked in the zygote for a session that names none.
     assert env["HERMES_SKIP_SSL_GUARD"] == "1"
     assert replayed["threads"] == 1
+
+
+def test_the_preload_reports_how_far_it_is_in_the_recorded_list(
+    replayed: dict[str, Any],
+) -> None:
+    recorded = len(hermes_seal.recorded_modules())
+    progress = replayed["progress"]
+    assert progress[0] == [0, recorded] and progress[-1] == [recorded, recorded]
+    done = [n for n, _ in progress]
+    assert done == sorted(done)
+
+
+def test_terminal_cwd_set_by_us_is_not_called_a_deprecated_env_setting(
+    replayed: dict[str, Any],
+) -> None:
+    """Preload and replay both run gateway.run's deprecation check, with
+    TERMINAL_CWD the fixed workspace: Hermes must not take it for a .env's."""
+    assert "TERMINAL_CWD" not in replayed["stderr"]
+    assert "Deprecated .env settings" not in replayed["stderr"]
 
 
 def test_replay_recomputes_what_the_import_froze_from_the_zygotes_env(
@@ -476,6 +497,11 @@ def test_sealed_hermes_sessions_see_only_their_own(
         keys = ["tg-alice", "dc-bob", "web-carol"]
         data = sup.data_dir
         with sup.client(timeout=120) as client:
+            # The preload said how far it was as it went, and status says what it did.
+            recorded = len(hermes_seal.recorded_modules())
+            preload = client.status()["preload"]
+            assert preload["recorded"] == recorded and preload["modules"] > recorded
+            assert f"modules={recorded}/{recorded}" in sup.log()
             for key in keys:
                 client.open(key)
             deadline = time.monotonic() + 120

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .hermes_warnings import quiet_own_terminal_cwd
 from .runtime import Emit, SessionInfo, TurnReply
 
 log = logging.getLogger("hermes_sup.worker.hermes")
@@ -188,6 +189,7 @@ class HermesRuntime:
             shutil.copytree(template, home, dirs_exist_ok=True, symlinks=True)
         # Import now: the environment is the session's own, so whatever hermes
         # captures at import is this session's (gateway.run: its HERMES_HOME).
+        quiet_own_terminal_cwd()
         import gateway.run  # noqa: F401  (config.yaml resolution, as the API server's)
         import run_agent  # noqa: F401  (the heavy import, done before we say ready)
         import tools.approval as approval

@@ -51,6 +51,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -112,6 +113,7 @@ class Preloaded:
 
     paths: tuple[str, str, str] = ("", "", "")
     modules: int = 0
+    recorded: int = 0  # names in the recorded list (MODULES_FILE)
     missing: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     # Variables the import and warm-ups changed: name -> value (None: removed).
@@ -169,11 +171,19 @@ def _enter_paths(paths: SealedPathsLike) -> tuple[str, str, str]:
     return str(paths.home), str(paths.workspace), str(paths.user)
 
 
-def preload(paths: SealedPathsLike) -> Preloaded:
+# How often a preload in progress reports how far it is (seconds).
+PROGRESS_EVERY = 2.0
+
+
+def preload(
+    paths: SealedPathsLike, progress: Callable[[int, int], None] | None = None
+) -> Preloaded:
     """In the zygote, before gc.freeze: move under the fixed paths, import
     hermes and the modules a first turn loads, and run the warm-ups. Raises
     SealError if hermes itself cannot be imported; a recorded module that
-    is missing is only noted."""
+    is missing is only noted. `progress(done, of)` hears how many of the
+    recorded modules are done, at the start, every PROGRESS_EVERY seconds
+    and at the end (seconds on a quiet machine, minutes on a loaded one)."""
     global _PRELOADED, _ENTERED
     started = time.perf_counter()
     done = Preloaded(paths=_enter_paths(paths))
@@ -181,13 +191,25 @@ def preload(paths: SealedPathsLike) -> Preloaded:
     # preload stops half way: a worker may replay what got imported.
     _ENTERED = done.paths
     before = dict(os.environ)
+    # TERMINAL_CWD is W here and in every worker: not a deprecated .env's.
+    from .hermes_warnings import quiet_own_terminal_cwd
+
+    quiet_own_terminal_cwd()
     for name in BASE_MODULES:
         try:
             importlib.import_module(name)
         except Exception as exc:
             raise SealError(f"cannot import {name}: {type(exc).__name__}: {exc}") from exc
     parent = os.getppid()
-    for name in recorded_modules():
+    recorded = recorded_modules()
+    done.recorded = len(recorded)
+    said = time.perf_counter()
+    if progress is not None:
+        progress(0, len(recorded))
+    for index, name in enumerate(recorded):
+        if progress is not None and time.perf_counter() - said >= PROGRESS_EVERY:
+            said = time.perf_counter()
+            progress(index, len(recorded))
         if name in sys.modules:
             continue
         if os.getppid() != parent:  # the supervisor is gone: stop, do not make it wait
@@ -196,6 +218,8 @@ def preload(paths: SealedPathsLike) -> Preloaded:
             importlib.import_module(name)
         except BaseException as exc:  # a module may exit or need what is absent
             done.missing[name] = f"{type(exc).__name__}: {exc}"
+    if progress is not None:
+        progress(len(recorded), len(recorded))
     done.ca_checked = _check_ca_bundle(done.warm_ups)
     _probe_environment(done.warm_ups)
     if os.environ.get(SSL_POOL_ENV, "1") != "0":

@@ -73,20 +73,35 @@ def _preload(modules: list[str]) -> tuple[list[str], dict[str, str]]:
     return loaded, failed
 
 
-def _preload_hermes(paths: Any, failed: dict[str, str]) -> dict[str, Any] | None:
+def _preload_hermes(
+    paths: Any, failed: dict[str, str], sock: socket.socket
+) -> dict[str, Any] | None:
     """Sealed mode only: import hermes under the fixed paths (S2's
     worker/hermes_seal.py). Safe here and nowhere else: every worker mounts
     its own session's directories over those paths before it runs hermes.
-    A failure is reported, not fatal: workers then import it themselves."""
+    A failure is reported, not fatal: workers then import it themselves.
+    How far it is goes to the supervisor as it goes (`progress` datagrams
+    before the ready one), which logs it and shows it in `status`."""
+    started = time.perf_counter()
+
+    def progress(done: int, of: int) -> None:
+        body = {"done": done, "of": of, "seconds": time.perf_counter() - started}
+        sock.send(msgpack.packb({"progress": body}))
+
     try:
         from hermes_sup.worker import hermes_seal
 
-        done = hermes_seal.preload(paths)
+        done = hermes_seal.preload(paths, progress)
     except Exception as exc:
         failed["hermes (sealed preload)"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
         return None
-    return {"modules": done.modules, "seconds": done.seconds, "missing": len(done.missing)}
+    return {
+        "modules": done.modules,
+        "recorded": done.recorded,
+        "seconds": done.seconds,
+        "missing": len(done.missing),
+    }
 
 
 def _boot(body: memoryview, out_w: int) -> None:
@@ -317,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         # First: an operator's preload list may name Hermes's own modules
         # (allowed when sealed), which must be imported under P, W and U
         # with everything else of Hermes, never before.
-        sealed_preload = _preload_hermes(paths, failed)
+        sealed_preload = _preload_hermes(paths, failed, sock)
     loaded, failed_too = _preload(list(BASE_PRELOAD) + list(args.preload))
     failed.update(failed_too)
     from hermes_sup.worker.main import prepare

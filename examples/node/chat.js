@@ -1,6 +1,7 @@
 #!/usr/bin/env node
 // Send one turn and print what streams back:
 //   node chat.js --state-dir DIR SESSION TEXT [--env NAME=VALUE ...] [--approve CHOICE]
+// Without --approve, an approval the turn asks for is denied.
 //   node chat.js --connection FILE SESSION TEXT
 "use strict";
 
@@ -39,7 +40,11 @@ async function main() {
       else if (event.type === "output") console.log(`output: ${event.data}`);
       else if (event.type === "approval") {
         console.log(`approval requested: ${event.data.command}`);
-        if (opts.approve) await hs.approve(session, opts.approve);
+        // Nobody is there to ask: without --approve the answer is deny, at
+        // once, rather than a turn that waits for an answer that never comes.
+        const choice = opts.approve || "deny";
+        if (!opts.approve) console.log("denied (no --approve given; --approve once allows it)");
+        await hs.approve(session, choice, event.data.id);
       } else if (event.type === "reply") console.log(`\nreply: ${event.text}`);
       else console.log(`${event.type}: ${JSON.stringify(event.data)}`);
     }

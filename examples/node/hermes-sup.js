@@ -122,8 +122,11 @@ class HermesSup {
     }
   }
 
-  approve(session, choice) {
-    return this.request("approve", { choice }, session).then((m) => m.body);
+  // Answer the approval waiting in `session`; with `approval` (the request's
+  // data.id), only that one: a late answer never approves another command.
+  approve(session, choice, approval) {
+    const body = approval ? { choice, approval } : { choice };
+    return this.request("approve", body, session).then((m) => m.body);
   }
 
   close() {
