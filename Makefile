@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install test-tools run test test-fast lint typecheck settings-doc clean bench soak
+.PHONY: install test-tools run test test-fast lint typecheck docs clean bench soak
 
 $(BIN)/python:
 	@echo "making $(VENV) with $(PYTHON)..."
@@ -21,7 +21,7 @@ EDITABLE := --config-settings editable_mode=strict
 # Install (or refresh) the package, its test tools and its checkers into the venv.
 install: $(BIN)/python
 	@echo "installing hermes-sup and its test tools into $(VENV) (about a minute the first time)..."
-	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http,ray,dev]' $(EDITABLE)
+	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http,ray,dev,docs]' $(EDITABLE)
 
 # Running needs only the package; the test extras (hermes-agent among them) are for tests.
 run: $(BIN)/python
@@ -40,7 +40,7 @@ test-tools:
 		else echo "note: no npm; the Node.js test will be skipped"; fi
 
 # The whole suite, after the linter and the type checker (CI runs this).
-test: install test-tools lint typecheck
+test: install test-tools lint typecheck docs
 	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
 
 # The fast tier: in-process tests and fakes, no supervisor (tests marked e2e
@@ -56,13 +56,15 @@ lint: install
 typecheck: install
 	MYPYPATH=$$(echo build/__editable__.hermes_sup-*) $(BIN)/mypy -p hermes_sup
 
-# The README's table of settings, made from their declarations in
-# supervisor/config.py (tests/test_config.py fails while the two differ).
-settings-doc: $(BIN)/python
-	$(BIN)/python -m hermes_sup.supervisor.config README.md
+# The documentation site, into site/ (mkdocs.yml; warnings are errors, so
+# no --quiet: it hides them from --strict). Its
+# configuration and command references are made while it builds, from the
+# settings' declarations and the command tree (docs/hooks/reference.py).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis site
 
 # Benchmarks, never part of the tests: results in bench/results/latest.json,
 # summarised in BENCHMARKS.md. Every benchmark runs as `python -m bench.NAME`
