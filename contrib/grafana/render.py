@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,6 +134,7 @@ def main() -> None:
                 thread.join(30)
         serve.send_signal(signal.SIGTERM)
         serve.wait(60)
+        shutil.rmtree(root, ignore_errors=True)
     draw(scrapes, args.out)
     print(f"{args.out}: {len(scrapes)} scrapes over {args.seconds:.0f} s")
 
