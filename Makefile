@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Parallel test processes (pytest-xdist); every test has its own supervisor.
 JOBS   ?= 2
 
-.PHONY: install test-tools run test test-fast lint typecheck wheel-smoke man settings-doc clean bench soak
+.PHONY: install test-tools run test test-fast lint typecheck wheel-smoke man docs clean bench soak
 
 $(BIN)/python:
 	@echo "making $(VENV) with $(PYTHON)..."
@@ -29,9 +29,9 @@ INSTALL_INPUTS := pyproject.toml $(PACKAGE_DIRS)
 install: $(VENV)/.installed-dev
 $(VENV)/.installed-dev: $(INSTALL_INPUTS) | $(BIN)/python
 	@echo "installing hermes-sup with its test tools and checkers into $(VENV)"
-	@echo "  (extras test, hermes, metrics, http, ray, dev: some minutes the first time, pip is quiet)..."
+	@echo "  (extras test, hermes, metrics, http, ray, dev, docs: some minutes the first time, pip is quiet)..."
 	@start=$$(date +%s); \
-	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http,ray,dev]' $(EDITABLE) && \
+	$(BIN)/python -m pip install -q -e '.[test,hermes,metrics,http,ray,dev,docs]' $(EDITABLE) && \
 	echo "  installed in $$(( $$(date +%s) - start ))s"
 	@touch $@
 
@@ -59,9 +59,9 @@ test-tools:
 		npm ci --prefix examples/node --no-audit --no-fund --silent; \
 		else echo "note: no npm; the Node.js test will be skipped"; fi
 
-# The whole suite, after the linter, the type checker and the wheel's own
-# smoke test (CI runs this).
-test: install test-tools lint typecheck wheel-smoke
+# The whole suite, after the linter, the type checker, the docs build and
+# the wheel's own smoke test (CI runs this).
+test: install test-tools lint typecheck docs wheel-smoke
 	$(BIN)/python -m pytest -n $(JOBS) -p no:cacheprovider
 
 # The wheel as a user gets it: built from the tracked files, installed into
@@ -88,13 +88,15 @@ typecheck: install
 man: install
 	$(BIN)/python -m hermes_sup.cli.manpages man
 
-# The README's table of settings, made from their declarations in
-# supervisor/config.py (tests/test_config.py fails while the two differ).
-settings-doc: $(BIN)/python
-	$(BIN)/python -m hermes_sup.supervisor.config README.md
+# The documentation site, into site/ (mkdocs.yml; warnings are errors, so
+# no --quiet: it hides them from --strict). Its
+# configuration and command references are made while it builds, from the
+# settings' declarations and the command tree (docs/hooks/reference.py).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis man
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis site man
 
 # Benchmarks, never part of the tests: results in bench/results/latest.json,
 # summarised in BENCHMARKS.md. Every benchmark runs as `python -m bench.NAME`

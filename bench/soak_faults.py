@@ -17,9 +17,9 @@ from bench.soak_load import Chaos, Soak
 from hermes_sup.client import AsyncClient, Client, ClientError, SupervisorError
 
 # Two valid settings the configuration file alternates between. What differs
-# takes effect at once for new sessions (see README, "Reload"); turn_timeout
-# on each side of the probe's 60 s approval timeout makes an unanswered
-# `ask` end both ways: turn_timeout (A) or an approval_timeout then a
+# takes effect at once for new sessions (docs/operations.md, "Reloading
+# the configuration"); turn_timeout on each side of the probe's 60 s
+# approval timeout makes an unanswered `ask` end both ways: turn_timeout (A) or an approval_timeout then a
 # "denied" reply (B). A short failed_cooldown keeps a session that random
 # kills drove to `failed` from refusing turns for the rest of a short run.
 CONFIGS = {

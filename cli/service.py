@@ -106,7 +106,7 @@ RELOAD_NOTIFY = (
 RELOAD_KILL = "Type=notify\nExecReload=/bin/kill -HUP $MAINPID"
 
 CONFIG_TEMPLATE = """\
-# hermes-sup settings (README, "Configuration"): every key may be set here;
+# hermes-sup settings (docs/configuration.md): every key may be set here;
 # `systemctl reload hermes-sup` re-reads this file, `hermes-sup config check`
 # checks it. Everything is commented out: the defaults apply.
 #

@@ -109,7 +109,7 @@ class Api:
                 "hermes_agent": agent,
                 "hermes_sup": version(),
                 "runtime": status.get("runtime"),
-                # Whether sessions are a boundary (README, "Sealed sessions"),
+                # Whether sessions are a boundary (docs/security.md),
                 # and the supervisor's warning when they are not.
                 "sealed": sealed.get("mode"),
                 "warning": sealed.get("warning"),

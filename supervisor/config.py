@@ -9,8 +9,8 @@ each of its settings once in a `Setting`. From that one declaration come:
 
 - the flags of `serve` (cli/serve.py, `setting_options`),
 - the checks of the TOML file (configfile.py),
-- the README's configuration reference (`reference_table`; `make
-  settings-doc` writes it, and a test fails when the README differs).
+- the configuration reference of the documentation site (`reference_table`,
+  put into docs/configuration.md while the site builds).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class Setting:
     # Its key in the file when not its name (the [agent] table).
     key: str = ""
     metavar: str | None = None
-    # The README's default column, when the value itself would not say it.
+    # The reference's default column, when the value itself would not say it.
     shown: str | None = None
     # Further check of a value from the file or the command line: why it
     # cannot be used, or None.
@@ -193,7 +193,7 @@ class Setting:
         return self.base in (tuple[str, ...], dict[str, str])
 
     def default_text(self, markdown: bool = True) -> str:
-        """The default as the README shows it (Markdown), or as --help does
+        """The default as the reference shows it (Markdown), or as --help does
         ("" when there is nothing to say)."""
         if self.shown is not None:
             return self.shown if markdown else plain(self.shown)
@@ -230,11 +230,11 @@ class Setting:
         return self.help + (f"; at least {self.minimum:g}" if self.minimum else "")
 
     def reference_help(self) -> str:
-        """What the README says it means."""
+        """What the reference says it means."""
         return self.meaning() + ("" if self.reload else ". Needs a restart")
 
     def option_help(self) -> str:
-        """Its --help text: the README's, as a sentence, without Markdown,
+        """Its --help text: the reference's, as a sentence, without Markdown,
         then its environment variable and default."""
         text = plain(self.meaning()).removesuffix(".")
         text = text[:1].upper() + text[1:] + (" (repeat)." if self.repeatable else ".")
@@ -247,7 +247,7 @@ class Setting:
 
 
 def plain(markdown: str) -> str:
-    """Text without the README's code quotes."""
+    """Text without the reference's code quotes."""
     return markdown.replace("`", "")
 
 
@@ -730,28 +730,13 @@ def _declared() -> dict[str, Setting]:
 SETTINGS: dict[str, Setting] = _declared()
 
 
-# ---------------------------------------------------------------- the README
-
-README_BEGIN = "<!-- settings: made from supervisor/config.py by `make settings-doc` -->"
-README_END = "<!-- /settings -->"
+# ---------------------------------------------------------------- the reference
 
 
 def reference_table() -> str:
-    """The README's configuration reference: a Markdown table, a row a setting."""
+    """The configuration reference: a Markdown table, a row a setting."""
     rows = ["| key | flag | default | meaning |", "|---|---|---|---|"]
     for s in SETTINGS.values():
         key = f"`[{s.file_key}]`" if s.table else f"`{s.file_key}`"
         rows.append(f"| {key} | {s.flag_text()} | {s.default_text()} | {s.reference_help()} |")
     return "\n".join(rows) + "\n"
-
-
-def with_reference_table(readme: str) -> str:
-    """`readme` with the table between its markers made anew."""
-    begin = readme.index(README_BEGIN) + len(README_BEGIN)
-    end = readme.index(README_END, begin)
-    return readme[:begin] + "\n" + reference_table() + readme[end:]
-
-
-if __name__ == "__main__":  # `make settings-doc`: python -m ...config README.md
-    readme_path = Path(sys.argv[1])
-    readme_path.write_text(with_reference_table(readme_path.read_text()))

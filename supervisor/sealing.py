@@ -13,7 +13,7 @@ worker to the next), moved on to the next free one if a live session holds
 it already. Not root, every worker has the supervisor's uid in a user
 namespace of its own; signals between workers of one uid are then kept in
 by Landlock's signal scope where the kernel has it (Linux 6.12+), and
-otherwise remain possible (the README says so).
+otherwise remain possible (docs/security.md says so).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ SEALED_UID_BASE = 200_000
 SEALED_UID_COUNT = 65_536
 # The group every sealed session belongs to besides its own, as root: what
 # an operator gives write access to a repository that sessions commit to
-# (README, "One repository, many sessions"), rather than to every user.
+# (docs/repositories.md), rather than to every user.
 SESSIONS_GID = SEALED_UID_BASE - 1
 CAP_SYS_ADMIN = 21
 
@@ -360,12 +360,12 @@ def explain(mode: str, exc: SealError) -> str:
                 "--security-opt apparmor=unconfined; Kubernetes securityContext.capabilities.add), "
                 "or run it as a non-root user where user namespaces are allowed"
             )
-        return f"{what}; see the README, section Sealed sessions"
+        return f'{what}; see docs/security.md, "What an operator does"'
     if _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
         return (
             f"{what}. Ubuntu's AppArmor restricts unprivileged user namespaces "
             "(kernel.apparmor_restrict_unprivileged_userns=1): give the service's python an "
-            "AppArmor profile that allows userns (README, Sealed sessions), or run the "
+            "AppArmor profile that allows userns (docs/security.md), or run the "
             "supervisor as root"
         )
     if _read("/proc/sys/user/max_user_namespaces") == "0":
@@ -381,7 +381,7 @@ def explain(mode: str, exc: SealError) -> str:
         )
     return (
         f"{what}. Unprivileged user namespaces seem unavailable (a container's seccomp "
-        "profile?); run the supervisor as root, or see the README, section Sealed sessions"
+        "profile?); run the supervisor as root, or see docs/security.md"
     )
 
 

@@ -358,10 +358,11 @@ def test_bad_tcp_settings_are_refused_clearly(supervisor_factory, workdir) -> No
     assert bad.returncode == 1 and "client name" in bad.stderr
 
 
-def test_the_readmes_gateway_example_runs(supervisor, monkeypatch) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    code = readme.split("## Embedding it in a front end", 1)[1].split("```python\n", 1)[1]
-    code = code.split("```", 1)[0]
+def test_the_docs_gateway_example_runs(supervisor, monkeypatch) -> None:
+    """The embedding page's example, run as written: tokens, a command's
+    output lines and replies all reach the chat."""
+    page = (Path(__file__).parent.parent / "docs" / "embedding.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.setenv("HERMES_SUP_STATE_DIR", str(supervisor.state_dir))
     sent: list[tuple[str, str, str]] = []
     scope = {
@@ -369,10 +370,11 @@ def test_the_readmes_gateway_example_runs(supervisor, monkeypatch) -> None:
         "ask_user": lambda chat, command, choices: sent.append(("ask", chat, command)),
         "finish_chat_message": lambda chat, text: sent.append(("done", chat, text)),
     }
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/embedding.md", "exec"), scope)
     try:
         scope["on_message"]("telegram", "42", "u7", "stream hi there")
         scope["on_message"]("slack", "C9", "u8", "env HERMES_SESSION_USER_ID")
+        scope["on_message"]("slack", "C9", "u8", "sh echo printed")
     finally:
         scope["hs"].close()
     assert sent == [
@@ -380,6 +382,8 @@ def test_the_readmes_gateway_example_runs(supervisor, monkeypatch) -> None:
         ("token", "42", " there"),
         ("done", "42", "hi there"),
         ("done", "C9", "u8"),
+        ("token", "C9", "printed\n"),
+        ("done", "C9", "exit 0"),
     ]
 
 

@@ -430,7 +430,7 @@ def test_abstract_sockets_outside_the_session_are_out_of_reach(lab: Lab) -> None
     """Abstract unix sockets have no path to hide: Landlock's scope (Linux
     6.12+) refuses a session's connect to one made outside it."""
     if landlock_abi() < seal.LANDLOCK_SCOPE_ABI:
-        pytest.skip("this kernel has no Landlock scope (README: Sealed sessions)")
+        pytest.skip("this kernel has no Landlock scope (docs/security.md)")
     name = ABSTRACT + str(os.getpid()).encode()
     with socket.socket(socket.AF_UNIX) as host:
         host.bind(name)

@@ -20,7 +20,8 @@ endpoint_factory = test_http.endpoint_factory
 
 
 def test_a_commands_output_lines_are_the_answer_everywhere(endpoint) -> None:
-    """The README's isolation demo over HTTP: `sh echo $HERMES_SESSION_KEY`."""
+    """The isolation demo over HTTP (docs/getting-started.md): `sh echo
+    $HERMES_SESSION_KEY`."""
     url, named = endpoint.url, {"X-Hermes-Session-Id": "demo"}
     command = "sh echo $HERMES_SESSION_KEY; echo second line"
     expected = f"{endpoint.session('demo')}\nsecond line\nexit 0"

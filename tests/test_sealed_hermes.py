@@ -578,7 +578,7 @@ def test_sealed_hermes_sessions_see_only_their_own(
             for name in ESCAPE_NAMES:
                 status = out.split(f"{name}=", 1)[1].split("\n", 1)[0].strip()
                 if name.startswith("kill") and not signals_scoped:
-                    continue  # one uid, no Landlock signal scope: allowed (README)
+                    continue  # one uid, no Landlock signal scope: allowed (docs/security.md)
                 assert status != "0", (key, name, out)
             assert key_hex not in out
             # Its worker holds open no file or directory outside its session

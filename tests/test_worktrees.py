@@ -50,8 +50,7 @@ def git(repo: Path, *args: str) -> str:
 
 def make_repo(path: Path) -> Path:
     """A repository sessions can commit to: sealed as root, each runs as a
-    uid of its own in the sessions' group (README, "One repository, many
-    sessions")."""
+    uid of its own in the sessions' group (docs/repositories.md)."""
     path.mkdir(parents=True)
     git(path, "init", "-q", "-b", "main")
     (path / "README").write_text("shared\n")

@@ -1,8 +1,7 @@
 """A repository shared by sealed sessions, as each sees it: its common git
 directory bound back into the session's view, with what git would run or
 follow made read-only there, so one session's git configuration runs in no
-other session, nor in the supervisor's own git (README, "One repository,
-many sessions").
+other session, nor in the supervisor's own git (docs/repositories.md).
 """
 
 from __future__ import annotations
