@@ -8,6 +8,7 @@ served again on the other node."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -20,12 +21,15 @@ import pytest
 
 from hermes_sup.client import Client, NotRunning, SupervisorError, Timeout
 from hermes_sup.cluster.placement import Candidate, rendezvous
+from hermes_sup.cluster.ray_nodes import NAME_LABEL
 
 from . import waiting
+from .conftest import processes_mentioning
 
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 SESSIONS = 20
+LOOPBACK = "127.0.0.1"
 pytestmark = pytest.mark.e2e  # real Ray raylets, supervisors and workers
 
 
@@ -65,26 +69,66 @@ def note(c: Client, key: str) -> str:
 wait_until = partial(waiting.wait_for, timeout=60.0, every=0.2)
 
 
+def add_node(cluster, name: str):  # noqa: ANN001, ANN201
+    """A raylet on 127.0.0.1 named `name` for hermes-sup (its label)."""
+    return cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK, labels={NAME_LABEL: name})
+
+
 @pytest.fixture
 def ray_cluster(workdir: Path):
-    """Two raylets on this machine; everything of Ray's under workdir."""
+    """Two raylets on this machine, `alpha` (the head) and `beta`; everything
+    of Ray's under workdir and on 127.0.0.1: Ray's own guess of the node's
+    address is the loopback one (no cluster mode), so neither Ray nor our
+    supervisors connect to another address of the host."""
     tmp = workdir / "ray"
     tmp.mkdir()
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(tmp)
+    local = {"RAY_TMPDIR": str(tmp), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    old = {name: os.environ.get(name) for name in local}
+    os.environ.update(local)
     cluster = cluster_utils.Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1, "include_dashboard": False, "node_ip_address": LOOPBACK,
+            "labels": {NAME_LABEL: "alpha"},
+        },
+    )  # fmt: skip
     try:
-        worker = cluster.add_node(num_cpus=1)
+        worker = add_node(cluster, "beta")
         cluster.wait_for_nodes()
-        yield cluster, worker, {**os.environ, "RAY_TMPDIR": str(tmp)}
+        yield cluster, worker, {**os.environ, **local}
+        foreign = foreign_connections(str(workdir))
+        assert not foreign, f"connections off the loopback: {foreign}"
     finally:
         cluster.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def foreign_connections(marker: str) -> list[str]:
+    """TCP connections of our processes (and Ray's, under `marker`) to an
+    address outside 127.0.0.0/8."""
+    found = []
+    for proc in processes_mentioning(marker):
+        try:
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for conn in conns:
+            for addr in (conn.laddr, conn.raddr):
+                if addr and not on_loopback(addr.ip):
+                    found.append(f"{proc.pid} {conn.status} {conn.laddr} -> {conn.raddr}")
+    return found
+
+
+def on_loopback(ip: str) -> bool:
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address."""
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir: Path) -> None:
@@ -101,6 +145,8 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
     by_ray_node = {info["ray_node"]: info for info in infos}
     lost = by_ray_node[worker.node_id]
     names = {info["name"] for info in infos}
+    assert names == {"alpha", "beta"}  # their labels, not their NodeIDs
+    assert all(info["endpoint"].startswith(f"tcp://{LOOPBACK}:") for info in infos), infos
 
     state_dir = workdir / "r"
     log_path = workdir / "router.log"
