@@ -8,11 +8,14 @@ served again on the other node."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -133,7 +136,6 @@ def on_loopback(ip: str) -> bool:
 
 def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir: Path) -> None:
     cluster, worker, env = ray_cluster
-    import json
 
     # One data directory for both nodes (session leases): a session's files
     # outlive its node.
@@ -219,3 +221,97 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
             router.wait()
         down = hs_ray(env, "down", "--address", cluster.address)
         assert down.returncode == 0, down.stderr
+
+
+@contextlib.contextmanager
+def routed(cluster, env: dict[str, str], workdir: Path):  # noqa: ANN001, ANN201
+    """A router following the registry; yields (its state dir, the names of
+    the nodes it has answering)."""
+    state_dir = workdir / "r"
+    log_path = workdir / "router.log"
+    with open(log_path, "ab") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "hermes_sup.cli.route", "--ray", cluster.address,
+             "--state-dir", str(state_dir), "--poll", "0.5"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+
+    def answered() -> set[str]:
+        assert router.poll() is None, log_path.read_text()
+        try:
+            with Client(state_dir, timeout=5.0) as c:
+                return {n["name"] for n in c.status()["nodes"] if n["answered"]}
+        except (NotRunning, Timeout):
+            return set()
+
+    try:
+        yield state_dir, answered
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(20)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
+        down = hs_ray(env, "down", "--address", cluster.address)
+        assert down.returncode == 0, down.stderr
+
+
+def note_or_none(state_dir: Path, key: str) -> str | None:
+    """The session's note through the router, or None while it cannot be had."""
+    try:
+        with Client(state_dir, timeout=10.0) as c:
+            return note(c, key)
+    except (SupervisorError, Timeout):
+        return None
+
+
+def test_a_frozen_node_is_replaced_and_nodes_that_join_or_restart_get_their_agent(
+    ray_cluster, workdir: Path
+) -> None:
+    """beta's supervisor is stopped (SIGSTOP): its agent's watchdog kills it,
+    its locks go, and alpha serves its keys with their files; a raylet that
+    joins gets an agent without `ray up`; beta's raylet restarted (a new
+    NodeID) comes back as beta, on its own directories."""
+    cluster, beta_node, env = ray_cluster
+    base = workdir / "n"
+    made = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(base),
+                  "--data-dir", str(workdir / "shared"), "--ping-every", "0.5",
+                  "--ping-timeout", "1", "--ping-misses", "3")  # fmt: skip
+    assert made.returncode == 0, made.stderr + made.stdout
+    infos = {i["name"]: i for i in map(json.loads, made.stdout.splitlines()[:-1])}
+    assert set(infos) == {"alpha", "beta"}
+    with routed(cluster, env, workdir) as (state_dir, answered):
+        wait_until(lambda: answered() == {"alpha", "beta"}, what="both nodes through the router")
+        owner = {f"f:{i}": rendezvous(f"f:{i}", [Candidate(n) for n in infos]) for i in range(12)}
+        with Client(state_dir, timeout=60.0) as c:
+            for key in owner:
+                assert c.run(key, f"write note.txt of-{key}").text.startswith("wrote")
+        doomed = [k for k, n in owner.items() if n == "beta"]
+        assert doomed
+
+        frozen = infos["beta"]["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        for key in doomed:
+            wait_until(lambda: note_or_none(state_dir, key) == f"of-{key}", what=key)  # noqa: B023
+        moved = time.monotonic() - stopped
+        wait_until(lambda: not alive({frozen}), what="the frozen supervisor killed")
+        assert "watchdog_killed" in (base / "beta" / "supervisor.log").read_text()
+        print(f"frozen: {len(doomed)} keys served again {moved:.1f}s after SIGSTOP")
+        with Client(state_dir, timeout=30.0) as c:
+            rows = [row["key"] for row in c.sessions()]
+        assert sorted(rows) == sorted(owner)  # each key once, on one node
+
+        joined = time.monotonic()
+        add_node(cluster, "gamma")
+        wait_until(lambda: "gamma" in answered(), what="gamma's agent, without ray up")
+        print(f"join: gamma served {time.monotonic() - joined:.1f}s after its raylet started")
+
+        cluster.remove_node(beta_node)
+        wait_until(lambda: "beta" not in answered(), what="beta gone")
+        add_node(cluster, "beta")
+        wait_until(lambda: "beta" in answered(), what="beta back under its name")
+        for key in doomed:
+            assert note_or_none(state_dir, key) == f"of-{key}"
+        assert sorted(p.name for p in base.iterdir()) == ["alpha", "beta", "gamma"]
