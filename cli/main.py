@@ -46,6 +46,7 @@ from .options import (
 )
 from .ray import ray_group
 from .route import route
+from .router_status import router_lines
 from .serve import config, serve
 from .service import install_service
 from .sessions import inspect, kill, list_, open_, restart, signal_
@@ -146,6 +147,8 @@ def ping(ctx: click.Context) -> None:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the supervisor itself: pid, uptime, version, endpoints, sessions, memory.
 
+    Asked of a router (its --state-dir), the router and one line per node.
+
     \b
     Example:
       hermes-sup status
@@ -154,6 +157,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
         info = client.status()
     if as_json:
         click.echo(json.dumps(info, indent=2))
+        return
+    if info.get("role") == "router":
+        click.echo("\n".join(router_lines(info)))
         return
     counts = ", ".join(f"{n} {s}" for s, n in sorted(info["sessions"].items())) or "none"
     lines = [

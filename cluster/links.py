@@ -58,6 +58,7 @@ class NodeLink:
     ) -> None:
         self.spec = spec
         self.live = False
+        self.losses = 0  # times the link went down once up (for the metrics)
         self.on_live = on_live
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -105,6 +106,7 @@ class NodeLink:
             self.on_live(self, True)
         elif event == zmq.EVENT_DISCONNECTED:
             if self.live:
+                self.losses += 1
                 log.warning(kv("router_node_lost", node=self.name))
             self.live = False
             self.on_live(self, False)

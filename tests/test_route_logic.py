@@ -110,16 +110,22 @@ def test_status_merge_sums_and_shows_every_node() -> None:
         {"pid": 1, "role": "router"},
         {
             "a": {"sessions": {"idle": 2, "busy": 1}, "max_sessions": 10, "accepting": True},
-            "b": {"sessions": {"idle": 3}, "max_sessions": 5, "node": {"draining": True}},
+            "b": {
+                "sessions": {"idle": 3},
+                "max_sessions": 5,
+                "node": {"draining": True, "capacity": 5},
+            },
             "c": None,
         },
-        {"a": {"live": True}, "b": {"live": True}, "c": {"live": False}},
+        {"a": {"live": True}, "b": {"live": True, "capacity": 2.0}, "c": {"live": False}},
     )
     assert info["sessions"] == {"idle": 5, "busy": 1}
     assert info["max_sessions"] == 15 and info["accepting"] is True and info["pid"] == 1
     rows = {r["name"]: r for r in info["nodes"]}
     assert rows["b"]["draining"] is True and rows["c"]["answered"] is False
     assert rows["a"]["status"]["max_sessions"] == 10
+    # The router's weight for a node stays its `capacity`; the node's own room is apart.
+    assert rows["b"]["capacity"] == 2.0 and rows["b"]["max_sessions"] == 5
 
 
 def _connection(path: Path, port: int) -> Path:
