@@ -24,6 +24,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 STALE_AFTER = 5.0  # seconds without a snapshot before the router is unhealthy
+# Connections served at once (a thread each); more are closed at once, so
+# that whoever can reach the port cannot make the router start threads
+# without end. One that sends nothing is closed after IDLE_TIMEOUT.
+MAX_CONNECTIONS = 16
+IDLE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,32 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, MAX_CONNECTIONS at most."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 class RouterWatch:
     """The HTTP endpoint, serving the last snapshot from its own thread."""
 
@@ -89,7 +120,7 @@ class RouterWatch:
         watch = self
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = 5.0  # a connection that says nothing is closed, its thread freed
+            timeout = IDLE_TIMEOUT
 
             def do_GET(self) -> None:  # noqa: N802 - the http.server name
                 path = self.path.split("?")[0]
@@ -111,8 +142,7 @@ class RouterWatch:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass  # scrapes are not news
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = _BoundedServer((host, port), Handler)
         threading.Thread(
             target=self.server.serve_forever, daemon=True, name="hermes-sup-router-watch"
         ).start()
