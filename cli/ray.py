@@ -62,6 +62,10 @@ def _agents() -> ModuleType:
 @click.option("--ping-misses", type=click.IntRange(min=1), default=3, show_default=True,
               help="Unanswered pings in a row after which the agent kills its supervisor "
               "(its locks are released, its sessions served elsewhere) and starts another.")  # fmt: skip
+@click.option("--resource", default=None, metavar="NAME",
+              help="Start agents only on nodes that declare this Ray resource, each "
+              "reserving all of it (its amount is the node's weight), so an autoscaler "
+              "keeps those nodes while their agents live.")  # fmt: skip
 def up(
     address: str,
     base_dir: Path,
@@ -71,6 +75,7 @@ def up(
     ping_every: float,
     ping_timeout: float,
     ping_misses: int,
+    resource: str | None,
 ) -> None:
     """Start one node agent (and its supervisor) on every alive Ray node,
     and on every node that joins later.
@@ -85,7 +90,9 @@ def up(
     agents.connect(address)
     watchdog = WatchdogSettings(every=ping_every, timeout=ping_timeout, misses=ping_misses)
     try:
-        infos = agents.up(base_dir, capacity, data_dir, list(serve_args), watchdog=watchdog)
+        infos = agents.up(
+            base_dir, capacity, data_dir, list(serve_args), watchdog=watchdog, resource=resource
+        )
     except NodeConfigError as exc:
         raise click.ClickException(str(exc)) from None
     specs = agents.wait_registered(len(infos))

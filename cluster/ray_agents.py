@@ -43,7 +43,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .nodes import NodeConfigError, NodeSpec, data_id, spec_from_map
-from .ray_nodes import name_alive, node_address, node_capacity
+from .ray_nodes import AgentPlan, name_alive, node_address, plan_agents
 from .watchdog import Watchdog, WatchdogSettings, ping_supervisor
 
 NAMESPACE = "hermes-sup"
@@ -222,34 +222,38 @@ class Keeper:
         """Start an agent on each alive node without one, let go of those
         of nodes gone; the handles of the alive nodes' agents."""
         with self._lock:
-            nodes = ray.nodes()  # type: ignore[no-untyped-call]
-            named, problems = name_alive(nodes)
+            plans, problems = plan_agents(
+                ray.nodes(),  # type: ignore[no-untyped-call]
+                self.config["capacity"],
+                self.config.get("resource"),
+            )
             for problem in set(problems) - self.problems:
                 print(f"hermes-sup-keeper: {problem}", file=sys.stderr)
             self.problems = set(problems)
-            for node_id in set(self.agents) - set(named):
+            wanted = {plan.node_id: plan for plan in plans}
+            for node_id in set(self.agents) - set(wanted):
                 # Its raylet is gone (a restarted one has a new NodeID): its
                 # agent, pinned there, would wait forever for it.
                 ray.kill(self.agents.pop(node_id), no_restart=True)
-            by_id = {str(n["NodeID"]): n for n in nodes}
-            for node_id, name in named.items():
+            for node_id, plan in wanted.items():
                 if node_id not in self.agents:
-                    self.agents[node_id] = _start_agent(node_id, name, by_id[node_id], self.config)
-            return [self.agents[node_id] for node_id in named]
+                    self.agents[node_id] = _start_agent(plan, self.config)
+            return [self.agents[node_id] for node_id in wanted]
 
 
-def _start_agent(node_id: str, name: str, node: dict[str, Any], config: dict[str, Any]) -> Any:
+def _start_agent(plan: AgentPlan, config: dict[str, Any]) -> Any:
     return NodeAgent.options(  # type: ignore[attr-defined]
-        name=AGENT_PREFIX + node_id,
+        name=AGENT_PREFIX + plan.node_id,
         namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         max_restarts=-1,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        resources=plan.reserve,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False),
     ).remote(
-        name,
+        plan.name,
         config["base_dir"],
-        node_capacity(node, config["capacity"]),
+        plan.capacity,
         config["data_dir"],
         list(config["serve_args"]),
         config["watchdog"],
@@ -263,6 +267,7 @@ def up(
     serve_args: list[str] | None = None,
     timeout: float = 120.0,
     watchdog: WatchdogSettings | None = None,
+    resource: str | None = None,
 ) -> list[dict[str, Any]]:
     """One agent per alive node (existing ones are kept), and the keeper
     that gives nodes joining later theirs; the agents' info. NodeConfigError
@@ -274,12 +279,15 @@ def up(
     _, problems = name_alive(ray.nodes())  # type: ignore[no-untyped-call]
     if problems:
         raise NodeConfigError("; ".join(problems))
+    if resource is not None and not resource.strip():
+        raise NodeConfigError("--resource needs a resource name")
     config = {
         "base_dir": str(base_dir),
         "capacity": capacity,
         "data_dir": str(data_dir) if data_dir else None,
         "serve_args": list(serve_args or []),
         "watchdog": asdict(settings),
+        "resource": resource,
     }
     keeper = Keeper.options(  # type: ignore[attr-defined]
         name=KEEPER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,

@@ -13,6 +13,14 @@ Two alive nodes with one name would share a state directory: the second is
 refused, with a sentence that says how to name it. A node's capacity (its
 weight for new sessions) may be set the same way, by `hermes-sup-capacity`.
 
+With a resource named (`ray up --resource NAME`), only nodes that declare
+it (`ray start --resources '{"NAME": 200}'`, or a node type's resources in
+an autoscaler's config) get an agent, and the agent reserves all of it:
+the amount is the node's capacity (its weight; a label still overrides
+it). Ray then counts the node as in use while its agent lives, so an
+autoscaler does not remove it under its sessions, and nodes of a type
+that declares the resource are the ones it starts for hermes-sup.
+
 The supervisor binds to the address Ray knows for its node (the raylet's
 `--node-ip-address`), not to what a guess from inside a worker finds: on a
 cluster started on 127.0.0.1 that guess was the host's public address.
@@ -20,6 +28,7 @@ cluster started on 127.0.0.1 that guess was the host's public address.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .nodes import NAME_RE, NodeConfigError
@@ -90,3 +99,42 @@ def name_alive(nodes: list[dict[str, Any]]) -> tuple[dict[str, str], list[str]]:
         by_name[name] = node_id
         named[node_id] = name
     return named, problems
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """An agent to start: on which node, under what name, with what weight,
+    reserving what (Ray resources, for the actor's options)."""
+
+    node_id: str
+    name: str
+    capacity: float
+    reserve: dict[str, float]
+
+
+def plan_agents(
+    nodes: list[dict[str, Any]], capacity: float, resource: str | None = None
+) -> tuple[list[AgentPlan], list[str]]:
+    """The agents the alive nodes should have, and why any node has none
+    (a name problem; without the named resource it is not a hermes-sup
+    node, which is said too)."""
+    named, problems = name_alive(nodes)
+    by_id = {str(n.get("NodeID")): n for n in nodes}
+    plans = []
+    for node_id, name in named.items():
+        node = by_id[node_id]
+        reserve: dict[str, float] = {}
+        weight = capacity
+        if resource is not None:
+            amount = (node.get("Resources") or {}).get(resource)
+            if not amount or amount <= 0:
+                problems.append(f"node {name!r} declares no {resource!r} resource: no agent there")
+                continue
+            reserve, weight = {resource: float(amount)}, float(amount)
+        try:
+            weight = node_capacity(node, weight)
+        except NodeConfigError as exc:
+            problems.append(str(exc))
+            continue
+        plans.append(AgentPlan(node_id, name, weight, reserve))
+    return plans, problems

@@ -33,6 +33,7 @@ cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 SESSIONS = 20
 LOOPBACK = "127.0.0.1"
+SLOTS = "hermes_sup_slots"  # the resource the first test's agents reserve
 pytestmark = pytest.mark.e2e  # real Ray raylets, supervisors and workers
 
 
@@ -72,9 +73,27 @@ def note(c: Client, key: str) -> str:
 wait_until = partial(waiting.wait_for, timeout=60.0, every=0.2)
 
 
-def add_node(cluster, name: str):  # noqa: ANN001, ANN201
-    """A raylet on 127.0.0.1 named `name` for hermes-sup (its label)."""
-    return cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK, labels={NAME_LABEL: name})
+def add_node(cluster, name: str, slots: float | None = None):  # noqa: ANN001, ANN201
+    """A raylet on 127.0.0.1 named `name` for hermes-sup (its label),
+    declaring `slots` of the SLOTS resource if given."""
+    return cluster.add_node(
+        num_cpus=1, node_ip_address=LOOPBACK, labels={NAME_LABEL: name},
+        resources={SLOTS: slots} if slots else {},
+    )  # fmt: skip
+
+
+def free_slots(env: dict[str, str], address: str) -> tuple[float, float]:
+    """(available, total) of the SLOTS resource, as Ray counts them."""
+    code = (
+        "import json, logging, ray; "
+        f"ray.init(address={address!r}, logging_level=logging.ERROR, log_to_driver=False); "
+        f"print(json.dumps([ray.available_resources().get({SLOTS!r}, 0), "
+        f"ray.cluster_resources().get({SLOTS!r}, 0)]))"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, check=True)  # fmt: skip
+    available, total = json.loads(ran.stdout.strip().splitlines()[-1])
+    return float(available), float(total)
 
 
 @pytest.fixture
@@ -92,11 +111,11 @@ def ray_cluster(workdir: Path):
         initialize_head=True,
         head_node_args={
             "num_cpus": 1, "include_dashboard": False, "node_ip_address": LOOPBACK,
-            "labels": {NAME_LABEL: "alpha"},
+            "labels": {NAME_LABEL: "alpha"}, "resources": {SLOTS: 3},
         },
     )  # fmt: skip
     try:
-        worker = add_node(cluster, "beta")
+        worker = add_node(cluster, "beta", slots=2)
         cluster.wait_for_nodes()
         yield cluster, worker, {**os.environ, **local}
         foreign = foreign_connections(str(workdir))
@@ -139,11 +158,14 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
 
     # One data directory for both nodes (session leases): a session's files
     # outlive its node.
+    # Each agent reserves all of its node's slots, which weigh the node.
     made = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(workdir / "n"),
-                  "--data-dir", str(workdir / "shared"))  # fmt: skip
+                  "--data-dir", str(workdir / "shared"), "--resource", SLOTS)  # fmt: skip
     assert made.returncode == 0, made.stderr + made.stdout
     infos = [json.loads(line) for line in made.stdout.splitlines() if line.startswith("{")]
     assert len(infos) == 2
+    assert {i["name"]: i["capacity"] for i in infos} == {"alpha": 3.0, "beta": 2.0}
+    assert free_slots(env, cluster.address) == (0.0, 5.0)
     by_ray_node = {info["ray_node"]: info for info in infos}
     lost = by_ray_node[worker.node_id]
     names = {info["name"] for info in infos}
@@ -169,10 +191,8 @@ def test_agents_route_turns_and_a_lost_node_leaves_nothing(ray_cluster, workdir:
                 return set()
 
         wait_until(lambda: answered() == names, what="both nodes through the router")
-        owner = {
-            f"ray:{i}": rendezvous(f"ray:{i}", [Candidate(n) for n in names])
-            for i in range(SESSIONS)
-        }
+        weighted = [Candidate(i["name"], i["capacity"]) for i in infos]
+        owner = {f"ray:{i}": rendezvous(f"ray:{i}", weighted) for i in range(SESSIONS)}
         with Client(state_dir, timeout=60.0) as c:
             for key in owner:
                 assert c.run(key, "env HERMES_SESSION_KEY").text == key

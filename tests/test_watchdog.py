@@ -16,6 +16,7 @@ from hermes_sup.cluster.ray_nodes import (
     name_alive,
     node_address,
     node_capacity,
+    plan_agents,
 )
 from hermes_sup.cluster.watchdog import Watchdog, WatchdogSettings, ping_supervisor
 
@@ -109,3 +110,22 @@ def test_capacity_and_address_come_from_what_ray_says() -> None:
     )
     with pytest.raises(LookupError):
         node_address([node("x")], "z")
+
+
+def test_with_a_resource_only_nodes_declaring_it_get_an_agent_reserving_all_of_it() -> None:
+    nodes = [
+        {**node("a" * 8, "h1"), "Resources": {"hermes_sup": 200.0, "CPU": 4.0}},
+        {**node("b" * 8, "h2"), "Resources": {"CPU": 4.0}},
+        {**node("c" * 8, "h3", **{CAPACITY_LABEL: "50"}), "Resources": {"hermes_sup": 80.0}},
+    ]
+    plans, problems = plan_agents(nodes, 1.0, "hermes_sup")
+    assert [(p.name, p.capacity, p.reserve) for p in plans] == [
+        ("h1", 200.0, {"hermes_sup": 200.0}),
+        ("h3", 50.0, {"hermes_sup": 80.0}),  # its label weighs it; it still reserves all
+    ]
+    assert problems == ["node 'h2' declares no 'hermes_sup' resource: no agent there"]
+    plans, problems = plan_agents(nodes, 2.0)
+    assert [(p.name, p.capacity, p.reserve) for p in plans] == [
+        ("h1", 2.0, {}), ("h2", 2.0, {}), ("h3", 50.0, {}),
+    ]  # fmt: skip
+    assert not problems
