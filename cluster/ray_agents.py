@@ -206,9 +206,9 @@ class Keeper:
         self._lock = threading.Lock()
         threading.Thread(target=self._keep, daemon=True, name="hermes-sup-keeper").start()
 
-    def configure(self, config: dict[str, Any]) -> None:
-        """New settings, for agents started from now on (`ray up` again)."""
-        self.config = config
+    def settings(self) -> dict[str, Any]:
+        """The settings it starts agents with."""
+        return self.config
 
     def _keep(self) -> None:
         while True:
@@ -260,6 +260,27 @@ def _start_agent(plan: AgentPlan, config: dict[str, Any]) -> Any:
     )
 
 
+def _keeper(config: dict[str, Any], timeout: float) -> Any:
+    """The keeper, with these settings. Ray restarts an actor with the
+    arguments it was made with, so new settings make a new keeper (the
+    agents already running are kept: theirs are detached actors)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            keeper = Keeper.options(  # type: ignore[attr-defined]
+                name=KEEPER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                max_restarts=-1,
+            ).remote(config)  # fmt: skip
+            if ray.get(keeper.settings.remote(), timeout=timeout) == config:
+                return keeper
+            ray.kill(keeper, no_restart=True)
+        except (ValueError, ray.exceptions.RayActorError):
+            # The old keeper is still being let go (its name, or a handle to it).
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def up(
     base_dir: Path,
     capacity: float = 1.0,
@@ -289,11 +310,7 @@ def up(
         "watchdog": asdict(settings),
         "resource": resource,
     }
-    keeper = Keeper.options(  # type: ignore[attr-defined]
-        name=KEEPER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        max_restarts=-1,
-    ).remote(config)  # fmt: skip
-    ray.get(keeper.configure.remote(config), timeout=timeout)
+    keeper = _keeper(config, timeout)
     handles = ray.get(keeper.reconcile.remote(), timeout=timeout)
     return list(ray.get([a.info.remote() for a in handles], timeout=timeout))
 

@@ -323,10 +323,17 @@ def test_a_frozen_node_is_replaced_and_nodes_that_join_or_restart_get_their_agen
             rows = [row["key"] for row in c.sessions()]
         assert sorted(rows) == sorted(owner)  # each key once, on one node
 
+        # `ray up` again with new settings: for agents started from now on.
+        again = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(base),
+                       "--data-dir", str(workdir / "shared"), "--capacity", "2")  # fmt: skip
+        assert again.returncode == 0, again.stderr + again.stdout
         joined = time.monotonic()
         add_node(cluster, "gamma")
         wait_until(lambda: "gamma" in answered(), what="gamma's agent, without ray up")
         print(f"join: gamma served {time.monotonic() - joined:.1f}s after its raylet started")
+        listed = hs_ray(env, "nodes", "--address", cluster.address)
+        weights = {n["name"]: n["capacity"] for n in map(json.loads, listed.stdout.splitlines())}
+        assert weights == {"alpha": 1.0, "beta": 1.0, "gamma": 2.0}, weights
 
         cluster.remove_node(beta_node)
         wait_until(lambda: "beta" not in answered(), what="beta gone")
