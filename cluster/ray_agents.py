@@ -6,8 +6,8 @@ every node that joins later (it looks every few seconds), one detached
 `NodeAgent` actor pinned to that node (NodeAffinitySchedulingStrategy,
 soft=False) and restarted by Ray while the node lives (max_restarts=-1).
 A node is named by its label or its host (ray_nodes.py), never by its
-NodeID, so a restarted raylet's supervisor has its old state and sessions. Sessions are not Ray actors: an
-actor per session costs about a second and 50 MiB, a fork 3 ms and 3 MiB.
+NodeID, so a restarted raylet's supervisor has its old state and sessions.
+Sessions are not Ray actors: an actor per session costs about a second and 50 MiB, a fork 3 ms and 3 MiB.
 The agent runs the node's `hermes-sup serve --tcp` as a CHILD process (a
 supervisor cannot run inside a Ray worker, which has threads before our
 zygote would start), through launcher.py so that the supervisor is killed
@@ -197,7 +197,7 @@ class NodeAgent:
 class Keeper:
     """Gives every alive node an agent, nodes that join included: it looks
     at Ray's node list every JOIN_SECONDS (a named, detached actor that
-    `ray up` starts and configures, and Ray restarts)."""
+    `ray up` starts, and Ray restarts with the same settings)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config

@@ -85,8 +85,9 @@ Handler = Callable[[bytes, Message, bytes], None]
 class Router:
     """The router's sockets and its loop: one asyncio loop does all the
     routing; the only other threads are zmq's ZAP handler (with --tcp), the
-    client gate's, and the executor that reads the node list (a file, or
-    Ray's registry)."""
+    client gate's, the executor that reads the node list (a file, or Ray's
+    registry), and the metrics endpoint's (with --metrics: router_watch.py,
+    which reads a snapshot the loop writes once a second)."""
 
     def __init__(
         self,
