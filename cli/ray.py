@@ -98,6 +98,8 @@ def up(
     specs = agents.wait_registered(len(infos))
     for info in infos:
         click.echo(json.dumps(info))
+    for why in agents.skipped():
+        click.echo(f"no agent: {why}", err=True)
     click.echo(f"{len(infos)} node agent(s) up, {len(specs)} registered")
 
 

@@ -210,6 +210,10 @@ class Keeper:
         """The settings it starts agents with."""
         return self.config
 
+    def skipped(self) -> list[str]:
+        """Why nodes have no agent, as of the last look (sorted)."""
+        return sorted(self.problems)
+
     def _keep(self) -> None:
         while True:
             time.sleep(JOIN_SECONDS)
@@ -313,6 +317,15 @@ def up(
     keeper = _keeper(config, timeout)
     handles = ray.get(keeper.reconcile.remote(), timeout=timeout)
     return list(ray.get([a.info.remote() for a in handles], timeout=timeout))
+
+
+def skipped(timeout: float = 30.0) -> list[str]:
+    """Why alive nodes have no agent (the keeper's last look), if it runs."""
+    try:
+        keeper = ray.get_actor(KEEPER, namespace=NAMESPACE)
+    except ValueError:
+        return []
+    return list(ray.get(keeper.skipped.remote(), timeout=timeout))
 
 
 def agents() -> list[Any]:
