@@ -342,3 +342,7 @@ def test_a_frozen_node_is_replaced_and_nodes_that_join_or_restart_get_their_agen
         for key in doomed:
             assert note_or_none(state_dir, key) == f"of-{key}"
         assert sorted(p.name for p in base.iterdir()) == ["alpha", "beta", "gamma"]
+        # Three supervisors ran on beta's own directories: the first, the one
+        # after the watchdog's kill, and the restarted raylet's.
+        started = (base / "beta" / "supervisor.log").read_text().count(" ready pid=")
+        assert started >= 3, started
