@@ -6,6 +6,7 @@ hermes-sup route --ray HEAD:6379
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from pathlib import Path
 from types import ModuleType
@@ -66,6 +67,10 @@ def _agents() -> ModuleType:
               help="Start agents only on nodes that declare this Ray resource, each "
               "reserving all of it (its amount is the node's weight), so an autoscaler "
               "keeps those nodes while their agents live.")  # fmt: skip
+@click.option("--host", default=None, metavar="ADDRESS",
+              help="The address every node's supervisor listens on and is reached at "
+              "[default: the address Ray knows for its node]. One address for all "
+              "nodes: for a cluster on one machine (127.0.0.1).")  # fmt: skip
 def up(
     address: str,
     base_dir: Path,
@@ -76,6 +81,7 @@ def up(
     ping_timeout: float,
     ping_misses: int,
     resource: str | None,
+    host: str | None,
 ) -> None:
     """Start one node agent (and its supervisor) on every alive Ray node,
     and on every node that joins later.
@@ -87,12 +93,20 @@ def up(
     from hermes_sup.cluster.nodes import NodeConfigError
     from hermes_sup.cluster.watchdog import WatchdogSettings
 
+    if host is not None:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise click.BadParameter(
+                f"{host!r} is not an IP address", param_hint="--host"
+            ) from None
     agents.connect(address)
     watchdog = WatchdogSettings(every=ping_every, timeout=ping_timeout, misses=ping_misses)
     try:
         infos = agents.up(
-            base_dir, capacity, data_dir, list(serve_args), watchdog=watchdog, resource=resource
-        )
+            base_dir, capacity, data_dir, list(serve_args),
+            watchdog=watchdog, resource=resource, host=host,
+        )  # fmt: skip
     except NodeConfigError as exc:
         raise click.ClickException(str(exc)) from None
     specs = agents.wait_registered(len(infos))

@@ -96,6 +96,7 @@ class NodeAgent:
         data_dir: str | None,
         serve_args: list[str],
         watchdog: dict[str, Any] | None = None,
+        host: str | None = None,
     ) -> None:
         import zmq
 
@@ -103,8 +104,9 @@ class NodeAgent:
 
         self.name = name
         self.ray_node = ray.get_runtime_context().get_node_id()
-        # The address the raylet was started on, not a guess from in here.
-        host = node_address(ray.nodes(), self.ray_node)  # type: ignore[no-untyped-call]
+        # The operator's, else the address Ray knows for this node (its
+        # raylet's --node-ip-address), not a guess from in here.
+        host = host or node_address(ray.nodes(), self.ray_node)  # type: ignore[no-untyped-call]
         root = Path(base_dir) / name
         state_dir = root / "s"
         data = Path(data_dir) if data_dir else root / "d"
@@ -261,6 +263,7 @@ def _start_agent(plan: AgentPlan, config: dict[str, Any]) -> Any:
         config["data_dir"],
         list(config["serve_args"]),
         config["watchdog"],
+        config.get("host"),
     )
 
 
@@ -293,6 +296,7 @@ def up(
     timeout: float = 120.0,
     watchdog: WatchdogSettings | None = None,
     resource: str | None = None,
+    host: str | None = None,
 ) -> list[dict[str, Any]]:
     """One agent per alive node (existing ones are kept), and the keeper
     that gives nodes joining later theirs; the agents' info. NodeConfigError
@@ -313,6 +317,7 @@ def up(
         "serve_args": list(serve_args or []),
         "watchdog": asdict(settings),
         "resource": resource,
+        "host": host,
     }
     keeper = _keeper(config, timeout)
     handles = ray.get(keeper.reconcile.remote(), timeout=timeout)

@@ -297,10 +297,11 @@ def test_a_frozen_node_is_replaced_and_nodes_that_join_or_restart_get_their_agen
     base = workdir / "n"
     made = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(base),
                   "--data-dir", str(workdir / "shared"), "--ping-every", "0.5",
-                  "--ping-timeout", "1", "--ping-misses", "3")  # fmt: skip
+                  "--ping-timeout", "1", "--ping-misses", "3", "--host", LOOPBACK)  # fmt: skip
     assert made.returncode == 0, made.stderr + made.stdout
     infos = {i["name"]: i for i in map(json.loads, made.stdout.splitlines()[:-1])}
     assert set(infos) == {"alpha", "beta"}
+    assert all(i["endpoint"].startswith(f"tcp://{LOOPBACK}:") for i in infos.values())
     with routed(cluster, env, workdir) as (state_dir, answered):
         wait_until(lambda: answered() == {"alpha", "beta"}, what="both nodes through the router")
         owner = {f"f:{i}": rendezvous(f"f:{i}", [Candidate(n) for n in infos]) for i in range(12)}
