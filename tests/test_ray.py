@@ -297,7 +297,7 @@ def test_a_frozen_node_is_replaced_and_nodes_that_join_or_restart_get_their_agen
     base = workdir / "n"
     made = hs_ray(env, "up", "--address", cluster.address, "--base-dir", str(base),
                   "--data-dir", str(workdir / "shared"), "--ping-every", "0.5",
-                  "--ping-timeout", "1", "--ping-misses", "3", "--host", LOOPBACK)  # fmt: skip
+                  "--ping-timeout", "2", "--ping-misses", "3", "--host", LOOPBACK)  # fmt: skip
     assert made.returncode == 0, made.stderr + made.stdout
     infos = {i["name"]: i for i in map(json.loads, made.stdout.splitlines()[:-1])}
     assert set(infos) == {"alpha", "beta"}
@@ -341,7 +341,7 @@ def test_a_frozen_node_is_replaced_and_nodes_that_join_or_restart_get_their_agen
         add_node(cluster, "beta")
         wait_until(lambda: "beta" in answered(), what="beta back under its name")
         for key in doomed:
-            assert note_or_none(state_dir, key) == f"of-{key}"
+            wait_until(lambda: note_or_none(state_dir, key) == f"of-{key}", what=key)  # noqa: B023
         assert sorted(p.name for p in base.iterdir()) == ["alpha", "beta", "gamma"]
         # Three supervisors ran on beta's own directories: the first, the one
         # after the watchdog's kill, and the restarted raylet's.
