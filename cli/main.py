@@ -168,6 +168,8 @@ def ping(ctx: click.Context) -> None:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the supervisor itself: pid, uptime, version, endpoints, sessions, memory.
 
+    Asked of a router (its --state-dir), the router and one line per node.
+
     \b
     Example:
       hermes-sup status
@@ -194,6 +196,11 @@ def status(ctx: click.Context, as_json: bool) -> None:
         ) from None
     if as_json:
         click.echo(json.dumps(info, indent=2))
+        return
+    if info.get("role") == "router":
+        from .router_status import router_lines
+
+        click.echo("\n".join(router_lines(info)))
         return
     counts = ", ".join(f"{n} {s}" for s, n in sorted(info["sessions"].items())) or "none"
     lines = [

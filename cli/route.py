@@ -79,6 +79,14 @@ from .options import client_options
     help="Messages queued for one front end before it lags: its events are then dropped "
     "and counted (it is told), its answers kept [default: 100000; 0: no limit].",
 )
+@click.option(
+    "--metrics",
+    default=None,
+    metavar="[HOST:]PORT",
+    help="Serve Prometheus metrics at /metrics and a health check at /healthz "
+    "(200 while the router runs and a node is linked, else 503) on this address "
+    "(a bare port binds 127.0.0.1).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 @click.pass_context
 def route(
@@ -91,6 +99,7 @@ def route(
     poll: float,
     max_clients: int | None,
     client_queue: int | None,
+    metrics: str | None,
     log_level: str,
 ) -> None:
     """Route every session's requests to the node that owns its key.
@@ -116,6 +125,14 @@ def route(
 
     if (nodes_file is None) == (ray_address is None):
         raise click.UsageError("give exactly one of --nodes FILE and --ray ADDRESS")
+    metrics_at = None
+    if metrics is not None:
+        from hermes_sup.supervisor.metrics import parse_address
+
+        try:
+            metrics_at = parse_address(metrics)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--metrics") from None
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
@@ -143,7 +160,10 @@ def route(
             poll_interval=poll,
             max_clients=max_clients,
             client_queue=CLIENT_QUEUE if client_queue is None else client_queue,
+            metrics=metrics_at,
         )
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
     except (StateDirError, RemoteError) as exc:
         raise click.ClickException(str(exc)) from None
 

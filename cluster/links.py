@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 
 import zmq
@@ -33,6 +34,9 @@ log = logging.getLogger("hermes_sup.router")
 # when its host vanished without closing the TCP connection.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 4000
+# A node that accepts the TCP connection and then says nothing (frozen) is
+# given up this long after it was reached, and tried again.
+HANDSHAKE_IVL_MS = 10_000
 # The most messages queued on a node link, each way.
 SNDHWM = 100_000
 
@@ -54,6 +58,7 @@ class NodeLink:
     ) -> None:
         self.spec = spec
         self.live = False
+        self.losses = 0  # times the link went down once up (for the metrics)
         self.on_live = on_live
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -64,6 +69,7 @@ class NodeLink:
         sock.setsockopt(zmq.RCVHWM, SNDHWM)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL, 200)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.curve_serverkey = spec.server_key.encode()
@@ -92,13 +98,15 @@ class NodeLink:
 
     def _on_monitor(self, frames: list[bytes]) -> None:
         """Live from a successful handshake to a disconnect (or heartbeat timeout)."""
-        event = parse_monitor_message(frames)["event"]
+        parsed = parse_monitor_message(frames)
+        event = parsed["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.live = True
             log.info(kv("router_node_up", node=self.name))
             self.on_live(self, True)
         elif event == zmq.EVENT_DISCONNECTED:
             if self.live:
+                self.losses += 1
                 log.warning(kv("router_node_lost", node=self.name))
             self.live = False
             self.on_live(self, False)
@@ -107,8 +115,7 @@ class NodeLink:
                 kv(
                     "router_node_handshake_failed",
                     node=self.name,
-                    reason="the node refused the router's CURVE key, or its server key "
-                    "is not the connection file's",
+                    reason=handshake_failure(event, parsed["value"]),
                     server_public=self.spec.server_key,
                 )
             )
@@ -119,6 +126,22 @@ class NodeLink:
             self.sock.disable_monitor()
         self.monitor.close()
         self.channel.close()
+
+
+def handshake_failure(event: int, value: int) -> str:
+    """Why a node's handshake failed, as its monitor event tells: a node that
+    refused the router's key answers at once; one that is frozen (stopped,
+    or its loop stuck) accepts the TCP connection and then says nothing
+    until the handshake times out, which zmq reports with no detail."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the node refused the router's CURVE key (status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return (
+            "the handshake broke the protocol: the node's server key is not the one "
+            "registered, or it is not a hermes-sup node"
+        )
+    why = os.strerror(value) if value > 0 else "no answer"
+    return f"the node did not complete the handshake ({why}): it may be frozen, overloaded, or gone"
 
 
 def reach(spec: NodeSpec) -> tuple[str, str, bytes, str, str]:

@@ -87,12 +87,15 @@ def merge_status(
         row["answered"] = reply is not None
         if reply is not None:
             row["status"] = reply
-            # A supervisor that knows its node says so (draining, capacity).
+            # A supervisor that knows its node says so: whether it drains,
+            # and how many sessions it may hold (its `capacity`, not the
+            # router's weight for it, which is the row's `capacity`).
             own = reply.get("node")
             if isinstance(own, dict):
-                for field in ("draining", "capacity"):
-                    if field in own:
-                        row[field] = own[field]
+                if "draining" in own:
+                    row["draining"] = own["draining"]
+                if "capacity" in own:
+                    row["max_sessions"] = own["capacity"]
         rows.append(row)
     info["nodes"] = rows
     return info

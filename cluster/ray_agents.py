@@ -1,14 +1,19 @@
 """Ray node agents: one supervisor per Ray node, and a registry the router reads.
 
 Theory of operation. `hermes-sup ray up` connects to a running Ray cluster
-and starts, on every alive node, one detached `NodeAgent` actor pinned to
-that node (NodeAffinitySchedulingStrategy, soft=False) and restarted by Ray
-while the node lives (max_restarts=-1). Sessions are not Ray actors: an
-actor per session costs about a second and 50 MiB, a fork 3 ms and 3 MiB.
+and starts the keeper, a detached actor that gives every alive node, and
+every node that joins later (it looks every few seconds), one detached
+`NodeAgent` actor pinned to that node (NodeAffinitySchedulingStrategy,
+soft=False) and restarted by Ray while the node lives (max_restarts=-1).
+A node is named by its label or its host (ray_nodes.py), never by its
+NodeID, so a restarted raylet's supervisor has its old state and sessions.
+Sessions are not Ray actors: an actor per session costs about a second and 50 MiB, a fork 3 ms and 3 MiB.
 The agent runs the node's `hermes-sup serve --tcp` as a CHILD process (a
 supervisor cannot run inside a Ray worker, which has threads before our
 zygote would start), through launcher.py so that the supervisor is killed
-when the agent dies, however it dies.
+when the agent dies, however it dies. The agent's watchdog (watchdog.py)
+kills a supervisor that stops answering pings; the agent then exits, and
+Ray restarts it.
 
 Each agent makes a CURVE key pair for the router, enrolls it in its
 supervisor's allowlist (`router-<node>`), and registers
@@ -30,18 +35,23 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .nodes import NodeSpec, data_id, spec_from_map
+from .nodes import NodeConfigError, NodeSpec, data_id, spec_from_map
+from .ray_nodes import AgentPlan, name_alive, node_address, plan_agents
+from .watchdog import Watchdog, WatchdogSettings, ping_supervisor
 
 NAMESPACE = "hermes-sup"
 REGISTRY = "hermes-sup-registry"
 AGENT_PREFIX = "hermes-sup-agent-"
+KEEPER = "hermes-sup-keeper"
 REREGISTER_SECONDS = 2.0
+JOIN_SECONDS = 2.0  # how often the keeper looks for nodes without an agent
 
 
 @ray.remote(num_cpus=0)
@@ -79,7 +89,14 @@ class NodeAgent:
     """Runs and registers one node's supervisor; the supervisor is its child."""
 
     def __init__(
-        self, name: str, base_dir: str, capacity: float, data_dir: str | None, serve_args: list[str]
+        self,
+        name: str,
+        base_dir: str,
+        capacity: float,
+        data_dir: str | None,
+        serve_args: list[str],
+        watchdog: dict[str, Any] | None = None,
+        host: str | None = None,
     ) -> None:
         import zmq
 
@@ -87,7 +104,9 @@ class NodeAgent:
 
         self.name = name
         self.ray_node = ray.get_runtime_context().get_node_id()
-        host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        # The operator's, else the address Ray knows for this node (its
+        # raylet's --node-ip-address), not a guess from in here.
+        host = host or node_address(ray.nodes(), self.ray_node)  # type: ignore[no-untyped-call]
         root = Path(base_dir) / name
         state_dir = root / "s"
         data = Path(data_dir) if data_dir else root / "d"
@@ -125,20 +144,39 @@ class NodeAgent:
             [sys.executable, "-m", "hermes_sup.cluster.launcher", str(os.getpid()), "--", *command],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
+        settings = WatchdogSettings(**(watchdog or {}))
+        self.watchdog = Watchdog(
+            self.proc.pid, settings, lambda timeout: ping_supervisor(state_dir, timeout)
+        )
         self.registry = _registry()
         ray.get(self.registry.put.remote(self.entry))
         self._stop = threading.Event()
         threading.Thread(target=self._keep, daemon=True, name="hermes-sup-agent").start()
 
     def _keep(self) -> None:
-        """Re-register; if the supervisor died, so does the agent (Ray restarts it)."""
-        while not self._stop.wait(REREGISTER_SECONDS):
+        """Watch the supervisor and re-register. A supervisor that exited,
+        or that the watchdog killed, takes the agent with it: Ray restarts
+        the agent, which starts a new one."""
+        registered = time.monotonic()
+        while not self._stop.wait(self.watchdog.settings.every):
             if self.proc.poll() is not None:
                 os._exit(1)
-            try:
-                self.registry.put.remote(self.entry)
-            except Exception:  # a registry being restarted: the next round puts it
-                self.registry = _registry()
+            why = self.watchdog.check()
+            if self._stop.is_set():
+                return
+            if why is not None:
+                self.log.write(
+                    f"hermes-sup-agent: watchdog_killed pid={self.proc.pid} reason={why!r}\n".encode()
+                )
+                self.log.flush()
+                self.proc.wait()
+                os._exit(1)
+            if time.monotonic() - registered >= REREGISTER_SECONDS:
+                registered = time.monotonic()
+                try:
+                    self.registry.put.remote(self.entry)
+                except Exception:  # a registry being restarted: the next round puts it
+                    self.registry = _registry()
 
     def info(self) -> dict[str, Any]:
         """Where the supervisor is, and its pid (no secrets)."""
@@ -157,8 +195,97 @@ class NodeAgent:
             return self.proc.wait()
 
 
-def node_name(node_id: str) -> str:
-    return f"ray-{node_id[:12]}"
+@ray.remote(num_cpus=0)
+class Keeper:
+    """Gives every alive node an agent, nodes that join included: it looks
+    at Ray's node list every JOIN_SECONDS (a named, detached actor that
+    `ray up` starts, and Ray restarts with the same settings)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.agents: dict[str, Any] = {}  # by Ray NodeID
+        self.problems: set[str] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._keep, daemon=True, name="hermes-sup-keeper").start()
+
+    def settings(self) -> dict[str, Any]:
+        """The settings it starts agents with."""
+        return self.config
+
+    def skipped(self) -> list[str]:
+        """Why nodes have no agent, as of the last look (sorted)."""
+        return sorted(self.problems)
+
+    def _keep(self) -> None:
+        while True:
+            time.sleep(JOIN_SECONDS)
+            try:
+                self.reconcile()
+            except Exception as exc:  # the GCS briefly away: the next round
+                print(f"hermes-sup-keeper: reconcile failed: {exc}", file=sys.stderr)
+
+    def reconcile(self) -> list[Any]:
+        """Start an agent on each alive node without one, let go of those
+        of nodes gone; the handles of the alive nodes' agents."""
+        with self._lock:
+            plans, problems = plan_agents(
+                ray.nodes(),  # type: ignore[no-untyped-call]
+                self.config["capacity"],
+                self.config.get("resource"),
+            )
+            for problem in set(problems) - self.problems:
+                print(f"hermes-sup-keeper: {problem}", file=sys.stderr)
+            self.problems = set(problems)
+            wanted = {plan.node_id: plan for plan in plans}
+            for node_id in set(self.agents) - set(wanted):
+                # Its raylet is gone (a restarted one has a new NodeID): its
+                # agent, pinned there, would wait forever for it.
+                ray.kill(self.agents.pop(node_id), no_restart=True)
+            for node_id, plan in wanted.items():
+                if node_id not in self.agents:
+                    self.agents[node_id] = _start_agent(plan, self.config)
+            return [self.agents[node_id] for node_id in wanted]
+
+
+def _start_agent(plan: AgentPlan, config: dict[str, Any]) -> Any:
+    return NodeAgent.options(  # type: ignore[attr-defined]
+        name=AGENT_PREFIX + plan.node_id,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        resources=plan.reserve,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False),
+    ).remote(
+        plan.name,
+        config["base_dir"],
+        plan.capacity,
+        config["data_dir"],
+        list(config["serve_args"]),
+        config["watchdog"],
+        config.get("host"),
+    )
+
+
+def _keeper(config: dict[str, Any], timeout: float) -> Any:
+    """The keeper, with these settings. Ray restarts an actor with the
+    arguments it was made with, so new settings make a new keeper (the
+    agents already running are kept: theirs are detached actors)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            keeper = Keeper.options(  # type: ignore[attr-defined]
+                name=KEEPER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                max_restarts=-1,
+            ).remote(config)  # fmt: skip
+            if ray.get(keeper.settings.remote(), timeout=timeout) == config:
+                return keeper
+            ray.kill(keeper, no_restart=True)
+        except (ValueError, ray.exceptions.RayActorError):
+            # The old keeper is still being let go (its name, or a handle to it).
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def up(
@@ -167,26 +294,43 @@ def up(
     data_dir: Path | None = None,
     serve_args: list[str] | None = None,
     timeout: float = 120.0,
+    watchdog: WatchdogSettings | None = None,
+    resource: str | None = None,
+    host: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One agent per alive node (existing ones are kept); their info.
+    """One agent per alive node (existing ones are kept), and the keeper
+    that gives nodes joining later theirs; the agents' info. NodeConfigError
+    if two alive nodes would have one name, or a node none.
 
     Call after ray.init(address=..., namespace=NAMESPACE)."""
-    agents = []
-    for node in ray.nodes():  # type: ignore[no-untyped-call]
-        if not node.get("Alive"):
-            continue
-        node_id = node["NodeID"]
-        agent = NodeAgent.options(  # type: ignore[attr-defined]
-            name=AGENT_PREFIX + node_id,
-            namespace=NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            max_restarts=-1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(node_name(node_id), str(base_dir), capacity, str(data_dir) if data_dir else None,
-                 list(serve_args or []))  # fmt: skip
-        agents.append(agent)
-    return list(ray.get([a.info.remote() for a in agents], timeout=timeout))
+    settings = watchdog or WatchdogSettings()
+    settings.check()
+    _, problems = name_alive(ray.nodes())  # type: ignore[no-untyped-call]
+    if problems:
+        raise NodeConfigError("; ".join(problems))
+    if resource is not None and not resource.strip():
+        raise NodeConfigError("--resource needs a resource name")
+    config = {
+        "base_dir": str(base_dir),
+        "capacity": capacity,
+        "data_dir": str(data_dir) if data_dir else None,
+        "serve_args": list(serve_args or []),
+        "watchdog": asdict(settings),
+        "resource": resource,
+        "host": host,
+    }
+    keeper = _keeper(config, timeout)
+    handles = ray.get(keeper.reconcile.remote(), timeout=timeout)
+    return list(ray.get([a.info.remote() for a in handles], timeout=timeout))
+
+
+def skipped(timeout: float = 30.0) -> list[str]:
+    """Why alive nodes have no agent (the keeper's last look), if it runs."""
+    try:
+        keeper = ray.get_actor(KEEPER, namespace=NAMESPACE)
+    except ValueError:
+        return []
+    return list(ray.get(keeper.skipped.remote(), timeout=timeout))
 
 
 def agents() -> list[Any]:
@@ -202,7 +346,12 @@ def agents() -> list[Any]:
 
 
 def down(timeout: float = 60.0) -> int:
-    """Stop every agent's supervisor, then the agents and the registry."""
+    """Stop the keeper (no agent started again), every agent's supervisor,
+    then the agents and the registry."""
+    try:
+        ray.kill(ray.get_actor(KEEPER, namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        pass
     handles = agents()
     if handles:
         ray.get([a.stop.remote() for a in handles], timeout=timeout)

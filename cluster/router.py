@@ -66,6 +66,7 @@ from hermes_sup.protocol import (
 
 from .links import NodeLink, reach
 from .nodes import NodeSpec
+from .router_watch import RouterSnapshot, RouterWatch
 from .routing import MOVED, NODE_LOST, Out, RoutingTable, TimeOut, ToClient, ToNode
 
 log = logging.getLogger("hermes_sup.router")
@@ -75,6 +76,7 @@ log = logging.getLogger("hermes_sup.router")
 CLIENT_QUEUE = 100_000
 # Descriptors kept from client connections for node links (about 4 each).
 NODE_FDS = 256
+SNAPSHOT_EVERY = 1.0  # seconds between two snapshots for the metrics endpoint
 
 NodeSource = Callable[[], list[NodeSpec]]
 Handler = Callable[[bytes, Message, bytes], None]
@@ -83,8 +85,9 @@ Handler = Callable[[bytes, Message, bytes], None]
 class Router:
     """The router's sockets and its loop: one asyncio loop does all the
     routing; the only other threads are zmq's ZAP handler (with --tcp), the
-    client gate's, and the executor that reads the node list (a file, or
-    Ray's registry)."""
+    client gate's, the executor that reads the node list (a file, or Ray's
+    registry), and the metrics endpoint's (with --metrics: router_watch.py,
+    which reads a snapshot the loop writes once a second)."""
 
     def __init__(
         self,
@@ -97,8 +100,13 @@ class Router:
         limits: Limits | None = None,
         max_clients: int | None = None,
         client_queue: int = CLIENT_QUEUE,
+        metrics: tuple[str, int] | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.metrics = metrics
+        self.watch: RouterWatch | None = None
+        self.requests = 0  # taken from front ends (for the metrics)
+        self.losses_gone = 0  # link losses of nodes since removed
         self.source = source
         self.tcp = tcp
         self.data_dir = data_dir
@@ -155,6 +163,11 @@ class Router:
             )
             self._fronts.listen(self._ctx, loop, self.on_front)
             self._tasks.append(asyncio.create_task(self._follow_membership()))
+            if self.metrics is not None:
+                self.watch = RouterWatch()
+                url = self.watch.serve(*self.metrics)
+                log.info(kv("router_metrics", url=url + "/metrics", health=url + "/healthz"))
+                self._tasks.append(asyncio.create_task(self._snapshots()))
             endpoints = (self._fronts.control, self._fronts.tcp)
             log.info(
                 kv("router_started", pid=os.getpid(), endpoints=",".join(e for e in endpoints if e))
@@ -166,6 +179,8 @@ class Router:
     def _close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.watch is not None:
+            self.watch.close()
         for link in self.links.values():
             link.close()
         self.links.clear()
@@ -189,6 +204,20 @@ class Router:
                 self.set_nodes(specs)
             await asyncio.sleep(self.poll_interval)
 
+    async def _snapshots(self) -> None:
+        """What the metrics and health endpoint show, written once a second
+        (its thread reads only this)."""
+        assert self.watch is not None
+        while True:
+            self.watch.snapshot = RouterSnapshot(
+                nodes={name: link.live for name, link in self.links.items()},
+                pending=len(self.routing.pending),
+                overrides=len(self.routing.placement.overrides),
+                requests=self.requests,
+                node_losses=self.losses_gone + sum(k.losses for k in self.links.values()),
+            )
+            await asyncio.sleep(SNAPSHOT_EVERY)
+
     def set_nodes(self, specs: list[NodeSpec]) -> None:
         """Bring the links toward the node list: connect new nodes, drop gone ones."""
         assert self._ctx is not None
@@ -197,7 +226,9 @@ class Router:
             spec = wanted.get(name)
             if spec is None or reach(spec) != reach(self.links[name].spec):
                 log.info(kv("router_node_removed", node=name))
-                self.links.pop(name).close()
+                gone = self.links.pop(name)
+                self.losses_gone += gone.losses
+                gone.close()
                 self._do(self.routing.remove_node(name, "it left the cluster"))
         loop = asyncio.get_running_loop()
         for name, spec in wanted.items():
@@ -221,6 +252,7 @@ class Router:
         """One message from a front end on front socket `index`: the
         router's own, or the routing's."""
         client = bytes([index]) + frames[0]
+        self.requests += 1
         try:
             msg = decode(frames[1:], self.fronts.client_key(index), self.limits)
         except RemoteProtocolError as exc:
@@ -348,6 +380,7 @@ def serve_router(
     poll_interval: float = 1.0,
     max_clients: int | None = None,
     client_queue: int = CLIENT_QUEUE,
+    metrics: tuple[str, int] | None = None,
 ) -> None:
     """Run a router in this process until it is stopped."""
     router = Router(
@@ -358,6 +391,7 @@ def serve_router(
         poll_interval=poll_interval,
         max_clients=max_clients,
         client_queue=client_queue,
+        metrics=metrics,
     )
     asyncio.run(router.run())
 

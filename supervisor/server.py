@@ -17,6 +17,7 @@ owns its state and is given, at construction, only the parts it uses:
     pool.py       the zygote, spare workers, workers by id and pid, orphans
     lifecycle.py  admission, start, exit policy, back-off, retry, kill
     health.py     hangs, idle culling, limits
+    lease_watch.py  leases read back continuously: a worker fenced too
     front.py      client requests, one handler per kind
     back.py       what workers say
 
@@ -55,6 +56,7 @@ from .endpoints import WORKER_INBOX, Endpoints
 from .environment import allowlisted
 from .front import Front
 from .health import Health
+from .lease_watch import LeaseWatch
 from .lifecycle import Lifecycle
 from .limits import allowed_sessions
 from .metrics import Metrics
@@ -139,6 +141,7 @@ class Supervisor:
             self.reload,
         )
         self.back = Back(ctx, self.endpoints, self.pool, self.turns, self.lifecycle)
+        self.lease_watch = LeaseWatch(self.table.sessions, self.table.ownership)
 
     # ------------------------------------------------------------------ start
 
@@ -260,11 +263,13 @@ class Supervisor:
         self.ctx.metrics = self._start_metrics()
         self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
+        watching = asyncio.create_task(self.lease_watch.run())
         self.pool.fill_spares()
         try:
             await self._main_loop()
         finally:
             ticker.cancel()
+            watching.cancel()
             assert self.pool.zygote is not None
             self.pool.zygote.detach(loop)
             self.endpoints.close()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from functools import partial
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
 
@@ -169,6 +171,44 @@ def test_a_stale_owner_runs_no_turn_after_a_new_owner_took_the_session(superviso
         wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what="the stale worker killed")
         assert leases.read_epoch(path) == (epoch + 1, "e" * 16)
         assert "lease_lost" in a.log()
+
+
+def test_a_worker_that_lost_its_lease_mid_turn_is_stopped_without_a_word_to_its_node(
+    supervisor_factory, workdir
+):
+    """An owner cut off from the file server, simulated: while node-a's
+    worker runs a long turn writing into the workspace, the session's lease
+    file is renamed away (what the server does once the client's lease ran
+    out) and node-b takes the session. node-a is asked nothing more, yet it
+    finds the lease lost on its own and kills the worker and what it
+    started: the two owners' writes overlap for a moment only."""
+    a, b = two_nodes(supervisor_factory, workdir, "node-a", "node-b")
+    path = session_dir(a, "dave")
+    ticks = path / "workspace" / "ticks"
+    loop = 'while :; do echo "A $$ $(date +%s.%N)" >> ticks; sleep 0.05; done'
+    with a.client(timeout=60) as ca:
+        pid = int(ca.run("dave", "pid").text)
+        turn = ca.submit(Kind.SEND, {"text": f"sh {loop}"}, session="dave")
+        wait_for(lambda: ticks.exists() and ticks.read_text().count("\n") >= 2, what="ticks")
+        started = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        assert started, "the turn's shell"
+        os.rename(path / leases.LEASE_FILE, path / "lease.cut-off")
+        taken_at = time.time()
+        with b.client() as cb:
+            assert int(cb.run("dave", "pid").text) != pid
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what="node-a's worker killed")
+        for child in started:
+            wait_for(lambda: not psutil.pid_exists(child), what="what it started killed")  # noqa: B023
+        answer = ca.next()
+        while answer.kind is Kind.EVENT:
+            answer = ca.next()
+        assert answer.re == turn and answer.kind is Kind.ERROR, answer
+        assert answer.body["code"] == "moved", answer
+    assert "lease_lost" in a.log()
+    last = max(float(line.split()[2]) for line in ticks.read_text().splitlines())
+    # The measure, for the record (not a deadline: the machine may be loaded).
+    print(f"overlap: node-a's worker wrote {last - taken_at:.2f}s after node-b was asked")
+    assert leases.read_holder(path) is not None and leases.read_holder(path).node == "node-b"
 
 
 def test_spare_directories_of_two_supervisors_never_collide(supervisor_factory, workdir):

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from hermes_sup.client import AsyncClient, Client, NotRunning, SupervisorError, 
 from hermes_sup.cluster.placement import Candidate, rendezvous
 from hermes_sup.protocol import Kind
 
+from . import waiting
 from .test_cli_remote import hs
 from .test_clients import free_port
 
@@ -417,3 +420,65 @@ def test_many_front_ends_watch_through_one_router_each_held_to_its_own_limit(clu
         refused = greedy.next()
         assert refused.kind is Kind.ERROR and refused.body["code"] == "busy", refused
         assert f"limit {MAX_PER_CLIENT} per client" in refused.body["message"]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_two_routers_over_one_cluster_with_status_metrics_and_health(cluster, workdir) -> None:
+    """A second router over the same nodes places keys as the first does, so
+    a front end may use either (and move to the other when one stops);
+    `status` works through a router; `--metrics` serves Prometheus text and
+    a health check that fails once no node is linked."""
+    sups, first = cluster
+    (workdir / "second").mkdir()
+    port = free_port()
+    second = RouterProcess(workdir / "second", workdir / "nodes.toml", "--metrics", str(port))
+    try:
+        second.wait_nodes(set(NODES))
+        shown = hs("--state-dir", str(first.state_dir), "status")
+        assert shown.returncode == 0, shown.stderr
+        assert "router" in shown.stdout and "2 of 2 answering" in shown.stdout, shown.stdout
+        assert all(f"  {n}: answering" in shown.stdout for n in NODES), shown.stdout
+        with Client(first.state_dir, timeout=30) as c1, Client(second.state_dir, timeout=30) as c2:
+            pid = c1.run("both", "pid").text
+            assert c2.run("both", "pid").text == pid  # one session, wherever it came from
+            # A session's shell pokes the metrics port with garbage: nothing changes.
+            poke = (
+                f"import socket; s = socket.create_connection(('127.0.0.1', {port}), 5); "
+                "s.sendall(bytes(range(256)) * 64); s.close()"
+            )
+            c1.run("both", f'sh {sys.executable} -c "{poke}" || true')
+        base = f"http://127.0.0.1:{port}"
+        metrics = wait_for_text(base + "/metrics", 'hermes_sup_router_node_linked{node="b"} 1')
+        assert 'hermes_sup_router_node_linked{node="a"} 1' in metrics
+        assert "hermes_sup_router_requests_total" in metrics
+        assert _get(base + "/healthz") == (200, "ok: 2 of 2 node(s) linked\n")
+        assert _get(base + "/nothing")[0] == 404
+
+        first.stop()
+        with Client(second.state_dir, timeout=30) as c2:
+            assert c2.run("both", "pid").text == pid
+        for sup in sups.values():
+            sup.stop()
+        wait_for_text(base + "/healthz", "no node linked", status=503)
+        metrics = _get(base + "/metrics")[1]
+        assert 'hermes_sup_router_node_linked{node="a"} 0' in metrics
+        assert "hermes_sup_router_node_losses_total 2" in metrics
+    finally:
+        second.stop()
+
+
+def wait_for_text(url: str, text: str, status: int = 200) -> str:
+    """The body at `url` once it contains `text` with this status."""
+    return waiting.wait_for(
+        lambda: (lambda got: got[1] if got[0] == status and text in got[1] else None)(_get(url)),
+        timeout=30.0,
+        what=f"{text!r} at {url}",
+        every=0.2,
+    )

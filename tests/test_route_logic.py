@@ -110,16 +110,22 @@ def test_status_merge_sums_and_shows_every_node() -> None:
         {"pid": 1, "role": "router"},
         {
             "a": {"sessions": {"idle": 2, "busy": 1}, "max_sessions": 10, "accepting": True},
-            "b": {"sessions": {"idle": 3}, "max_sessions": 5, "node": {"draining": True}},
+            "b": {
+                "sessions": {"idle": 3},
+                "max_sessions": 5,
+                "node": {"draining": True, "capacity": 5},
+            },
             "c": None,
         },
-        {"a": {"live": True}, "b": {"live": True}, "c": {"live": False}},
+        {"a": {"live": True}, "b": {"live": True, "capacity": 2.0}, "c": {"live": False}},
     )
     assert info["sessions"] == {"idle": 5, "busy": 1}
     assert info["max_sessions"] == 15 and info["accepting"] is True and info["pid"] == 1
     rows = {r["name"]: r for r in info["nodes"]}
     assert rows["b"]["draining"] is True and rows["c"]["answered"] is False
     assert rows["a"]["status"]["max_sessions"] == 10
+    # The router's weight for a node stays its `capacity`; the node's own room is apart.
+    assert rows["b"]["capacity"] == 2.0 and rows["b"]["max_sessions"] == 5
 
 
 def _connection(path: Path, port: int) -> Path:
@@ -182,3 +188,24 @@ def test_route_command_refuses_a_bad_node_list_before_it_binds(tmp_path: Path) -
     refused = runner.invoke(route, ["--nodes", str(bad), "--state-dir", str(tmp_path / "r")])
     assert refused.exit_code == 1 and "missing 'endpoint'" in refused.output
     assert not (tmp_path / "r").exists()
+
+
+def test_status_of_a_router_prints_each_node_with_its_weight_and_room() -> None:
+    from hermes_sup.cli.router_status import router_lines
+
+    info = {
+        "version": "1", "protocol": 1, "pid": 5, "uptime": 3.0, "role": "router",
+        "endpoints": {"control": "ipc:///r/c", "tcp": "tcp://127.0.0.1:9"},
+        "sessions": {"idle": 2}, "total_sessions": 2, "max_sessions": 10, "queued": 0,
+        "accepting": True,
+        "nodes": [
+            {"name": "a", "endpoint": "tcp://127.0.0.1:1", "capacity": 1.0, "live": True,
+             "answered": True, "max_sessions": 10, "status": {"total_sessions": 2}},
+            {"name": "b", "endpoint": "tcp://127.0.0.1:2", "capacity": 2.5, "live": False,
+             "answered": False, "draining": True},
+        ],
+    }  # fmt: skip
+    lines = router_lines(info)
+    assert "1 of 2 answering" in lines[3]
+    assert lines[-2] == "  a: answering, tcp://127.0.0.1:1, weight 1, 2 session(s), at most 10 live"
+    assert lines[-1] == "  b: DOWN, tcp://127.0.0.1:2, weight 2.5, DRAINING"
