@@ -67,6 +67,7 @@ from hermes_sup.client import (
     ToolComplete,
     ToolStart,
 )
+from hermes_sup.protocol.chat_identity import ChatIdentityError, check_chat_identity
 
 from .chat import SSE_HEADERS, Outputs, usage_of
 from .errors import ApiError
@@ -77,6 +78,7 @@ from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
     check_id,
+    history_of,
     tenant_of,
     text_of,
     turn_context,
@@ -192,6 +194,7 @@ RUN_FIELDS = (
     "conversation_history",
     "session_id",
     "previous_response_id",
+    "session_env",
     "model",
 )
 # run_<32 hex>, and `.` and its session's id (base64url) when the run named one.
@@ -214,40 +217,6 @@ def _decode(encoded: str) -> str | None:
         return raw.decode("utf-8", "surrogateescape")
     except (ValueError, UnicodeDecodeError):
         return None
-
-
-def history_of(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
-    """The conversation the front end sends with a run, as Hermes reads
-    it: `conversation_history`, else the messages of an `input` array
-    before its last one. Passed to the session's runtime as the turn's
-    context; the runtime decides whether it needs it."""
-    raw = body.get("conversation_history")
-    if raw:
-        if not isinstance(raw, list) or not all(
-            isinstance(e, dict) and "role" in e and "content" in e for e in raw
-        ):
-            raise ApiError(
-                400,
-                "'conversation_history' must be an array of objects with 'role' and 'content'",
-                "invalid_conversation_history",
-            )
-        return [
-            {
-                "role": str(e["role"]),
-                "content": text_of(e["content"], f"conversation_history[{i}]"),
-            }
-            for i, e in enumerate(raw)
-        ]
-    if isinstance(raw_input, list):
-        return [
-            {
-                "role": str(m["role"]),
-                "content": text_of(m.get("content"), f"input[{i}].content"),
-            }
-            for i, m in enumerate(raw_input[:-1])
-            if isinstance(m, dict) and m.get("role") and m.get("content")
-        ]
-    return []
 
 
 class Runs:
@@ -308,6 +277,11 @@ class Runs:
             raise ApiError(400, "'session_id' must be a string", "invalid_session_id")
         if session_id:
             check_id(session_id, "session ID", "'session_id'")
+        # Who the turn is for (a gateway's chat): the worker's HERMES_SESSION_*.
+        try:
+            identity = check_chat_identity(body.get("session_env"), "'session_env'")
+        except ChatIdentityError as exc:
+            raise ApiError(400, str(exc), "invalid_session_env") from None
         # A stored response (POST /v1/responses) named as previous_response_id
         # continues its conversation, as in Hermes: same session, and its
         # instructions when the run gives none.
@@ -333,6 +307,8 @@ class Runs:
         model = api.model_of(body)
         self._sweep(tenant.prefix)
         context = turn_context(instructions, history, conversation)
+        if identity:
+            context["session_env"] = identity
         opened = await api.open_turn(ref, text, context, run_turn_id(request, run_id))
         run = Run(run_id, ref, model, api.settings.run_events, tenant.prefix)
         run.turn = opened.id
@@ -561,10 +537,24 @@ class Runs:
         if run.ended or not run.approvals:
             raise ApiError(409, f"Run has no pending approval: {run.id}", "approval_not_pending")
         every = body.get("all") in (True, "true", 1) or body.get("resolve_all") in (True, "true", 1)
+        # An answer may name its request (approval.request's approval_id):
+        # then it reaches that one or none, never a later command.
+        named = body.get("approval_id")
+        targets: list[str | None]
+        if named is not None:
+            if not isinstance(named, str) or named not in run.approvals:
+                raise ApiError(
+                    409,
+                    f"Run has no pending approval {str(named)[:80]!r}: {run.id}",
+                    "approval_not_pending",
+                )
+            targets = [named]
+        else:
+            targets = list(run.approvals) if every else run.approvals[:1]
         resolved = 0
         # Oldest first, as Hermes resolves them; each answer names its request,
         # so it never reaches a command it was not meant for.
-        for approval in list(run.approvals) if every else run.approvals[:1]:
+        for approval in targets:
             await self.api.client().approve(run.ref.key, choice, approval=approval)
             if approval in run.approvals:
                 run.approvals.remove(approval)

@@ -230,3 +230,37 @@ def turn_context(
     if history:
         context["history"] = history
     return context
+
+
+def history_of(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
+    """The conversation the front end sends with a run, as Hermes reads
+    it: `conversation_history`, else the messages of an `input` array
+    before its last one. Passed to the session's runtime as the turn's
+    context; the runtime decides whether it needs it."""
+    raw = body.get("conversation_history")
+    if raw:
+        if not isinstance(raw, list) or not all(
+            isinstance(e, dict) and "role" in e and "content" in e for e in raw
+        ):
+            raise ApiError(
+                400,
+                "'conversation_history' must be an array of objects with 'role' and 'content'",
+                "invalid_conversation_history",
+            )
+        return [
+            {
+                "role": str(e["role"]),
+                "content": text_of(e["content"], f"conversation_history[{i}]"),
+            }
+            for i, e in enumerate(raw)
+        ]
+    if isinstance(raw_input, list):
+        return [
+            {
+                "role": str(m["role"]),
+                "content": text_of(m.get("content"), f"input[{i}].content"),
+            }
+            for i, m in enumerate(raw_input[:-1])
+            if isinstance(m, dict) and m.get("role") and m.get("content")
+        ]
+    return []

@@ -73,6 +73,11 @@ TOOLSET_PLATFORM = "api_server"
 MAX_CONVERSATION_ID = 256
 _UNSAFE_ID = re.compile(r"[\x00-\x1f\x7f/\\]|\.\.")
 HISTORY_ROLES = ("user", "assistant")
+# What the agent is built with from the environment (a turn's chat identity).
+IDENTITY_ENV = tuple(
+    f"HERMES_SESSION_{name}"
+    for name in ("PLATFORM", "CHAT_ID", "CHAT_NAME", "THREAD_ID", "USER_ID", "USER_NAME")
+)
 # Where the supervisor lists the other live sessions on this session's
 # repository, rewritten before each turn (supervisor/worktrees.py), and the
 # most of it put in front of the agent.
@@ -198,6 +203,7 @@ class HermesRuntime:
         self.agent: Any = None
         # The state.db session the agent records into (its `session_id`).
         self._conversation: str | None = None
+        self._identity: tuple[str | None, ...] = ()
         self._emit: Emit | None = None
         # Approval requests waiting for an answer, oldest first (hermes
         # resolves them in that order), each with the timer that reports
@@ -336,11 +342,15 @@ class HermesRuntime:
         key = self.session.key
         self._approval.register_gateway_notify(key, self._on_approval)
         try:
-            if self.agent is None or conversation != self._conversation:
-                # A new agent records into the turn's conversation; Hermes
-                # fixes that at construction.
+            identity = _identity()
+            if self.agent is None or (conversation, identity) != (
+                self._conversation,
+                self._identity,
+            ):
+                # A new agent records into the turn's conversation, for the
+                # turn's chat and user: Hermes fixes both at construction.
                 self.agent = self._build_agent(conversation)
-                self._conversation = conversation
+                self._conversation, self._identity = conversation, identity
             else:
                 # An interrupt left over from the previous turn (a cancel that
                 # came as it ended) must not stop this one. A cancel meant for
@@ -537,6 +547,11 @@ class HermesRuntime:
                         "outcome": "denied: no answer in time",
                     },
                 )
+
+
+def _identity() -> tuple[str | None, ...]:
+    """The chat and user the worker serves now (a turn may set them)."""
+    return tuple(os.environ.get(name) for name in IDENTITY_ENV)
 
 
 def _plain(value: Any) -> Any:

@@ -43,6 +43,7 @@ from hermes_sup.protocol import (
 from . import parent, seal
 from . import runtime as runtime_mod
 from .coalesce import MAX_MERGED_BYTES, Coalescer, delta_type
+from .identity import apply_chat_identity, fixed_identity
 
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
@@ -230,6 +231,8 @@ class WorkerLoop:
         self.token: bytes = bytes(req["token"])
         self.supervisor_pid = int(req["supervisor_pid"])
         self.agent = agent
+        # The chat identity the session was opened with: no turn changes it.
+        self.fixed_identity = fixed_identity(os.environ)
         self.link = link or Link(req)
         self.link.set_limit(req)
         self.ctx, self.sock = self.link.ctx, self.link.sock
@@ -400,6 +403,9 @@ class WorkerLoop:
             )
 
         try:
+            apply_chat_identity(context, self.fixed_identity)
+            if context and "session_env" in context:  # the worker's, now in os.environ
+                context = {k: v for k, v in context.items() if k != "session_env"} or None
             if context and runtime_mod.takes_context(self.agent):
                 agent = cast(runtime_mod.TakesContext, self.agent)
                 result = agent.run_turn(text, emit, context=context)
