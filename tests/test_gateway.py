@@ -6,10 +6,18 @@ the chat that asked, and only there."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
+import pytest
 
 from tests import test_http
 from tests.test_http import run_events
+from tests.waiting import load_factor
 
 # test_http's fixtures: a supervisor (probe runtime) serving the endpoint too.
 endpoint = test_http.endpoint
@@ -84,3 +92,84 @@ def test_the_identity_a_session_was_opened_with_is_not_a_turns_to_change(endpoin
         hs.open(key, session_env={"platform": "discord", "chat_id": "9"})
     shown = _output(endpoint, "fixed", SHOW, CHAT)
     assert shown.splitlines()[0] == "discord/9/Team room/7/42/ann"
+
+
+# ------------------------------------------------------------------ the gateway
+
+GATEWAY_CONFIG = """
+plugins:
+  enabled: [hermes-sup]
+display:
+  tool_progress: all
+approvals:
+  timeout: 120
+"""
+
+
+def run_gateway(ep, home: Path, chats: list[dict], plugin: bool = True) -> dict:
+    """Hermes's GatewayRunner (tests/gateway_driver.py) in its own process,
+    in front of the endpoint `ep` (its proxy URL and key)."""
+    home.mkdir(exist_ok=True)
+    (home / "config.yaml").write_text(GATEWAY_CONFIG if plugin else "")
+    env = {
+        **os.environ,
+        "HERMES_HOME": str(home),
+        "GATEWAY_ALLOW_ALL_USERS": "true",
+        "DRIVER_STEP_TIMEOUT": str(60 * load_factor()),
+    }
+    if ep is not None:
+        env.update(GATEWAY_PROXY_URL=ep.url, GATEWAY_PROXY_KEY=ep.key)
+    driver = Path(__file__).with_name("gateway_driver.py")
+    done = subprocess.run(
+        [sys.executable, str(driver), json.dumps({"chats": chats, "plugin": plugin})],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300 * load_factor(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_gateway_plugin_gives_each_chat_its_identity_and_its_own_approvals(
+    endpoint, workdir
+) -> None:
+    """Four chats on two platforms through Hermes's real gateway and the
+    plugin: each worker knows its chat; each chat's approval prompt appears
+    in that chat, and its /approve there releases that command only."""
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    chats = []
+    for platform, chat_id in [
+        ("telegram", "11"),
+        ("telegram", "12"),
+        ("discord", "21"),
+        ("discord", "22"),
+    ]:
+        chats.append(
+            {
+                "platform": platform,
+                "chat_id": chat_id,
+                "user_id": "u" + chat_id,
+                "steps": [
+                    {"say": SHOW, "wait": "text", "match": f"{platform}/{chat_id}/chat {chat_id}"},
+                    {
+                        "say": f"ask touch ok-{chat_id}",
+                        "wait": "approval",
+                        "match": f"ok-{chat_id}",
+                    },
+                    {"say": "/approve", "wait": "text", "match": "exit 0"},
+                    {"say": "sh ls", "wait": "text", "match": f"ok-{chat_id}"},
+                ],
+            }
+        )
+    report = run_gateway(endpoint, workdir / "gateway-home", chats)
+    assert report["errors"] == [], "\n".join(report["errors"])
+    for c in chats:
+        mine = f"{c['platform']}:{c['chat_id']}"
+        got = report["sent"][mine]
+        approvals = [text for kind, text in got if kind == "approval"]
+        assert approvals == [f"touch ok-{c['chat_id']}"], got
+        # Nothing of another chat reached this one.
+        others = [x["chat_id"] for x in chats if x is not c]
+        assert not [t for _, t in got for o in others if f"ok-{o}" in t or f"/{o}/" in t], got
+    assert sorted(report["sent"]) == sorted(f"{c['platform']}:{c['chat_id']}" for c in chats)
