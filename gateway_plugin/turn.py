@@ -21,6 +21,8 @@ import logging
 import os
 import threading
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -80,6 +82,8 @@ class ChatTurn:
         mode = resolve_display_setting(config, platform_key, "tool_progress")
         self.progress = str(mode or os.getenv("HERMES_TOOL_PROGRESS_MODE") or "all")
         self.last_tool: str | None = None
+        self.media: list[tuple[str, bool]] = []  # (local path, voice) of fetched files
+        self.notes: list[str] = []  # what could not be delivered, said in the chat
 
     # -------------------------------------------------------------- the run
 
@@ -132,6 +136,8 @@ class ChatTurn:
                         consumer.on_delta(delta)
                 elif kind == "tool.started":
                     await self.show_progress(event.get("tool"), event.get("preview"))
+                elif kind == "media.available":
+                    await self.fetch_media(http, event)
                 elif kind == "approval.request":
                     task = self.loop.create_task(self.ask(http, event))
                     self.answers.add(task)
@@ -147,6 +153,36 @@ class ChatTurn:
                 elif kind == "run.cancelled":
                     return {"text": "".join(text), "ended": "cancelled"}
         return {"text": "".join(text), "ended": "lost"}
+
+    async def fetch_media(self, http: httpx.AsyncClient, event: dict[str, Any]) -> None:
+        """A file the agent made (a TTS voice note): fetched into the
+        gateway's own media cache, to be sent with the answer as the
+        in-process gateway sends it (MEDIA: tags the adapter delivers)."""
+        name = str(event.get("name") or "file")
+        if not event.get("available"):
+            self.notes.append(f"⚠️ {name} ({event.get('size')} bytes) was too large to send.")
+            return
+        url = f"{self.url}/v1/runs/{self.run_id}/media/{event.get('media_id')}"
+        got = await http.get(url, headers=self.headers)
+        if got.status_code != 200:
+            self.notes.append(f"⚠️ {name} could not be fetched ({got.status_code}).")
+            return
+        from hermes_constants import get_hermes_dir
+
+        folder = Path(get_hermes_dir("cache/audio", "audio_cache")) / "hermes-sup"
+        folder.mkdir(parents=True, exist_ok=True)
+        # The name was made safe by the worker and the endpoint; the prefix
+        # keeps two chats' files of one name apart.
+        path = folder / f"{uuid.uuid4().hex[:12]}-{Path(name).name}"
+        path.write_bytes(got.content)
+        self.media.append((str(path), bool(event.get("voice"))))
+
+    def with_media(self, text: str) -> str:
+        """The answer with its files as MEDIA: tags (and the voice directive)."""
+        tags = [f"MEDIA:{path}" for path, _ in self.media]
+        if any(voice for _, voice in self.media):
+            tags.insert(0, "[[audio_as_voice]]")
+        return "\n".join([text, *self.notes, *tags]) if tags or self.notes else text
 
     async def stop(self) -> None:
         """Stop the run in its worker (the gateway gave up on it)."""
@@ -302,7 +338,7 @@ async def run_turn(
             "session_id": session_id,
             "response_previewed": False,
         }
-    text = result["text"]
+    text = turn.with_media(result["text"])
     if result["ended"] == "failed" and not text:
         return _failed(f"hermes-sup: {result['error']}")
     log.info(

@@ -500,6 +500,7 @@ def create_app(
         Route("/v1/runs/{run_id}/events", authed(api.runs.events)),
         Route("/v1/runs/{run_id}/approval", authed(api.runs.approval), methods=["POST"]),
         Route("/v1/runs/{run_id}/stop", authed(api.runs.stop), methods=["POST"]),
+        Route("/v1/runs/{run_id}/media/{media_id}", authed(api.runs.media)),
     ]
     if settings.web_dir is not None:
         routes.append(Mount("/", app=web_app(settings.web_dir), name="web"))

@@ -74,6 +74,7 @@ from .errors import ApiError
 from .idempotency import scope_of
 from .logsafe import kv
 from .retries import derive, turn_id_of
+from .run_media import MediaFile, record_media, serve_media
 from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
@@ -93,6 +94,7 @@ log = logging.getLogger("hermes_sup.httpapi")
 ENDED = ("completed", "failed", "cancelled")
 REASONING = "reasoning"  # a piece of the model's reasoning (the Hermes runtime's event)
 TOOL_PROGRESS = "tool_progress"
+MEDIA = "media"  # a file made for the user (worker/media.py)
 CHOICE_ALIASES = {"approve": "once", "approved": "once", "allow": "once"}
 CHOICES = ("once", "session", "always", "deny")
 _CLOSE = object()  # a subscriber's stream ends after what it already has
@@ -115,6 +117,7 @@ class Run:
     approvals: list[str | None] = field(default_factory=list)  # waiting, oldest first
     reasoning: list[str] = field(default_factory=list)  # the model's reasoning, not yet published
     outputs: Outputs = field(default_factory=Outputs)  # its output lines, as answer text
+    media: list[MediaFile] = field(default_factory=list)  # files made for the user
     fields: dict[str, Any] = field(default_factory=dict)
     events: deque[dict[str, Any]] = field(init=False)
     subscribers: set[asyncio.Queue[Any]] = field(default_factory=set)
@@ -344,6 +347,8 @@ class Runs:
                 # tool calls), as its API server's runs report it.
                 preview = d.get("preview")
                 run.publish("reasoning.available", text=preview if isinstance(preview, str) else "")
+        elif isinstance(item, Event) and item.type == MEDIA:
+            record_media(run, item.data)
         elif isinstance(item, Queued):
             run.set_status("queued")
         elif isinstance(item, (Running, Duplicate)):  # Duplicate: a retry joined it
@@ -570,6 +575,9 @@ class Runs:
                 "resolved": resolved,
             }
         )
+
+    async def media(self, request: Request) -> Response:
+        return await serve_media(self, request)
 
     async def stop(self, request: Request) -> Response:
         run = self.get(request)

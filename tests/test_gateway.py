@@ -159,6 +159,12 @@ def test_the_gateway_plugin_gives_each_chat_its_identity_and_its_own_approvals(
                     },
                     {"say": "/approve", "wait": "text", "match": "exit 0"},
                     {"say": "sh ls", "wait": "text", "match": f"ok-{chat_id}"},
+                    {"say": f"write note-{chat_id}.ogg hi", "wait": "text", "match": "note"},
+                    {
+                        "say": f"media note-{chat_id}.ogg voice",
+                        "wait": "voice" if platform == "telegram" else "audio",
+                        "match": f"note-{chat_id}.ogg",
+                    },
                 ],
             }
         )

@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .hermes_context import HermesTurnError, TurnContext
+from .media import media_event
 from .runtime import Emit, SessionInfo, TurnReply
 
 log = logging.getLogger("hermes_sup.worker.hermes")
@@ -68,11 +68,6 @@ APPROVAL_TIMEOUT_SLACK = 0.25
 # The toolsets of a session whose agent config names none: those Hermes's API
 # server gives its agents (config.yaml `platform_toolsets.api_server`).
 TOOLSET_PLATFORM = "api_server"
-# A conversation id becomes a state.db key and part of file names: Hermes's
-# API server refuses longer ones and those that could leave a directory.
-MAX_CONVERSATION_ID = 256
-_UNSAFE_ID = re.compile(r"[\x00-\x1f\x7f/\\]|\.\.")
-HISTORY_ROLES = ("user", "assistant")
 # What the agent is built with from the environment (a turn's chat identity).
 IDENTITY_ENV = tuple(
     f"HERMES_SESSION_{name}"
@@ -89,10 +84,6 @@ CLARIFY_SHOWN = (
     "end your turn by asking it (the user's next message is the answer), or go on "
     "with a reasonable choice and say which]"
 )
-
-
-class HermesTurnError(Exception):
-    """A turn that hermes could not complete; the message says why."""
 
 
 def _with_peers(instructions: str | None, workspace: Path) -> str | None:
@@ -114,66 +105,6 @@ def _with_peers(instructions: str | None, workspace: Path) -> str | None:
         "you are alone: coordinate through commits on your own branch.\n" + peers
     )
     return f"{instructions}\n\n{note}" if instructions else note
-
-
-@dataclass(frozen=True)
-class TurnContext:
-    """A turn's context (PROTOCOL.md), checked: what the front end sent."""
-
-    instructions: str | None = None
-    history: tuple[dict[str, str], ...] = ()
-    conversation: str | None = None
-
-    @classmethod
-    def parse(cls, context: dict[str, Any] | None) -> TurnContext:
-        """Check the keys this runtime reads (others are ignored); a bad one
-        fails the turn with a message that names it."""
-        if not context:
-            return cls()
-        instructions = context.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise HermesTurnError("context instructions must be a string")
-        conversation = context.get("conversation")
-        if conversation is not None:
-            if not isinstance(conversation, str) or not conversation:
-                raise HermesTurnError("context conversation must be a non-empty string")
-            if len(conversation) > MAX_CONVERSATION_ID:
-                raise HermesTurnError(
-                    f"context conversation is {len(conversation)} characters, "
-                    f"over {MAX_CONVERSATION_ID}"
-                )
-            if _UNSAFE_ID.search(conversation):
-                raise HermesTurnError(
-                    "context conversation may not hold control characters, '/', '\\' or '..'"
-                )
-        return cls(instructions or None, _history(context.get("history")), conversation)
-
-
-def _history(raw: Any) -> tuple[dict[str, str], ...]:
-    """A front end's history as Hermes's conversation messages. Other roles
-    than user and assistant (system, tool) are left out, as Hermes's API
-    server leaves them out of a chat's history; text parts of a content
-    list are joined (images and files are not carried)."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise HermesTurnError("context history must be a list of {role, content} maps")
-    messages = []
-    for i, entry in enumerate(raw):
-        if not isinstance(entry, dict) or not isinstance(entry.get("role"), str):
-            raise HermesTurnError(f"context history[{i}] must be a map with a role")
-        if entry["role"] not in HISTORY_ROLES:
-            continue
-        content = entry.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict)]
-            content = "".join(t for t in parts if isinstance(t, str))
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise HermesTurnError(f"context history[{i}].content must be a string or a list")
-        messages.append({"role": entry["role"], "content": content})
-    return tuple(messages)
 
 
 class HermesRuntime:
@@ -363,6 +294,7 @@ class HermesRuntime:
             history = self._history(conversation, turn.history)
             before = _usage(agent)
             result = agent.run_conversation(text, conversation_history=history or None)
+            self._send_media(result, len(history))
         finally:
             self._approval.unregister_gateway_notify(key)
             self._approval_expired()
@@ -385,6 +317,16 @@ class HermesRuntime:
                 "session_id": str(getattr(agent, "session_id", conversation)),
             },
         )
+
+    def _send_media(self, result: dict[str, Any], before: int) -> None:
+        """The files this turn's tools made for the user (a TTS voice note),
+        found as Hermes's gateway finds them, each as a `media` event."""
+        from gateway.run import _collect_auto_append_media_tags
+
+        messages = result.get("messages") or []
+        tags, voice = _collect_auto_append_media_tags(messages, history_offset=before)
+        for path in dict.fromkeys(tag.removeprefix("MEDIA:") for tag in tags):
+            self._send("media", media_event(path, voice))
 
     def cancel(self) -> None:
         """Interrupt the running turn (hermes stops at its next check)."""

@@ -20,6 +20,8 @@ It lets tests and operators see a session's isolation for themselves:
     ask COMMAND        ask for approval (an `approval` event), then run COMMAND
                        as `sh` does if allowed; no answer in 60 s is a deny
     context            the turn's context from the front end, as sorted JSON
+    media PATH [voice] send the file at PATH (relative to the workspace) to the
+                       user as a `media` event, as a voice note with `voice`
     peers              the other live sessions on this session's repository (from
                        .hermes-sup/peers, which the supervisor rewrites each turn)
     anything else      echoed back
@@ -41,6 +43,7 @@ from typing import Any
 import psutil
 
 from . import seal
+from .media import media_event
 from .runtime import Emit, SessionInfo, TurnReply
 
 MAX_SLEEP = 24 * 3600.0
@@ -101,6 +104,14 @@ class ProbeRuntime:
                     p.send_signal(signal.SIGKILL)
                 except (psutil.Error, ProcessLookupError):
                     pass
+
+    def _do_media(self, rest: str, emit: Emit) -> TurnReply:
+        path, _, voice = rest.strip().partition(" ")
+        if not path or voice not in ("", "voice"):
+            raise ProbeError("usage: media PATH [voice]")
+        event = media_event(self.session.workspace / path, voice == "voice")
+        emit("media", event)
+        return TurnReply(event.get("error") or f"sent {event['name']}")
 
     def _do_context(self, rest: str, emit: Emit) -> TurnReply:
         return TurnReply(json.dumps(self._context, sort_keys=True))
