@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger("hermes_sup.gateway_plugin")
@@ -129,7 +130,20 @@ def install() -> None:
 
     setattr(_run_agent_via_proxy, MARK, True)
     runner._run_agent_via_proxy = _run_agent_via_proxy
+    _deliver_only_what_workers_sent()
     log.info("hermes-sup gateway plugin: turns in proxy mode go to hermes-sup")
+
+
+def _deliver_only_what_workers_sent() -> None:
+    """Every answer now comes from a worker, which cannot read this host's
+    files: a path in its text must not make the gateway upload a file of
+    this host to the chat (Hermes sends any existing file an answer names,
+    outside its denylist, unless in strict mode). Strict mode, without its
+    trust in recently written files, keeps deliveries to Hermes's caches
+    (where the plugin puts the files workers sent) and the operator's
+    HERMES_MEDIA_ALLOW_DIRS. An operator's own setting of either wins."""
+    os.environ.setdefault("HERMES_MEDIA_DELIVERY_STRICT", "1")
+    os.environ.setdefault("HERMES_MEDIA_TRUST_RECENT_FILES", "0")
 
 
 def _refusal(reason: str) -> Any:

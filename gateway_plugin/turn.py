@@ -178,7 +178,16 @@ class ChatTurn:
         self.media.append((str(path), bool(event.get("voice"))))
 
     def with_media(self, text: str) -> str:
-        """The answer with its files as MEDIA: tags (and the voice directive)."""
+        """The answer with its files as MEDIA: tags (and the voice directive).
+        Tags and directives in the worker's own text are taken out first, as
+        the gateway would take them out before showing it: they name paths
+        of the worker's host, and only the files it sent are delivered."""
+        from gateway.platforms.base import BasePlatformAdapter
+
+        if "MEDIA:" in text or "[[" in text:
+            _, text = BasePlatformAdapter.extract_media(text)
+            for directive in ("[[audio_as_voice]]", "[[as_document]]"):
+                text = text.replace(directive, "")
         tags = [f"MEDIA:{path}" for path, _ in self.media]
         if any(voice for _, voice in self.media):
             tags.insert(0, "[[audio_as_voice]]")

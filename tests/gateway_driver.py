@@ -8,7 +8,8 @@ argv[1]: the plan, JSON: {"chats": [{"platform", "chat_id", "user_id",
 "steps": [...]}], "plugin": bool}. A step is {"say": TEXT, "wait": KIND,
 "match": SUBSTRING}: say TEXT in the chat, then wait until the chat was sent
 something of KIND ("text", "approval", "voice", "audio", "document")
-holding SUBSTRING. With "plugin", the hermes-sup plugin is loaded by
+holding SUBSTRING; a step whose turn ends without it is recorded in
+"errors" and the chat goes on with its next step. With "plugin", the hermes-sup plugin is loaded by
 Hermes's own plugin discovery (config.yaml's plugins.enabled).
 """
 
@@ -107,13 +108,18 @@ async def chat(runner: GatewayRunner, adapters: dict[str, FakeAdapter], plan: di
         await adapter.handle_message(event)
         deadline = time.monotonic() + STEP_TIMEOUT
         session = runner._session_key_for_source(source)
-        # Seen, and (unless it waits on an approval) the turn is over.
-        while not seen(key, step["wait"], step["match"], after) or (
-            step["wait"] != "approval" and session in adapter._active_sessions
-        ):
-            if time.monotonic() > deadline:
+        # A step is over when what it waits for was seen and (unless that is
+        # an approval, which holds the turn) the turn is over; or when the
+        # turn is over without it: a miss, recorded, and the chat goes on.
+        while True:
+            matched = seen(key, step["wait"], step["match"], after)
+            busy = session in adapter._active_sessions
+            if matched and (step["wait"] == "approval" or not busy):
+                break
+            answered = len(SENT.get(key, [])) > after
+            if (not busy and answered) or time.monotonic() > deadline:
                 ERRORS.append(f"{key} step {n} {step}: not seen; got {SENT.get(key, [])[after:]}")
-                return
+                break
             await asyncio.sleep(0.05)
 
 

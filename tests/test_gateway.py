@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests import test_http
+from tests.fake_model import FakeModel
 from tests.test_http import run_events
 from tests.waiting import load_factor
 
@@ -106,11 +107,13 @@ approvals:
 """
 
 
-def run_gateway(ep, home: Path, chats: list[dict], plugin: bool = True) -> dict:
+def run_gateway(
+    ep, home: Path, chats: list[dict], plugin: bool = True, config: str | None = None
+) -> dict:
     """Hermes's GatewayRunner (tests/gateway_driver.py) in its own process,
     in front of the endpoint `ep` (its proxy URL and key)."""
     home.mkdir(exist_ok=True)
-    (home / "config.yaml").write_text(GATEWAY_CONFIG if plugin else "")
+    (home / "config.yaml").write_text(config or (GATEWAY_CONFIG if plugin else ""))
     env = {
         **os.environ,
         "HERMES_HOME": str(home),
@@ -179,3 +182,191 @@ def test_the_gateway_plugin_gives_each_chat_its_identity_and_its_own_approvals(
         others = [x["chat_id"] for x in chats if x is not c]
         assert not [t for _, t in got for o in others if f"ok-{o}" in t or f"/{o}/" in t], got
     assert sorted(report["sent"]) == sorted(f"{c['platform']}:{c['chat_id']}" for c in chats)
+
+
+# ------------------------------------------------------------------ acceptance
+
+TTS_CONFIG = """
+tts:
+  provider: openai
+  openai:
+    base_url: "{url}"
+"""
+
+
+@pytest.fixture
+def hermes_endpoint(supervisor_factory, workdir):
+    """The endpoint in front of the Hermes runtime, whose model (and TTS)
+    is the scripted fake model on 127.0.0.1."""
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    from hermes_sup.httpapi.keys import KeyStore
+
+    model = FakeModel()
+    template = workdir / "template-home"
+    template.mkdir()
+    (template / "config.yaml").write_text(TTS_CONFIG.format(url=model.url))
+    config = workdir / "agent.toml"
+    config.write_text(
+        f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
+        f'toolsets = ["terminal", "tts"]\napi_key_env = "FAKE_MODEL_KEY"\n'
+        f'template_home = "{template}"\n'
+    )
+    home = workdir / "user-home"
+    home.mkdir()
+    env = dict(os.environ, FAKE_MODEL_KEY="sk-fake-secret", HOME=str(home))
+    sup = supervisor_factory(
+        "--agent", "hermes", "--agent-config", str(config), "--http", "127.0.0.1:0",
+        "--env", "VOICE_TOOLS_OPENAI_KEY=sk-fake-voice", env=env, start=False,
+    )  # fmt: skip
+    keys = KeyStore(sup.data_dir)
+    key = keys.generate("gateway")
+    sup.start()
+    try:
+        url = test_http.wait_ready(sup.log_path, None)
+        yield (
+            test_http.Endpoint(url, key, sup, None, sup.log_path, keys.tenant("gateway").prefix),
+            model,
+        )
+    finally:
+        model.close()
+
+
+def acceptance_chats(n: int) -> list[dict]:
+    """n chats, half on Telegram and half on Discord, each: who am I, a TTS
+    voice note, a dangerous command that waits for this chat's /approve."""
+    chats = []
+    for i in range(n):
+        platform = "telegram" if i % 2 == 0 else "discord"
+        chat_id = str(100 + i)
+        voice = ("voice", ".ogg") if platform == "telegram" else ("audio", ".mp3")
+        chats.append(
+            {
+                "platform": platform,
+                "chat_id": chat_id,
+                "user_id": f"u{chat_id}",
+                "steps": [
+                    {
+                        "say": "run: echo me=$HERMES_SESSION_PLATFORM/$HERMES_SESSION_CHAT_ID/"
+                        "$HERMES_SESSION_USER_ID",
+                        "wait": "text",
+                        "match": f"me={platform}/{chat_id}/u{chat_id}",
+                    },
+                    {"say": f"speak: hello {chat_id}", "wait": voice[0], "match": voice[1]},
+                    {
+                        "say": f"run: rm -rf target-{chat_id}",
+                        "wait": "approval",
+                        "match": f"target-{chat_id}",
+                    },
+                    {"say": "/approve", "wait": "text", "match": "done:"},
+                ],
+            }
+        )
+    return chats
+
+
+def wrong_chat(report: dict, chats: list[dict]) -> list[str]:
+    """Everything a chat was sent that names another chat."""
+    wrong = []
+    for c in chats:
+        for kind, text in report["sent"].get(f"{c['platform']}:{c['chat_id']}", []):
+            for other in chats:
+                if other is not c and (
+                    f"/{other['chat_id']}/" in text or f"-{other['chat_id']}" in text
+                ):
+                    wrong.append(f"{c['platform']}:{c['chat_id']} got {kind} {text!r}")
+    return wrong
+
+
+def test_eight_chats_on_two_platforms_through_the_gateway_each_in_its_own_worker(
+    hermes_endpoint, workdir
+) -> None:
+    """The acceptance run: Hermes's real GatewayRunner, the plugin, the
+    Hermes runtime and a scripted model; 8 chats at once on Telegram and
+    Discord. Each chat's TTS note is a voice bubble (Opus) on Telegram and
+    audio (MP3) on Discord, each dangerous command is asked and approved in
+    its own chat, and no chat is sent anything of another."""
+    ep, model = hermes_endpoint
+    chats = acceptance_chats(8)
+    report = run_gateway(ep, workdir / "gateway-home", chats)
+    assert report["errors"] == [], "\n".join(report["errors"])
+    assert wrong_chat(report, chats) == []
+    for c in chats:
+        got = report["sent"][f"{c['platform']}:{c['chat_id']}"]
+        assert [t for k, t in got if k == "approval"] == [f"rm -rf target-{c['chat_id']}"]
+        assert any(k == "text" and "terminal" in t for k, t in got), got  # tool progress
+    formats = sorted(s["response_format"] for s in model.speech)
+    assert formats == ["mp3"] * 4 + ["opus"] * 4
+    with ep.sup.client() as hs:
+        pids = {s["pid"] for s in hs.sessions(prefix=ep.prefix)}
+    assert len(pids) == 8 and None not in pids, pids  # a worker (a process) per chat
+
+
+IN_PROCESS_CONFIG = """
+model:
+  provider: custom
+  base_url: "{url}"
+  default: fake-model
+  api_key: sk-fake-secret
+platform_toolsets:
+  telegram: [terminal, tts]
+  discord: [terminal, tts]
+display:
+  tool_progress: all
+approvals:
+  timeout: 120
+"""
+
+
+def summary(report: dict, chats: list[dict]) -> dict[str, int]:
+    """What the chats saw, counted: steps that did not happen, voice notes
+    as voice bubbles (Telegram) and audio (Discord), approvals asked in
+    their own chat, and messages that named another chat."""
+    sent = report["sent"]
+    keys = [f"{c['platform']}:{c['chat_id']}" for c in chats]
+    return {
+        "steps_missing": len(report["errors"]),
+        "voice_bubbles": sum(k == "voice" for key in keys for k, _ in sent.get(key, [])),
+        "audio_files": sum(k == "audio" for key in keys for k, _ in sent.get(key, [])),
+        "approvals_asked": sum(k == "approval" for key in keys for k, _ in sent.get(key, [])),
+        "wrong_chat": len(wrong_chat(report, chats)),
+    }
+
+
+def test_the_same_chats_on_the_in_process_gateway_and_on_plain_proxy_mode(
+    hermes_endpoint, workdir
+) -> None:
+    """What users see without the plugin, for comparison (the counts are
+    printed, and written to $HSUP_GATEWAY_REPORT if set): the in-process
+    gateway (no hermes-sup: every chat's agent in the gateway's process,
+    whose os.environ holds one chat's identity at a time) and plain proxy
+    mode (hermes-sup, text only: no identity, no approvals, no files)."""
+    ep, model = hermes_endpoint
+    chats = acceptance_chats(8)
+    config = IN_PROCESS_CONFIG.format(url=model.url) + TTS_CONFIG.format(url=model.url)
+    os.environ["VOICE_TOOLS_OPENAI_KEY"] = "sk-fake-voice"
+    try:
+        in_process = run_gateway(None, workdir / "in-process-home", chats, False, config)
+    finally:
+        del os.environ["VOICE_TOOLS_OPENAI_KEY"]
+    proxied = run_gateway(ep, workdir / "proxy-home", chats, plugin=False)
+    counts = {"in_process": summary(in_process, chats), "plain_proxy": summary(proxied, chats)}
+    print(json.dumps(counts))
+    if os.environ.get("HSUP_GATEWAY_REPORT"):
+        Path(os.environ["HSUP_GATEWAY_REPORT"]).write_text(json.dumps(counts, indent=1))
+    # Every chat was answered in-process (what differs is what it was told).
+    for c in chats:
+        assert any(
+            t.startswith("done:") for _, t in in_process["sent"][f"{c['platform']}:{c['chat_id']}"]
+        )
+    # Plain proxy mode: the worker never learns its chat, nothing is asked,
+    # no file arrives; every dangerous command is denied at once.
+    assert counts["plain_proxy"] == {
+        "steps_missing": 32,
+        "voice_bubbles": 0,
+        "audio_files": 0,
+        "approvals_asked": 0,
+        "wrong_chat": 0,
+    }
+    for c in chats:
+        got = proxied["sent"][f"{c['platform']}:{c['chat_id']}"]
+        assert any('"me=//"' in t for _, t in got), got
