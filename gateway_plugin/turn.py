@@ -35,6 +35,11 @@ REQUEST_TIMEOUT = 30.0
 CURRENT_CHECK = 0.2
 # Seconds to wait for an approval prompt to be sent to the chat.
 PROMPT_TIMEOUT = 15.0
+# Approval requests of one turn waiting at once (each waits in a thread of
+# its own); more are denied at once: a worker cannot flood the gateway.
+MAX_WAITING_APPROVALS = 8
+# The longest identity value the endpoint takes (protocol/chat_identity.py).
+MAX_VALUE = 512
 
 
 def identity_of(source: Any) -> dict[str, str]:
@@ -49,8 +54,15 @@ def identity_of(source: Any) -> dict[str, str]:
         "user_id": getattr(source, "user_id", None),
         "user_name": getattr(source, "user_name", None),
     }
-    # Every name, every turn: one a message lacks (a user name) is unset.
-    return {name: "" if value is None else str(value) for name, value in values.items()}
+    # Every name, every turn: one a message lacks (a user name) is unset. A
+    # chat title with a line break (or longer than the endpoint takes) must
+    # not fail the chat's every turn: made printable and cut.
+    return {
+        name: "".join(c if c.isprintable() else " " for c in str(value))[:MAX_VALUE]
+        if value is not None
+        else ""
+        for name, value in values.items()
+    }
 
 
 def _failed(text: str) -> dict[str, Any]:
@@ -138,6 +150,9 @@ class ChatTurn:
                     await self.show_progress(event.get("tool"), event.get("preview"))
                 elif kind == "media.available":
                     await self.fetch_media(http, event)
+                elif kind == "approval.request" and len(self.answers) >= MAX_WAITING_APPROVALS:
+                    log.warning("hermes-sup: run %s asks too many approvals; denied", self.run_id)
+                    await self.answer(http, event, "deny")
                 elif kind == "approval.request":
                     task = self.loop.create_task(self.ask(http, event))
                     self.answers.add(task)
@@ -237,7 +252,10 @@ class ChatTurn:
         decided = await _in_thread(
             approval._await_gateway_decision, self.session_key, self._prompt, data
         )
-        choice = decided.get("choice") or "deny"  # unanswered in time: denied
+        await self.answer(http, event, decided.get("choice") or "deny")  # no answer: denied
+
+    async def answer(self, http: httpx.AsyncClient, event: dict[str, Any], choice: str) -> None:
+        """Post the choice for the request `event` asked (by its id)."""
         answer = {"choice": choice, "approval_id": event.get("approval_id")}
         try:
             await http.post(

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .runs import Run, Runs
 
 MAX_RUN_MEDIA_BYTES = 32 * 1024 * 1024
+MAX_KEY_MEDIA_BYTES = 64 * 1024 * 1024
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,120}")
 # What Hermes's TTS and image tools make; anything else is an octet stream.
 CONTENT_TYPES = {".ogg": "audio/ogg", ".opus": "audio/ogg", ".mp3": "audio/mpeg"}
@@ -63,12 +64,17 @@ def media_of(data: Any, room: int) -> MediaFile | None:
     return MediaFile(name, data.get("voice") is True, size, blob)
 
 
-def record_media(run: Run, data: Any) -> None:
-    """A `media` event: kept with the run and published as media.available."""
+def record_media(runs: Runs, run: Run, data: Any) -> None:
+    """A `media` event: kept with the run and published as media.available.
+    A key's runs keep at most MAX_KEY_MEDIA_BYTES: its oldest files' bytes
+    go first (fetching one then answers 410), so no key's sessions can fill
+    the endpoint's memory."""
     used = sum(len(m.data) for m in run.media if m.data is not None)
     media = media_of(data, MAX_RUN_MEDIA_BYTES - used)
     if media is None:
         return
+    if media.data is not None:
+        _make_room(runs, run.owner, len(media.data))
     run.media.append(media)
     run.publish(
         "media.available",
@@ -79,6 +85,20 @@ def record_media(run: Run, data: Any) -> None:
         content_type=media.content_type,
         available=media.data is not None,
     )
+
+
+def _make_room(runs: Runs, owner: str, size: int) -> None:
+    theirs = sorted(
+        (r for r in runs.by_id.values() if r.owner == owner and r.media), key=lambda r: r.created_at
+    )
+    kept = [(r, i) for r in theirs for i, m in enumerate(r.media) if m.data is not None]
+    total = sum(len(r.media[i].data or b"") for r, i in kept)
+    for r, i in kept:
+        if total + size <= MAX_KEY_MEDIA_BYTES:
+            break
+        old = r.media[i]
+        total -= len(old.data or b"")
+        r.media[i] = MediaFile(old.name, old.voice, old.size, None)
 
 
 async def serve_media(runs: Runs, request: Request) -> Response:

@@ -348,7 +348,7 @@ class Runs:
                 preview = d.get("preview")
                 run.publish("reasoning.available", text=preview if isinstance(preview, str) else "")
         elif isinstance(item, Event) and item.type == MEDIA:
-            record_media(run, item.data)
+            record_media(self, run, item.data)
         elif isinstance(item, Queued):
             run.set_status("queued")
         elif isinstance(item, (Running, Duplicate)):  # Duplicate: a retry joined it

@@ -370,3 +370,66 @@ def test_the_same_chats_on_the_in_process_gateway_and_on_plain_proxy_mode(
     for c in chats:
         got = proxied["sent"][f"{c['platform']}:{c['chat_id']}"]
         assert any('"me=//"' in t for _, t in got), got
+
+
+# ------------------------------------------------------------------ hostile sessions
+
+
+def test_a_sessions_files_reach_only_its_own_runs_and_never_another_hosts_file(endpoint) -> None:
+    """From a session's shell: a link to a file it may not send, a file too
+    large, a name meant to break out; and another key asking for the files."""
+    from hermes_sup.httpapi.keys import KeyStore
+
+    def run(text: str) -> tuple[str, list[dict]]:
+        started = _run(endpoint, "files", text)
+        assert started.status_code == 202, started.text
+        run_id = started.json()["run_id"]
+        return run_id, run_events(endpoint, run_id, "run.completed")
+
+    _output(endpoint, "files", "sh ln -s /etc/hostname link.ogg && printf hi > 'a;b$(x).ogg'")
+    run_id, events = run("media link.ogg voice")
+    assert "cannot read link.ogg" in events[-1]["output"]  # a link is not followed
+    assert not [e for e in events if e["event"] == "media.available"]
+    _output(endpoint, "files", "sh head -c 9000000 /dev/zero > big.ogg")
+    run_id, events = run("media big.ogg")
+    (big,) = [e for e in events if e["event"] == "media.available"]
+    assert big["available"] is False and big["size"] == 9_000_000
+    url = f"{endpoint.url}/v1/runs/{run_id}/media/0"
+    assert httpx.get(url, headers=endpoint.headers()).status_code == 410
+    run_id, events = run("media a;b$(x).ogg voice")
+    (odd,) = [e for e in events if e["event"] == "media.available"]
+    assert odd["name"] == "a_b__x_.ogg" and odd["voice"] is True
+    url = f"{endpoint.url}/v1/runs/{run_id}/media/0"
+    got = httpx.get(url, headers=endpoint.headers())
+    assert got.status_code == 200 and got.content == b"hi"
+    assert got.headers["content-type"] == "audio/ogg"
+    for bad in ("1", "-1", "..%2f0", "99999999"):
+        missing = httpx.get(f"{url[:-1]}{bad}", headers=endpoint.headers())
+        assert missing.status_code == 404, bad
+    other = KeyStore(endpoint.sup.data_dir).generate("other")
+    assert httpx.get(url, headers={"Authorization": f"Bearer {other}"}).status_code == 404
+
+
+def test_an_answer_naming_a_file_of_the_gateways_host_uploads_nothing(endpoint, workdir) -> None:
+    """A session (an injected prompt) names a file of the gateway's host in
+    its answer, as a MEDIA tag and as a bare path: the chat gets the text,
+    never the file."""
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    home = workdir / "gateway-home"
+    home.mkdir()
+    secret = home / "secret-notes.pdf"
+    secret.write_text("the gateway's own")
+    chat = {
+        "platform": "telegram",
+        "chat_id": "66",
+        "user_id": "u66",
+        "steps": [
+            {"say": f"[[audio_as_voice]] MEDIA:{secret}", "wait": "document", "match": "secret"},
+            {"say": f"here: {secret}", "wait": "document", "match": "secret"},
+        ],
+    }
+    report = run_gateway(endpoint, home, [chat])
+    got = report["sent"]["telegram:66"]
+    assert len(report["errors"]) == 2, report  # neither step uploaded the file
+    assert not [k for k, _ in got if k in ("document", "voice", "audio")], got
+    assert any(k == "text" and "here:" in t for k, t in got), got
