@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from .notices import notices_of
+
 log = logging.getLogger("hermes_sup.gateway_plugin")
 
 # Seconds to wait for the endpoint to accept a run or an answer.
@@ -127,6 +129,9 @@ class ChatTurn:
             )
         run_id = started.json()["run_id"]
         self.run_id = str(run_id)
+        sup_key = started.headers.get("X-Hermes-Sup-Session")
+        if sup_key and self.session_key:
+            notices_of(self.runner, self.url, self.headers).record(sup_key, self.session_key)
         return self.run_id
 
     async def follow(self, http: httpx.AsyncClient, consumer: Any) -> dict[str, Any]:

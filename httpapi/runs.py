@@ -323,7 +323,8 @@ class Runs:
             return True
 
         Pump(opened, record, api.tasks)
-        headers = {}
+        # The session's own key, as /v1/notices names it.
+        headers = {"X-Hermes-Sup-Session": ref.key}
         key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
         if key_header:
             headers[SESSION_KEY_HEADER] = key_header

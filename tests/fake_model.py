@@ -10,6 +10,8 @@ Scripted by the user's message, so each session drives it independently:
   "think: THOUGHT ;; TEXT"  streams THOUGHT as `reasoning_content`, then "said: TEXT"
   "slow: N"        streams a reply token by token over about N seconds
   "speak: TEXT"    a `text_to_speech` tool call saying TEXT, then "done: RESULT"
+  "bg: COMMAND"    a `terminal` tool call running COMMAND in the background with
+                   notify_on_complete, then "done: RESULT"
   anything else    streams "echo: TEXT" (with the number of earlier user turns)
 
 `POST /v1/audio/speech` (OpenAI's TTS) answers a few bytes that start as
@@ -158,6 +160,9 @@ class FakeModel:
             question, _, choices = text[len("ask: ") :].partition(" ;; ")
             args = {"question": question, "choices": choices.split(" | ") if choices else []}
             return self._tool_call("", name="clarify", args=args)
+        if text.startswith("bg: "):
+            args = {"command": text[4:], "background": True, "notify_on_complete": True}
+            return self._tool_call("", args=args)
         if text.startswith("speak: "):
             said = text[len("speak: ") :]
             return self._tool_call("", name="text_to_speech", args={"text": said})

@@ -9,7 +9,9 @@ argv[1]: the plan, JSON: {"chats": [{"platform", "chat_id", "user_id",
 "match": SUBSTRING}: say TEXT in the chat, then wait until the chat was sent
 something of KIND ("text", "approval", "voice", "audio", "document")
 holding SUBSTRING; a step whose turn ends without it is recorded in
-"errors" and the chat goes on with its next step. With "plugin", the hermes-sup plugin is loaded by
+"errors" and the chat goes on with its next step ("later": true: it may
+come after the turn, from the agent on its own; waited for until the
+step's timeout). With "plugin", the hermes-sup plugin is loaded by
 Hermes's own plugin discovery (config.yaml's plugins.enabled).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -116,7 +119,7 @@ async def chat(runner: GatewayRunner, adapters: dict[str, FakeAdapter], plan: di
             busy = session in adapter._active_sessions
             if matched and (step["wait"] == "approval" or not busy):
                 break
-            answered = len(SENT.get(key, [])) > after
+            answered = len(SENT.get(key, [])) > after and not step.get("later")
             if (not busy and answered) or time.monotonic() > deadline:
                 ERRORS.append(f"{key} step {n} {step}: not seen; got {SENT.get(key, [])[after:]}")
                 break
@@ -124,6 +127,7 @@ async def chat(runner: GatewayRunner, adapters: dict[str, FakeAdapter], plan: di
 
 
 async def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     plan = json.loads(sys.argv[1])
     if plan.get("plugin"):
         from hermes_cli.plugins import discover_plugins

@@ -118,7 +118,7 @@ def run_gateway(
         **os.environ,
         "HERMES_HOME": str(home),
         "GATEWAY_ALLOW_ALL_USERS": "true",
-        "DRIVER_STEP_TIMEOUT": str(60 * load_factor()),
+        "DRIVER_STEP_TIMEOUT": os.environ.get("DRIVER_STEP_TIMEOUT", str(60 * load_factor())),
     }
     if ep is not None:
         env.update(GATEWAY_PROXY_URL=ep.url, GATEWAY_PROXY_KEY=ep.key)
@@ -131,7 +131,9 @@ def run_gateway(
         timeout=300 * load_factor(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report["log"] = done.stderr[-4000:]
+    return report
 
 
 def test_the_gateway_plugin_gives_each_chat_its_identity_and_its_own_approvals(
@@ -258,6 +260,12 @@ def acceptance_chats(n: int) -> list[dict]:
                         "match": f"target-{chat_id}",
                     },
                     {"say": "/approve", "wait": "text", "match": "done:"},
+                    {
+                        "say": f"bg: sleep 1; printf 'bg-%s-finished' {chat_id}",
+                        "wait": "text",
+                        "match": f"bg-{chat_id}-finished",
+                        "later": True,
+                    },
                 ],
             }
         )
@@ -288,7 +296,7 @@ def test_eight_chats_on_two_platforms_through_the_gateway_each_in_its_own_worker
     ep, model = hermes_endpoint
     chats = acceptance_chats(8)
     report = run_gateway(ep, workdir / "gateway-home", chats)
-    assert report["errors"] == [], "\n".join(report["errors"])
+    assert report["errors"] == [], "\n".join(report["errors"]) + report["log"]
     assert wrong_chat(report, chats) == []
     for c in chats:
         got = report["sent"][f"{c['platform']}:{c['chat_id']}"]

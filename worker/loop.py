@@ -262,6 +262,11 @@ class WorkerLoop:
         self._next_beat = 0.0
         # The session's first turn, when it came with the spawn request.
         self.first_turn: dict[str, Any] | None = req.get("turn")
+        # A runtime that speaks outside turns (a background process ended)
+        # is given the way to (PROTOCOL.md, "Notices").
+        set_notify = getattr(agent, "set_notify", None)
+        if callable(set_notify):
+            set_notify(self.notify)
 
     def run(self) -> int:
         """Serve turns until asked to stop or the supervisor goes away."""
@@ -430,6 +435,10 @@ class WorkerLoop:
                 session=self.key,
             )
         self._post(final)  # the last thing this thread does
+
+    def notify(self, data: Any) -> None:
+        """Send a notice: an event outside any turn (from any thread)."""
+        self._post(Message(Kind.EVENT, {"type": "notice", "data": data}, session=self.key))
 
     def _post(self, msg: Message) -> None:
         self.outbox.put(msg)

@@ -1,0 +1,112 @@
+"""What a chat's worker says after its turn: delivered to that chat only.
+
+A background process started with `notify_on_complete` ends after the turn
+that started it. The worker sends a notice; the endpoint streams a key's
+notices (`GET /v1/notices`); this task, one per gateway, reads them and
+hands each to Hermes's own completion delivery, which starts a turn in the
+chat with Hermes's notification text (the agent then tells the chat what
+the process did), as the in-process gateway does.
+
+Which chat: the notice names only the hermes-sup session it came from, and
+the plugin maps that to the gateway session that ran its turns (recorded
+as each run starts). A notice of a session this gateway never ran a turn
+for, or one claiming a platform or chat, routes nowhere else: the routing
+fields of the worker's event are dropped and the session key set by the
+plugin; Hermes then finds the chat in its own session store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("hermes_sup.gateway_plugin")
+
+RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before reconnecting, backing off
+ATTR = "_hermes_sup_notices"
+# Of a worker's process event, what Hermes's notification text needs.
+FIELDS = (
+    "type",
+    "session_id",
+    "command",
+    "exit_code",
+    "completion_reason",
+    "termination_source",
+    "output",
+    "started_at",
+    "pattern",
+    "suppressed",
+    "message",
+)
+
+
+class Notices:
+    """The gateway's one reader of its key's notices, and the session map."""
+
+    def __init__(self, runner: Any, url: str, headers: dict[str, str]) -> None:
+        self.runner = runner
+        self.url = url
+        self.headers = headers
+        self.chats: dict[str, str] = {}  # hermes-sup session key -> gateway session key
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def record(self, sup_key: str, gateway_key: str) -> None:
+        """The session `sup_key` serves the gateway session `gateway_key`."""
+        if len(self.chats) > 100_000:
+            self.chats.clear()  # bounded: the next turn of a chat records it again
+        self.chats[sup_key] = gateway_key
+
+    async def _run(self) -> None:
+        tries = 0
+        while True:  # for as long as the gateway's loop runs
+            try:
+                async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as http:
+                    async with http.stream(
+                        "GET", f"{self.url}/v1/notices", headers=self.headers
+                    ) as stream:
+                        if stream.status_code == 200:
+                            tries = 0
+                            async for line in stream.aiter_lines():
+                                if line.startswith("data: "):
+                                    await self._deliver(json.loads(line[6:]))
+                        else:
+                            log.warning("hermes-sup notices: %s", stream.status_code)
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("hermes-sup notices: %s", exc)
+            await asyncio.sleep(RETRY[min(tries, len(RETRY) - 1)])
+            tries += 1
+
+    async def _deliver(self, item: Any) -> None:
+        if not isinstance(item, dict) or not isinstance(item.get("notice"), dict):
+            return
+        notice, sup_key = item["notice"], str(item.get("session_key") or "")
+        chat = self.chats.get(sup_key)
+        if chat is None:
+            log.warning("hermes-sup notice of %s: no chat of this gateway; dropped", sup_key)
+            return
+        if notice.get("kind") != "process" or not isinstance(notice.get("event"), dict):
+            return
+        from tools.process_registry import format_process_notification
+
+        event = {name: notice["event"][name] for name in FIELDS if name in notice["event"]}
+        event["session_key"] = chat  # the gateway's session: its chat, from its store
+        text = format_process_notification(event)
+        if not text:
+            return
+        try:
+            await self.runner._deliver_completion_notification(text, event)
+        except Exception as exc:  # the chat's loss, not the gateway's
+            log.warning("hermes-sup notice for %s not delivered: %s", chat, exc)
+
+
+def notices_of(runner: Any, url: str, headers: dict[str, str]) -> Notices:
+    """The runner's notice reader (started at its first turn)."""
+    reader: Notices | None = getattr(runner, ATTR, None)
+    if reader is None or reader.task.done():
+        reader = Notices(runner, url, headers)
+        setattr(runner, ATTR, reader)
+    return reader
