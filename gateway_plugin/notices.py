@@ -7,6 +7,9 @@ hands each to Hermes's own completion delivery, which starts a turn in the
 chat with Hermes's notification text (the agent then tells the chat what
 the process did), as the in-process gateway does.
 
+A message the agent sends on its own (a cron job's output) is sent to the
+chat as it is.
+
 Which chat: the notice names only the hermes-sup session it came from, and
 the plugin maps that to the gateway session that ran its turns (recorded
 as each run starts). A notice of a session this gateway never ran a turn
@@ -51,14 +54,16 @@ class Notices:
         self.runner = runner
         self.url = url
         self.headers = headers
-        self.chats: dict[str, str] = {}  # hermes-sup session key -> gateway session key
+        # hermes-sup session key -> the gateway session (key, source) it serves
+        self.chats: dict[str, tuple[str, Any]] = {}
         self.task = asyncio.get_running_loop().create_task(self._run())
 
-    def record(self, sup_key: str, gateway_key: str) -> None:
-        """The session `sup_key` serves the gateway session `gateway_key`."""
+    def record(self, sup_key: str, gateway_key: str, source: Any) -> None:
+        """The session `sup_key` serves the gateway session `gateway_key`,
+        whose chat is `source`'s."""
         if len(self.chats) > 100_000:
             self.chats.clear()  # bounded: the next turn of a chat records it again
-        self.chats[sup_key] = gateway_key
+        self.chats[sup_key] = (gateway_key, source)
 
     async def _run(self) -> None:
         tries = 0
@@ -84,9 +89,13 @@ class Notices:
         if not isinstance(item, dict) or not isinstance(item.get("notice"), dict):
             return
         notice, sup_key = item["notice"], str(item.get("session_key") or "")
-        chat = self.chats.get(sup_key)
-        if chat is None:
+        known = self.chats.get(sup_key)
+        if known is None:
             log.warning("hermes-sup notice of %s: no chat of this gateway; dropped", sup_key)
+            return
+        chat, source = known
+        if notice.get("kind") == "message" and isinstance(notice.get("text"), str):
+            await self._send(source, notice["text"])
             return
         if notice.get("kind") != "process" or not isinstance(notice.get("event"), dict):
             return
@@ -101,6 +110,17 @@ class Notices:
             await self.runner._deliver_completion_notification(text, event)
         except Exception as exc:  # the chat's loss, not the gateway's
             log.warning("hermes-sup notice for %s not delivered: %s", chat, exc)
+
+    async def _send(self, source: Any, text: str) -> None:
+        """A message the agent sends on its own (a cron job's output), to the chat."""
+        adapter = self.runner._adapter_for_source(source)
+        if adapter is None or not text.strip():
+            return
+        metadata = self.runner._thread_metadata_for_source(source)
+        try:
+            await adapter.send(source.chat_id, text, metadata=metadata)
+        except Exception as exc:  # the chat's loss, not the gateway's
+            log.warning("hermes-sup message for %s not delivered: %s", source.chat_id, exc)
 
 
 def notices_of(runner: Any, url: str, headers: dict[str, str]) -> Notices:

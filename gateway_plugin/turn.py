@@ -131,7 +131,8 @@ class ChatTurn:
         self.run_id = str(run_id)
         sup_key = started.headers.get("X-Hermes-Sup-Session")
         if sup_key and self.session_key:
-            notices_of(self.runner, self.url, self.headers).record(sup_key, self.session_key)
+            reader = notices_of(self.runner, self.url, self.headers)
+            reader.record(sup_key, self.session_key, self.source)
         return self.run_id
 
     async def follow(self, http: httpx.AsyncClient, consumer: Any) -> dict[str, Any]:

@@ -12,6 +12,8 @@ Scripted by the user's message, so each session drives it independently:
   "speak: TEXT"    a `text_to_speech` tool call saying TEXT, then "done: RESULT"
   "bg: COMMAND"    a `terminal` tool call running COMMAND in the background with
                    notify_on_complete, then "done: RESULT"
+  "cron: NAME ;; PROMPT"  a `cronjob` call creating job NAME (PROMPT, hourly),
+                   then one running it now, then "done: RESULT"
   anything else    streams "echo: TEXT" (with the number of earlier user turns)
 
 `POST /v1/audio/speech` (OpenAI's TTS) answers a few bytes that start as
@@ -149,6 +151,16 @@ class FakeModel:
             ran = sum(m.get("role") == "tool" for m in since)
             if ran < len(commands):
                 return self._tool_call(commands[ran])
+        if text.startswith("cron: "):
+            name, _, prompt = text[len("cron: ") :].partition(" ;; ")
+            since = messages[max(i for i, m in enumerate(messages) if m.get("role") == "user") :]
+            ran = sum(m.get("role") == "tool" for m in since)
+            calls = [
+                {"action": "create", "name": name, "prompt": prompt, "schedule": "every 1h"},
+                {"action": "run", "job_id": name},
+            ]
+            if ran < len(calls):
+                return self._tool_call("", name="cronjob", args=calls[ran])
         if last.get("role") == "tool":
             return self._say(f"done: {_text(last)}")
         if text.startswith("run: "):

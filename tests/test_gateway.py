@@ -189,6 +189,11 @@ def test_the_gateway_plugin_gives_each_chat_its_identity_and_its_own_approvals(
 # ------------------------------------------------------------------ acceptance
 
 TTS_CONFIG = """
+model:
+  provider: custom
+  base_url: "{url}"
+  default: fake-model
+  api_key: sk-fake-secret
 tts:
   provider: openai
   openai:
@@ -210,7 +215,7 @@ def hermes_endpoint(supervisor_factory, workdir):
     config = workdir / "agent.toml"
     config.write_text(
         f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
-        f'toolsets = ["terminal", "tts"]\napi_key_env = "FAKE_MODEL_KEY"\n'
+        f'toolsets = ["terminal", "tts", "cronjob"]\napi_key_env = "FAKE_MODEL_KEY"\n'
         f'template_home = "{template}"\n'
     )
     home = workdir / "user-home"
@@ -266,6 +271,12 @@ def acceptance_chats(n: int) -> list[dict]:
                         "match": f"bg-{chat_id}-finished",
                         "later": True,
                     },
+                    {
+                        "say": f"cron: job-{chat_id} ;; report for {chat_id}",
+                        "wait": "text",
+                        "match": f"report for {chat_id} (turn",
+                        "later": True,
+                    },
                 ],
             }
         )
@@ -310,14 +321,9 @@ def test_eight_chats_on_two_platforms_through_the_gateway_each_in_its_own_worker
 
 
 IN_PROCESS_CONFIG = """
-model:
-  provider: custom
-  base_url: "{url}"
-  default: fake-model
-  api_key: sk-fake-secret
 platform_toolsets:
-  telegram: [terminal, tts]
-  discord: [terminal, tts]
+  telegram: [terminal, tts, cronjob]
+  discord: [terminal, tts, cronjob]
 display:
   tool_progress: all
 approvals:

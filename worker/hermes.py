@@ -320,10 +320,12 @@ class HermesRuntime:
 
     def set_notify(self, notify: Any) -> None:
         """The worker's way to speak outside turns: background processes'
-        completions go out as notices (worker/hermes_notices.py)."""
-        from .hermes_notices import start_notices
+        completions and cron jobs' output go out as notices
+        (worker/hermes_notices.py)."""
+        from .hermes_notices import start_cron, start_notices
 
         start_notices(notify)
+        start_cron(notify)
 
     def _send_media(self, result: dict[str, Any], before: int) -> None:
         """The files this turn's tools made for the user (a TTS voice note),
