@@ -11,7 +11,7 @@ something of KIND ("text", "approval", "voice", "audio", "document")
 holding SUBSTRING; a step whose turn ends without it is recorded in
 "errors" and the chat goes on with its next step ("later": true: it may
 come after the turn, from the agent on its own; waited for until the
-step's timeout). With "plugin", the hermes-sup plugin is loaded by
+step's timeout; "wait": "busy": on once its turn runs). With "plugin", the hermes-sup plugin is loaded by
 Hermes's own plugin discovery (config.yaml's plugins.enabled).
 """
 
@@ -32,6 +32,7 @@ from gateway.session import SessionSource
 
 SENT: dict[str, list[list[str]]] = {}
 ERRORS: list[str] = []
+TOOK: dict[str, list[float]] = {}  # seconds each step of a chat took
 STEP_TIMEOUT = float(os.environ.get("DRIVER_STEP_TIMEOUT", "120"))
 
 
@@ -108,9 +109,14 @@ async def chat(runner: GatewayRunner, adapters: dict[str, FakeAdapter], plan: di
             message_id=f"{plan['chat_id']}-{n}",
         )
         after = len(SENT.get(key, []))
+        began = time.monotonic()
         await adapter.handle_message(event)
         deadline = time.monotonic() + STEP_TIMEOUT
         session = runner._session_key_for_source(source)
+        if step["wait"] == "busy":  # on as soon as the turn runs (to interrupt it)
+            while session not in adapter._active_sessions and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            continue
         # A step is over when what it waits for was seen and (unless that is
         # an approval, which holds the turn) the turn is over; or when the
         # turn is over without it: a miss, recorded, and the chat goes on.
@@ -124,6 +130,7 @@ async def chat(runner: GatewayRunner, adapters: dict[str, FakeAdapter], plan: di
                 ERRORS.append(f"{key} step {n} {step}: not seen; got {SENT.get(key, [])[after:]}")
                 break
             await asyncio.sleep(0.05)
+        TOOK.setdefault(key, []).append(round(time.monotonic() - began, 2))
 
 
 async def main() -> None:
@@ -145,7 +152,7 @@ async def main() -> None:
     await asyncio.gather(*(chat(runner, adapters, c) for c in plan["chats"]))
     # Let the last answers' background sends finish before reporting.
     await asyncio.sleep(0.5)
-    print(json.dumps({"sent": SENT, "errors": ERRORS}))
+    print(json.dumps({"sent": SENT, "errors": ERRORS, "took": TOOK}))
     os._exit(0)  # the gateway's background threads are not ours to join
 
 

@@ -447,3 +447,39 @@ def test_an_answer_naming_a_file_of_the_gateways_host_uploads_nothing(endpoint, 
     assert len(report["errors"]) == 2, report  # neither step uploaded the file
     assert not [k for k, _ in got if k in ("document", "voice", "audio")], got
     assert any(k == "text" and "here:" in t for k, t in got), got
+
+
+def test_stop_and_new_in_a_chat_act_on_its_worker(endpoint, workdir) -> None:
+    """/stop in a chat cancels the turn its worker runs (not only the
+    gateway's wait for it); /new starts a new conversation in the same
+    worker (its files stay)."""
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    chat = {
+        "platform": "telegram",
+        "chat_id": "77",
+        "user_id": "u77",
+        "steps": [
+            {"say": "write kept.txt here", "wait": "text", "match": "wrote"},
+            {"say": "context", "wait": "text", "match": "conversation"},
+            {"say": "pid", "wait": "text", "match": ""},
+            {"say": "sleep 600", "wait": "busy", "match": ""},
+            {"say": "/stop", "wait": "text", "match": ""},
+            {"say": "/new", "wait": "text", "match": "/approve"},
+            {"say": "/approve", "wait": "text", "match": ""},  # Hermes asks to confirm
+            {"say": "context", "wait": "text", "match": "conversation"},
+            {"say": "pid", "wait": "text", "match": ""},
+            {"say": "sh cat kept.txt", "wait": "text", "match": "here"},
+        ],
+    }
+    report = run_gateway(endpoint, workdir / "gateway-home", [chat])
+    assert report["errors"] == [], "\n".join(report["errors"]) + report["log"]
+    with endpoint.sup.client() as hs:
+        (session,) = hs.sessions(prefix=endpoint.prefix)
+    texts = [t for k, t in report["sent"]["telegram:77"] if k == "text"]
+    pids = [t for t in texts if t.isdigit()]
+    assert len(pids) == 2 and pids[0] == pids[1], texts  # the same worker all along
+    contexts = [json.loads(t)["conversation"] for t in texts if t.startswith("{")]
+    assert len(contexts) == 2 and contexts[0] != contexts[1], texts  # /new: a new one
+    # The sleep was cancelled in the worker (the turns after it ran at once):
+    # the session is idle, long before 600 s.
+    assert session["state"] == "idle", session
