@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -30,6 +31,11 @@ import httpx
 log = logging.getLogger("hermes_sup.gateway_plugin")
 
 RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before reconnecting, backing off
+# A session's notices taken per minute; more are dropped (a worker that
+# floods its chat, or starts turn after turn in it, is stopped here).
+MAX_PER_MINUTE = 20
+HOLD = 30.0  # seconds a notice of a session not yet known waits for it
+MAX_HELD = 100  # such notices kept, per session, and sessions
 ATTR = "_hermes_sup_notices"
 # Of a worker's process event, what Hermes's notification text needs.
 FIELDS = (
@@ -56,6 +62,11 @@ class Notices:
         self.headers = headers
         # hermes-sup session key -> the gateway session (key, source) it serves
         self.chats: dict[str, tuple[str, Any]] = {}
+        self.recent: dict[str, list[float]] = {}  # notice times, per session
+        # Notices of a session not yet recorded (its first run's answer may
+        # come after the notice): held a while, for when it is.
+        self.held: dict[str, list[tuple[float, Any]]] = {}
+        self.connected = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def record(self, sup_key: str, gateway_key: str, source: Any) -> None:
@@ -64,6 +75,8 @@ class Notices:
         if len(self.chats) > 100_000:
             self.chats.clear()  # bounded: the next turn of a chat records it again
         self.chats[sup_key] = (gateway_key, source)
+        for _, item in self.held.pop(sup_key, []):
+            asyncio.get_running_loop().create_task(self._deliver(item))
 
     async def _run(self) -> None:
         tries = 0
@@ -75,6 +88,7 @@ class Notices:
                     ) as stream:
                         if stream.status_code == 200:
                             tries = 0
+                            self.connected.set()
                             async for line in stream.aiter_lines():
                                 if line.startswith("data: "):
                                     await self._deliver(json.loads(line[6:]))
@@ -82,6 +96,7 @@ class Notices:
                             log.warning("hermes-sup notices: %s", stream.status_code)
             except (httpx.HTTPError, ValueError) as exc:
                 log.warning("hermes-sup notices: %s", exc)
+            self.connected.clear()
             await asyncio.sleep(RETRY[min(tries, len(RETRY) - 1)])
             tries += 1
 
@@ -91,9 +106,14 @@ class Notices:
         notice, sup_key = item["notice"], str(item.get("session_key") or "")
         known = self.chats.get(sup_key)
         if known is None:
-            log.warning("hermes-sup notice of %s: no chat of this gateway; dropped", sup_key)
+            self._hold(sup_key, item)
             return
         chat, source = known
+        if not self._admit(sup_key):
+            log.warning(
+                "hermes-sup notices of %s: over %d a minute; dropped", sup_key, MAX_PER_MINUTE
+            )
+            return
         if notice.get("kind") == "message" and isinstance(notice.get("text"), str):
             await self._send(source, notice["text"])
             return
@@ -110,6 +130,29 @@ class Notices:
             await self.runner._deliver_completion_notification(text, event)
         except Exception as exc:  # the chat's loss, not the gateway's
             log.warning("hermes-sup notice for %s not delivered: %s", chat, exc)
+
+    def _hold(self, sup_key: str, item: Any) -> None:
+        """Keep a notice of a session not (yet) known for HOLD seconds."""
+        now = time.monotonic()
+        for key in [k for k, v in self.held.items() if now - v[-1][0] > HOLD]:
+            del self.held[key]  # never recorded: not a session of this gateway
+        waiting = self.held.setdefault(sup_key, [])
+        if len(waiting) < MAX_HELD and len(self.held) <= MAX_HELD:
+            waiting.append((now, item))
+        else:
+            log.warning("hermes-sup notice of %s: no chat of this gateway; dropped", sup_key)
+
+    def _admit(self, sup_key: str) -> bool:
+        now = time.monotonic()
+        times = [t for t in self.recent.get(sup_key, []) if now - t < 60.0]
+        if len(times) >= MAX_PER_MINUTE:
+            self.recent[sup_key] = times
+            return False
+        times.append(now)
+        self.recent[sup_key] = times
+        if len(self.recent) > 100_000:
+            self.recent.clear()
+        return True
 
     async def _send(self, source: Any, text: str) -> None:
         """A message the agent sends on its own (a cron job's output), to the chat."""

@@ -40,6 +40,8 @@ PROMPT_TIMEOUT = 15.0
 # Approval requests of one turn waiting at once (each waits in a thread of
 # its own); more are denied at once: a worker cannot flood the gateway.
 MAX_WAITING_APPROVALS = 8
+# Seconds a turn waits for the gateway's notice stream to connect.
+NOTICES_WAIT = 5.0
 # The longest identity value the endpoint takes (protocol/chat_identity.py).
 MAX_VALUE = 512
 
@@ -119,6 +121,14 @@ class ChatTurn:
         ]
         if past:
             body["conversation_history"] = past  # used only by a worker that has none
+        # Notices are not stored: the gateway reads them from before its
+        # first run on (a moment's wait, at most, for its first connection).
+        reader = notices_of(self.runner, self.url, self.headers)
+        if not reader.connected.is_set():
+            try:
+                await asyncio.wait_for(reader.connected.wait(), NOTICES_WAIT)
+            except TimeoutError:
+                log.warning("hermes-sup: the notice stream is not connected yet")
         headers = dict(self.headers)
         if self.session_key:
             headers["X-Hermes-Session-Key"] = self.session_key
@@ -131,7 +141,6 @@ class ChatTurn:
         self.run_id = str(run_id)
         sup_key = started.headers.get("X-Hermes-Sup-Session")
         if sup_key and self.session_key:
-            reader = notices_of(self.runner, self.url, self.headers)
             reader.record(sup_key, self.session_key, self.source)
         return self.run_id
 

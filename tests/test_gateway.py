@@ -485,3 +485,63 @@ def test_stop_and_new_in_a_chat_act_on_its_worker(endpoint, workdir) -> None:
     # The sleep was cancelled in the worker (the turns after it ran at once):
     # the session is idle, long before 600 s.
     assert session["state"] == "idle", session
+
+
+def test_a_workers_notices_reach_only_its_own_chat_and_not_a_flood(endpoint, workdir) -> None:
+    """A session's notices (here the probe's, as a hostile worker would
+    send them) name another chat and claim its routing: they reach the
+    session's own chat, never that one; a flood is cut at 20 a minute."""
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    other = "agent:main:telegram:dm:82"
+    message = {"kind": "message", "text": "msg-from-81", "platform": "telegram", "chat_id": "82"}
+    process = {
+        "kind": "process",
+        "event": {
+            "type": "completion",
+            "session_id": "proc_x",
+            "command": "true",
+            "output": "out-from-81",
+            "session_key": other,
+            "platform": "telegram",
+            "chat_id": "82",
+        },
+    }
+    chats = [
+        {
+            "platform": "telegram",
+            "chat_id": "81",
+            "user_id": "u81",
+            "steps": [
+                {
+                    "say": f"notice {json.dumps(message)}",
+                    "wait": "text",
+                    "match": "msg-from-81",
+                    "later": True,
+                },
+                {
+                    "say": f"notice {json.dumps(process)}",
+                    "wait": "text",
+                    "match": "out-from-81",
+                    "later": True,
+                },
+                {
+                    "say": 'notice 100 {"kind": "message", "text": "flood-81"}',
+                    "wait": "text",
+                    "match": "sent 100",
+                },
+            ],
+        },
+        {
+            "platform": "telegram",
+            "chat_id": "82",
+            "user_id": "u82",
+            "steps": [{"say": "pid", "wait": "text", "match": ""}],
+        },
+    ]
+    report = run_gateway(endpoint, workdir / "gateway-home", chats)
+    assert report["errors"] == [], "\n".join(report["errors"]) + report["log"]
+    theirs = report["sent"]["telegram:82"]
+    assert not [t for _, t in theirs if "from-81" in t or "flood-81" in t], theirs
+    mine = [t for k, t in report["sent"]["telegram:81"] if k == "text"]
+    # 20 a minute, two of them the first notices: at most 18 of the flood.
+    assert 0 < sum(t == "flood-81" for t in mine) <= 18, mine
