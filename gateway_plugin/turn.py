@@ -163,6 +163,8 @@ class ChatTurn:
                         consumer.on_delta(delta)
                 elif kind == "tool.started":
                     await self.show_progress(event.get("tool"), event.get("preview"))
+                elif kind == "clarify.request":
+                    await self.show_question(event.get("question"), event.get("choices"))
                 elif kind == "media.available":
                     await self.fetch_media(http, event)
                 elif kind == "approval.request" and len(self.answers) >= MAX_WAITING_APPROVALS:
@@ -251,6 +253,20 @@ class ChatTurn:
             await self.adapter.send(self.source.chat_id, line, metadata=self.metadata)
         except Exception as exc:  # an adapter's send failing is the chat's loss, not the turn's
             log.warning("hermes-sup: tool progress not sent: %s", exc)
+
+    async def show_question(self, question: Any, choices: Any) -> None:
+        """A question the agent asks (Hermes's clarify), as a numbered list
+        in the chat. The user's next message is the answer: the worker told
+        the agent so, and the gateway passes that message on as a turn."""
+        if self.adapter is None or not isinstance(question, str) or not question:
+            return
+        lines = [f"❓ {question}"]
+        if isinstance(choices, list):
+            lines += [f"{n}. {choice}" for n, choice in enumerate(choices, 1)]
+        try:
+            await self.adapter.send(self.source.chat_id, "\n".join(lines), metadata=self.metadata)
+        except Exception as exc:  # the chat's loss, not the turn's
+            log.warning("hermes-sup: question not sent: %s", exc)
 
     async def ask(self, http: httpx.AsyncClient, event: dict[str, Any]) -> None:
         """One approval request: asked in this chat through Hermes's own

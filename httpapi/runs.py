@@ -95,6 +95,7 @@ ENDED = ("completed", "failed", "cancelled")
 REASONING = "reasoning"  # a piece of the model's reasoning (the Hermes runtime's event)
 TOOL_PROGRESS = "tool_progress"
 MEDIA = "media"  # a file made for the user (worker/media.py)
+CLARIFY = "clarify"  # a question the agent asks its user (worker/hermes.py)
 CHOICE_ALIASES = {"approve": "once", "approved": "once", "allow": "once"}
 CHOICES = ("once", "session", "always", "deny")
 _CLOSE = object()  # a subscriber's stream ends after what it already has
@@ -350,6 +351,10 @@ class Runs:
                 run.publish("reasoning.available", text=preview if isinstance(preview, str) else "")
         elif isinstance(item, Event) and item.type == MEDIA:
             record_media(self, run, item.data)
+        elif isinstance(item, Event) and item.type == CLARIFY and isinstance(item.data, dict):
+            d, asked = item.data, item.data.get("choices")  # the next message answers it
+            choices = [str(c) for c in asked] if isinstance(asked, list) else []
+            run.publish("clarify.request", question=str(d.get("question")), choices=choices)
         elif isinstance(item, Queued):
             run.set_status("queued")
         elif isinstance(item, (Running, Duplicate)):  # Duplicate: a retry joined it

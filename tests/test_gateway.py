@@ -215,7 +215,7 @@ def hermes_endpoint(supervisor_factory, workdir):
     config = workdir / "agent.toml"
     config.write_text(
         f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
-        f'toolsets = ["terminal", "tts", "cronjob"]\napi_key_env = "FAKE_MODEL_KEY"\n'
+        f'toolsets = ["terminal", "tts", "cronjob", "clarify"]\napi_key_env = "FAKE_MODEL_KEY"\n'
         f'template_home = "{template}"\n'
     )
     home = workdir / "user-home"
@@ -265,6 +265,11 @@ def acceptance_chats(n: int) -> list[dict]:
                         "match": f"target-{chat_id}",
                     },
                     {"say": "/approve", "wait": "text", "match": "done:"},
+                    {
+                        "say": f"ask: which color for {chat_id} ;; red | blue",
+                        "wait": "text",
+                        "match": f"❓ which color for {chat_id}\n1. red\n2. blue",
+                    },
                     {
                         "say": f"bg: sleep 1; printf 'bg-%s-finished' {chat_id}",
                         "wait": "text",
