@@ -552,3 +552,50 @@ def test_a_workers_notices_reach_only_its_own_chat_and_not_a_flood(endpoint, wor
     mine = [t for k, t in report["sent"]["telegram:81"] if k == "text"]
     # 20 a minute, two of them the first notices: at most 18 of the flood.
     assert 0 < sum(t == "flood-81" for t in mine) <= 18, mine
+
+
+# ------------------------------------------------------------------ pinned
+
+REFUSAL_SCRIPT = """
+import asyncio, importlib.metadata, sys
+real = importlib.metadata.version
+if sys.argv[1] == "version":
+    importlib.metadata.version = lambda name: "0.20.0" if name == "hermes-agent" else real(name)
+import gateway.run
+if sys.argv[1] == "signature":
+    async def changed(self, message, context_prompt, history, source, session_id, **kw):
+        return {"final_response": "plain proxy mode"}
+    gateway.run.GatewayRunner._run_agent_via_proxy = changed
+from hermes_sup.gateway_plugin import install
+install()
+proxy = gateway.run.GatewayRunner._run_agent_via_proxy
+print(asyncio.run(proxy(None, "hi", "", [], None, "s"))["final_response"])
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ("version", "not tested with hermes-agent 0.20.0"),
+        ("signature", "GatewayRunner._run_agent_via_proxy takes"),
+    ],
+)
+def test_the_plugin_refuses_every_turn_on_a_hermes_it_was_not_tested_with(
+    change: str, said: str, tmp_path: Path
+) -> None:
+    """Another hermes-agent version, or the replaced method changed: no
+    turn runs (plain proxy mode would lose the chat's identity and
+    approvals without a word), and the answer says why."""
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    env = {**os.environ, "HERMES_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSAL_SCRIPT, change],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120 * load_factor(),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = done.stdout.strip().splitlines()[-1]
+    assert answer.startswith("⚠️ hermes-sup gateway plugin: ") and said in answer, answer
+    assert "no turn runs until it is updated or disabled" in answer
