@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from starlette.responses import Response
 from hermes_sup.client import ClientError
 
 from .chat import SSE_HEADERS
+from .errors import ApiError
 from .logsafe import kv
 from .sessions import tenant_of
 from .turns import EventStream
@@ -34,17 +36,36 @@ log = logging.getLogger("hermes_sup.httpapi")
 
 NOTICE = "notice"
 KEEPALIVE = 15.0  # seconds between keepalive comments on a quiet stream
+MAX_STREAMS = 4  # notice streams of one key open at once
+OPEN: Counter[str] = Counter()  # open streams, by key namespace
 
 
 async def notices(api: Api, request: Request) -> Response:
-    """The key's sessions' notices, as they come."""
+    """The key's sessions' notices, as they come (429 past MAX_STREAMS of
+    one key open at once: each holds one of the endpoint's watches, which
+    every key shares)."""
     tenant = tenant_of(request)
+    if OPEN[tenant.prefix] >= MAX_STREAMS:
+        raise ApiError(
+            429, f"at most {MAX_STREAMS} notice streams of one key at once", "too_many_streams"
+        )
     return EventStream(
         _stream(api, tenant.prefix), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
 async def _stream(api: Api, prefix: str) -> AsyncIterator[bytes]:
+    OPEN[prefix] += 1  # counted while its body runs: one never started holds none
+    try:
+        async for chunk in _notices(api, prefix):
+            yield chunk
+    finally:
+        OPEN[prefix] -= 1
+        if OPEN[prefix] <= 0:
+            del OPEN[prefix]
+
+
+async def _notices(api: Api, prefix: str) -> AsyncIterator[bytes]:
     queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1000)
 
     async def read() -> None:

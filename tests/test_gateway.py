@@ -599,3 +599,58 @@ def test_the_plugin_refuses_every_turn_on_a_hermes_it_was_not_tested_with(
     answer = done.stdout.strip().splitlines()[-1]
     assert answer.startswith("⚠️ hermes-sup gateway plugin: ") and said in answer, answer
     assert "no turn runs until it is updated or disabled" in answer
+
+
+def test_notices_go_to_their_own_key_and_a_key_holds_few_streams(endpoint) -> None:
+    """A key's notice stream has its own sessions' notices, never another
+    key's; a key holds at most 4 streams (each takes one of the endpoint's
+    watches, which all keys share)."""
+    import threading
+
+    from hermes_sup.httpapi.keys import KeyStore
+
+    other = KeyStore(endpoint.sup.data_dir).generate("other")
+    seen: dict[str, list[str]] = {"test": [], "other": []}
+    ready = threading.Barrier(3)
+
+    def listen(name: str, key: str) -> None:
+        auth = {"Authorization": f"Bearer {key}"}
+        with httpx.stream("GET", endpoint.url + "/v1/notices", headers=auth, timeout=30) as got:
+            ready.wait()
+            for line in got.iter_lines():
+                if line.startswith("data: "):
+                    seen[name].append(json.loads(line[6:])["notice"]["text"])
+                    if seen[name][-1] == "last":
+                        return
+
+    threads = [
+        threading.Thread(target=listen, args=(n, k), daemon=True)
+        for n, k in (("test", endpoint.key), ("other", other))
+    ]
+    for t in threads:
+        t.start()
+    ready.wait()
+    _output(endpoint, "n1", 'notice {"kind": "message", "text": "mine"}')
+    with httpx.Client(headers={"Authorization": f"Bearer {other}"}) as theirs:
+        run = theirs.post(endpoint.url + "/v1/runs", json={"input": 'notice {"text": "last"}'})
+        assert run.status_code == 202
+    _output(endpoint, "n1", 'notice {"kind": "message", "text": "last"}')
+    for t in threads:
+        t.join(30 * load_factor())
+    assert seen == {"test": ["mine", "last"], "other": ["last"]}
+    # Four streams of one key at once, not five.
+    streams = [
+        httpx.stream("GET", endpoint.url + "/v1/notices", headers=endpoint.headers(), timeout=30)
+        for _ in range(5)
+    ]
+    opened, reading = [], []
+    try:
+        for s in streams[:4]:
+            opened.append(s.__enter__())
+            reading.append(opened[-1].iter_lines())  # kept: a dropped one closes its stream
+            next(reading[-1])  # its first line: it is open
+        with streams[4] as fifth:
+            assert fifth.status_code == 429
+    finally:
+        for s, _ in zip(streams, opened, strict=False):
+            s.__exit__(None, None, None)
