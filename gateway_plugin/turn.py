@@ -162,7 +162,9 @@ class ChatTurn:
                     if consumer is not None:
                         consumer.on_delta(delta)
                 elif kind == "tool.started":
-                    await self.show_progress(event.get("tool"), event.get("preview"))
+                    await self.show_progress(
+                        event.get("tool"), event.get("preview"), event.get("emoji")
+                    )
                 elif kind == "clarify.request":
                     await self.show_question(event.get("question"), event.get("choices"))
                 elif kind == "media.available":
@@ -237,8 +239,9 @@ class ChatTurn:
 
     # -------------------------------------------------------------- the chat
 
-    async def show_progress(self, tool: Any, preview: Any) -> None:
-        """A tool start as the in-process gateway shows it (one line a tool)."""
+    async def show_progress(self, tool: Any, preview: Any, emoji: Any = None) -> None:
+        """A tool start as the in-process gateway shows it (one line a tool;
+        the tool's emoji as the worker's Hermes knows it)."""
         if self.adapter is None or self.progress == "off" or not isinstance(tool, str):
             return
         if self.progress == "new" and tool == self.last_tool:
@@ -246,7 +249,9 @@ class ChatTurn:
         self.last_tool = tool
         from agent.display import get_tool_emoji
 
-        line = f"{get_tool_emoji(tool, default='⚙️')} {tool}"
+        if not isinstance(emoji, str) or not emoji or len(emoji) > 8:
+            emoji = get_tool_emoji(tool, default="⚙️")
+        line = f"{emoji} {tool}"
         if isinstance(preview, str) and preview:
             line += f': "{preview}"'
         try:

@@ -36,7 +36,6 @@ and starts nothing new, before or after a restart.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import re
@@ -79,6 +78,8 @@ from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
     check_id,
+    decode_id,
+    encode_id,
     history_of,
     tenant_of,
     text_of,
@@ -210,19 +211,6 @@ def run_turn_id(request: Request, run_id: str) -> str:
     return derive(scope_of(request), "run", run_id)
 
 
-def _encode(original: str) -> str:
-    raw = original.encode("utf-8", "surrogateescape")
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode(encoded: str) -> str | None:
-    try:
-        raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
-        return raw.decode("utf-8", "surrogateescape")
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
 class Runs:
     """Every run this endpoint knows, by id."""
 
@@ -304,7 +292,7 @@ class Runs:
             ref = named or api.ref(tenant, session_id or run_id)
             conversation = session_id or ref.original
         if ref.original != run_id:
-            run_id = f"{run_id}.{_encode(ref.original)}"  # its session, found again from it
+            run_id = f"{run_id}.{encode_id(ref.original)}"  # its session, found again from it
         known = self.by_id.get(run_id)
         if known is not None and known.owner == tenant.prefix:
             return JSONResponse({"run_id": run_id, "status": "started"}, 202)
@@ -382,7 +370,14 @@ class Runs:
             if not item.name.startswith("_"):
                 d = item.data if isinstance(item.data, dict) else {}
                 preview = d.get("preview") or d.get("label")
-                run.publish("tool.started", tool=item.name, preview=preview, tool_call_id=item.id)
+                emoji = d.get("emoji") if isinstance(d.get("emoji"), str) else None
+                run.publish(
+                    "tool.started",
+                    tool=item.name,
+                    preview=preview,
+                    tool_call_id=item.id,
+                    emoji=emoji,
+                )
         elif isinstance(item, ToolComplete):
             if not item.name.startswith("_"):
                 d = item.data if isinstance(item.data, dict) else {}
@@ -465,7 +460,7 @@ class Runs:
         found = _RUN_ID.fullmatch(run_id)
         if found is None:
             return None
-        original = run_id if found.group(2) is None else _decode(found.group(2))
+        original = run_id if found.group(2) is None else decode_id(found.group(2))
         if original is None:
             return None
         try:

@@ -32,6 +32,7 @@ one the request sends (continuity.py).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from dataclasses import dataclass
@@ -264,3 +265,18 @@ def history_of(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
             if isinstance(m, dict) and m.get("role") and m.get("content")
         ]
     return []
+
+
+def encode_id(original: str) -> str:
+    """A session id as a run id's suffix (base64url, unpadded)."""
+    raw = original.encode("utf-8", "surrogateescape")
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_id(encoded: str) -> str | None:
+    """The session id of a run id's suffix; None if it is not one."""
+    try:
+        raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+        return raw.decode("utf-8", "surrogateescape")
+    except (ValueError, UnicodeDecodeError):
+        return None
