@@ -1,8 +1,11 @@
 """Hermes's messaging gateway on hermes-sup: a chat's identity reaches its
 worker with every turn (HERMES_SESSION_*), and the gateway plugin
-(hermes_sup.gateway) runs Hermes's real GatewayRunner against the endpoint
-with a fake platform adapter: streamed text, tool progress and approvals in
-the chat that asked, and only there."""
+(hermes_sup.gateway_plugin) runs Hermes's real GatewayRunner against the
+endpoint with a fake platform adapter (tests/gateway_driver.py): streamed
+text, tool progress, approvals, clarify questions, voice notes, background
+processes' and cron jobs' messages in the chat they belong to, and only
+there; /stop and /new act on the chat's worker. The acceptance run has 8
+chats on two platforms with the Hermes runtime and a scripted model."""
 
 from __future__ import annotations
 
