@@ -69,6 +69,15 @@ def identity_of(source: Any) -> dict[str, str]:
     }
 
 
+def _model_override(runner: Any, session_key: str) -> str | None:
+    """The model a chat chose with /model (Hermes keeps it per session key),
+    if any: only its name goes to the worker, never the gateway's keys."""
+    overrides = getattr(runner, "_session_model_overrides", None)
+    chosen = overrides.get(session_key) if isinstance(overrides, dict) else None
+    model = chosen.get("model") if isinstance(chosen, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
 def _failed(text: str) -> dict[str, Any]:
     return {"final_response": f"⚠️ {text}", "messages": [], "api_calls": 0, "tools": []}
 
@@ -114,6 +123,9 @@ class ChatTurn:
         }
         if context_prompt:
             body["instructions"] = context_prompt
+        model = _model_override(self.runner, self.session_key)
+        if model:
+            body["agent_model"] = model  # the chat's /model, for its worker's agent
         past = [
             {"role": m.get("role"), "content": m.get("content")}
             for m in history or []

@@ -77,6 +77,7 @@ from .run_media import MediaFile, record_media, serve_media
 from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
+    agent_model_of,
     check_id,
     decode_id,
     encode_id,
@@ -200,6 +201,7 @@ RUN_FIELDS = (
     "session_id",
     "previous_response_id",
     "session_env",
+    "agent_model",
     "model",
 )
 # run_<32 hex>, and `.` and its session's id (base64url) when the run named one.
@@ -274,6 +276,7 @@ class Runs:
             identity = check_chat_identity(body.get("session_env"), "'session_env'")
         except ChatIdentityError as exc:
             raise ApiError(400, str(exc), "invalid_session_env") from None
+        agent_model = agent_model_of(body)  # the model the session's agent is to use
         # A stored response (POST /v1/responses) named as previous_response_id
         # continues its conversation, as in Hermes: same session, and its
         # instructions when the run gives none.
@@ -301,6 +304,8 @@ class Runs:
         context = turn_context(instructions, history, conversation)
         if identity:
             context["session_env"] = identity
+        if agent_model:
+            context["model"] = agent_model
         opened = await api.open_turn(ref, text, context, run_turn_id(request, run_id))
         run = Run(run_id, ref, model, api.settings.run_events, tenant.prefix)
         run.turn = opened.id

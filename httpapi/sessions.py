@@ -280,3 +280,19 @@ def decode_id(encoded: str) -> str | None:
         return raw.decode("utf-8", "surrogateescape")
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def agent_model_of(body: dict[str, Any]) -> str | None:
+    """A run's `agent_model`: the model its session's agent is to use for
+    this turn (a chat's /model), on the session's own provider; not
+    `model`, which clients send as a name and get echoed back."""
+    model = body.get("agent_model")
+    if model is None or model == "":
+        return None
+    if not isinstance(model, str) or not model.isprintable() or len(model) > 200:
+        raise ApiError(
+            400,
+            "'agent_model' must be a model name of at most 200 printable characters",
+            "invalid_agent_model",
+        )
+    return model

@@ -279,6 +279,8 @@ def acceptance_chats(n: int) -> list[dict]:
                         "match": f"bg-{chat_id}-finished",
                         "later": True,
                     },
+                    {"say": f"/model fake-model-{chat_id}", "wait": "text", "match": "switched"},
+                    {"say": f"hello {chat_id}", "wait": "text", "match": f"echo: hello {chat_id}"},
                     {
                         "say": f"cron: job-{chat_id} ;; report for {chat_id}",
                         "wait": "text",
@@ -289,6 +291,11 @@ def acceptance_chats(n: int) -> list[dict]:
             }
         )
     return chats
+
+
+def _last_user(request: dict) -> str:
+    said = [m.get("content") for m in request.get("messages", []) if m.get("role") == "user"]
+    return str(said[-1]) if said else ""
 
 
 def wrong_chat(report: dict, chats: list[dict]) -> list[str]:
@@ -323,6 +330,10 @@ def test_eight_chats_on_two_platforms_through_the_gateway_each_in_its_own_worker
         assert any(k == "text" and "terminal" in t for k, t in got), got  # tool progress
     formats = sorted(s["response_format"] for s in model.speech)
     assert formats == ["mp3"] * 4 + ["opus"] * 4
+    # A chat's /model is its worker's model from its next turn on, and only its.
+    for c in chats:
+        asked = {r["model"] for r in model.requests if _last_user(r) == f"hello {c['chat_id']}"}
+        assert asked == {f"fake-model-{c['chat_id']}"}, asked
     with ep.sup.client() as hs:
         pids = {s["pid"] for s in hs.sessions(prefix=ep.prefix)}
     assert len(pids) == 8 and None not in pids, pids  # a worker (a process) per chat

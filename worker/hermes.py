@@ -212,12 +212,15 @@ class HermesRuntime:
             "fallback_model": GatewayRunner._load_fallback_model(),
         }
 
-    def _build_agent(self, conversation: str) -> Any:
+    def _build_agent(self, conversation: str, model: str | None = None) -> Any:
         from run_agent import AIAgent
 
         env = os.environ
+        settings = self._agent_settings()
+        if model:
+            settings["model"] = model  # on the session's own provider and base URL
         return AIAgent(
-            **self._agent_settings(),
+            **settings,
             quiet_mode=True,
             session_id=conversation,
             session_db=self.db,
@@ -273,14 +276,15 @@ class HermesRuntime:
         key = self.session.key
         self._approval.register_gateway_notify(key, self._on_approval)
         try:
-            identity = _identity()
+            identity = (*_identity(), turn.model)
             if self.agent is None or (conversation, identity) != (
                 self._conversation,
                 self._identity,
             ):
                 # A new agent records into the turn's conversation, for the
-                # turn's chat and user: Hermes fixes both at construction.
-                self.agent = self._build_agent(conversation)
+                # turn's chat and user, with the turn's model (a chat's
+                # /model): Hermes fixes all of them at construction.
+                self.agent = self._build_agent(conversation, turn.model)
                 self._conversation, self._identity = conversation, identity
             else:
                 # An interrupt left over from the previous turn (a cancel that

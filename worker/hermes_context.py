@@ -25,6 +25,7 @@ class TurnContext:
     instructions: str | None = None
     history: tuple[dict[str, str], ...] = ()
     conversation: str | None = None
+    model: str | None = None  # the model for this turn (a chat's /model), if not the session's
 
     @classmethod
     def parse(cls, context: dict[str, Any] | None) -> TurnContext:
@@ -48,7 +49,13 @@ class TurnContext:
                 raise HermesTurnError(
                     "context conversation may not hold control characters, '/', '\\' or '..'"
                 )
-        return cls(instructions or None, _history(context.get("history")), conversation)
+        model = context.get("model")
+        if model is not None and (
+            not isinstance(model, str) or not model.isprintable() or not 0 < len(model) <= 200
+        ):
+            raise HermesTurnError("context model must be 1 to 200 printable characters")
+        history = _history(context.get("history"))
+        return cls(instructions or None, history, conversation, model or None)
 
 
 def _history(raw: Any) -> tuple[dict[str, str], ...]:
