@@ -110,6 +110,15 @@ approvals:
 """
 
 
+GATEWAY_MODEL = """
+model:
+  provider: custom
+  base_url: "{url}"
+  default: fake-model
+  api_key: sk-fake-secret
+"""
+
+
 def run_gateway(
     ep, home: Path, chats: list[dict], plugin: bool = True, config: str | None = None
 ) -> dict:
@@ -321,7 +330,10 @@ def test_eight_chats_on_two_platforms_through_the_gateway_each_in_its_own_worker
     its own chat, and no chat is sent anything of another."""
     ep, model = hermes_endpoint
     chats = acceptance_chats(8)
-    report = run_gateway(ep, workdir / "gateway-home", chats)
+    # The gateway's own model settings, which /model checks a name against
+    # (on the fake model: no network to wait for).
+    config = GATEWAY_CONFIG + GATEWAY_MODEL.format(url=model.url)
+    report = run_gateway(ep, workdir / "gateway-home", chats, config=config)
     assert report["errors"] == [], "\n".join(report["errors"]) + report["log"]
     assert wrong_chat(report, chats) == []
     for c in chats:
