@@ -386,9 +386,15 @@ class AsyncClient:
         """Shut the supervisor down as SIGTERM does (local clients only)."""
         return await self._call(core.shutdown(), timeout)
 
-    async def watch(self, session: str | None = None, replay: int = 0) -> AsyncIterator[Event]:
-        """Every event of one session (or of all) until the iterator is closed."""
-        pending = await self._start(Kind.WATCH, {"replay": replay}, session, ttl=self.timeout)
+    async def watch(
+        self, session: str | None = None, replay: int = 0, types: list[str] | None = None
+    ) -> AsyncIterator[Event]:
+        """Every event of one session (or of all; of the `types` named, if
+        given) until the iterator is closed."""
+        body: dict[str, Any] = {"replay": replay}
+        if types:
+            body["types"] = list(types)
+        pending = await self._start(Kind.WATCH, body, session, ttl=self.timeout)
         try:
             await self._wait(pending, self.timeout)  # the `watching` acknowledgement
             while True:

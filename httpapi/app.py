@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from .guard import HEADER_TIMEOUT
 from .idempotency import IdempotencyCache
 from .keys import KeyStore, Tenant
 from .logsafe import kv
+from .notices import notices
 from .responses import Responses
 from .retries import Retries
 from .runs import Runs
@@ -500,6 +502,8 @@ def create_app(
         Route("/v1/runs/{run_id}/events", authed(api.runs.events)),
         Route("/v1/runs/{run_id}/approval", authed(api.runs.approval), methods=["POST"]),
         Route("/v1/runs/{run_id}/stop", authed(api.runs.stop), methods=["POST"]),
+        Route("/v1/runs/{run_id}/media/{media_id}", authed(api.runs.media)),
+        Route("/v1/notices", authed(partial(notices, api))),
     ]
     if settings.web_dir is not None:
         routes.append(Mount("/", app=web_app(settings.web_dir), name="web"))

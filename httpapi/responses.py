@@ -83,11 +83,11 @@ from .idempotency import HUNG_UP, RESPONSES_FIELDS
 from .keys import Tenant
 from .response_items import ToolItems, message_item, shortened, text_part, usage_in_responses
 from .retries import turn_id_of
-from .runs import history_of
 from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
     check_id,
+    history_of,
     tenant_of,
     text_of,
     turn_context,

@@ -36,7 +36,6 @@ and starts nothing new, before or after a restart.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import re
@@ -67,16 +66,22 @@ from hermes_sup.client import (
     ToolComplete,
     ToolStart,
 )
+from hermes_sup.protocol.chat_identity import ChatIdentityError, check_chat_identity
 
 from .chat import SSE_HEADERS, Outputs, usage_of
 from .errors import ApiError
 from .idempotency import scope_of
 from .logsafe import kv
 from .retries import derive, turn_id_of
+from .run_media import MediaFile, record_media, serve_media
 from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
+    agent_model_of,
     check_id,
+    decode_id,
+    encode_id,
+    history_of,
     tenant_of,
     text_of,
     turn_context,
@@ -91,6 +96,8 @@ log = logging.getLogger("hermes_sup.httpapi")
 ENDED = ("completed", "failed", "cancelled")
 REASONING = "reasoning"  # a piece of the model's reasoning (the Hermes runtime's event)
 TOOL_PROGRESS = "tool_progress"
+MEDIA = "media"  # a file made for the user (worker/media.py)
+CLARIFY = "clarify"  # a question the agent asks its user (worker/hermes.py)
 CHOICE_ALIASES = {"approve": "once", "approved": "once", "allow": "once"}
 CHOICES = ("once", "session", "always", "deny")
 _CLOSE = object()  # a subscriber's stream ends after what it already has
@@ -113,6 +120,7 @@ class Run:
     approvals: list[str | None] = field(default_factory=list)  # waiting, oldest first
     reasoning: list[str] = field(default_factory=list)  # the model's reasoning, not yet published
     outputs: Outputs = field(default_factory=Outputs)  # its output lines, as answer text
+    media: list[MediaFile] = field(default_factory=list)  # files made for the user
     fields: dict[str, Any] = field(default_factory=dict)
     events: deque[dict[str, Any]] = field(init=False)
     subscribers: set[asyncio.Queue[Any]] = field(default_factory=set)
@@ -192,6 +200,8 @@ RUN_FIELDS = (
     "conversation_history",
     "session_id",
     "previous_response_id",
+    "session_env",
+    "agent_model",
     "model",
 )
 # run_<32 hex>, and `.` and its session's id (base64url) when the run named one.
@@ -201,53 +211,6 @@ _RUN_ID = re.compile(r"run_([0-9a-f]{32})(?:\.([A-Za-z0-9_-]+))?")
 def run_turn_id(request: Request, run_id: str) -> str:
     """The turn id of a run: derived from its id and the bearer key."""
     return derive(scope_of(request), "run", run_id)
-
-
-def _encode(original: str) -> str:
-    raw = original.encode("utf-8", "surrogateescape")
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode(encoded: str) -> str | None:
-    try:
-        raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
-        return raw.decode("utf-8", "surrogateescape")
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def history_of(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
-    """The conversation the front end sends with a run, as Hermes reads
-    it: `conversation_history`, else the messages of an `input` array
-    before its last one. Passed to the session's runtime as the turn's
-    context; the runtime decides whether it needs it."""
-    raw = body.get("conversation_history")
-    if raw:
-        if not isinstance(raw, list) or not all(
-            isinstance(e, dict) and "role" in e and "content" in e for e in raw
-        ):
-            raise ApiError(
-                400,
-                "'conversation_history' must be an array of objects with 'role' and 'content'",
-                "invalid_conversation_history",
-            )
-        return [
-            {
-                "role": str(e["role"]),
-                "content": text_of(e["content"], f"conversation_history[{i}]"),
-            }
-            for i, e in enumerate(raw)
-        ]
-    if isinstance(raw_input, list):
-        return [
-            {
-                "role": str(m["role"]),
-                "content": text_of(m.get("content"), f"input[{i}].content"),
-            }
-            for i, m in enumerate(raw_input[:-1])
-            if isinstance(m, dict) and m.get("role") and m.get("content")
-        ]
-    return []
 
 
 class Runs:
@@ -308,6 +271,12 @@ class Runs:
             raise ApiError(400, "'session_id' must be a string", "invalid_session_id")
         if session_id:
             check_id(session_id, "session ID", "'session_id'")
+        # Who the turn is for (a gateway's chat): the worker's HERMES_SESSION_*.
+        try:
+            identity = check_chat_identity(body.get("session_env"), "'session_env'")
+        except ChatIdentityError as exc:
+            raise ApiError(400, str(exc), "invalid_session_env") from None
+        agent_model = agent_model_of(body)  # the model the session's agent is to use
         # A stored response (POST /v1/responses) named as previous_response_id
         # continues its conversation, as in Hermes: same session, and its
         # instructions when the run gives none.
@@ -326,13 +295,17 @@ class Runs:
             ref = named or api.ref(tenant, session_id or run_id)
             conversation = session_id or ref.original
         if ref.original != run_id:
-            run_id = f"{run_id}.{_encode(ref.original)}"  # its session, found again from it
+            run_id = f"{run_id}.{encode_id(ref.original)}"  # its session, found again from it
         known = self.by_id.get(run_id)
         if known is not None and known.owner == tenant.prefix:
             return JSONResponse({"run_id": run_id, "status": "started"}, 202)
         model = api.model_of(body)
         self._sweep(tenant.prefix)
         context = turn_context(instructions, history, conversation)
+        if identity:
+            context["session_env"] = identity
+        if agent_model:
+            context["model"] = agent_model
         opened = await api.open_turn(ref, text, context, run_turn_id(request, run_id))
         run = Run(run_id, ref, model, api.settings.run_events, tenant.prefix)
         run.turn = opened.id
@@ -344,7 +317,8 @@ class Runs:
             return True
 
         Pump(opened, record, api.tasks)
-        headers = {}
+        # The session's own key, as /v1/notices names it.
+        headers = {"X-Hermes-Sup-Session": ref.key}
         key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
         if key_header:
             headers[SESSION_KEY_HEADER] = key_header
@@ -368,6 +342,12 @@ class Runs:
                 # tool calls), as its API server's runs report it.
                 preview = d.get("preview")
                 run.publish("reasoning.available", text=preview if isinstance(preview, str) else "")
+        elif isinstance(item, Event) and item.type == MEDIA:
+            record_media(self, run, item.data)
+        elif isinstance(item, Event) and item.type == CLARIFY and isinstance(item.data, dict):
+            d, asked = item.data, item.data.get("choices")  # the next message answers it
+            choices = [str(c) for c in asked] if isinstance(asked, list) else []
+            run.publish("clarify.request", question=str(d.get("question")), choices=choices)
         elif isinstance(item, Queued):
             run.set_status("queued")
         elif isinstance(item, (Running, Duplicate)):  # Duplicate: a retry joined it
@@ -395,7 +375,14 @@ class Runs:
             if not item.name.startswith("_"):
                 d = item.data if isinstance(item.data, dict) else {}
                 preview = d.get("preview") or d.get("label")
-                run.publish("tool.started", tool=item.name, preview=preview, tool_call_id=item.id)
+                emoji = d.get("emoji") if isinstance(d.get("emoji"), str) else None
+                run.publish(
+                    "tool.started",
+                    tool=item.name,
+                    preview=preview,
+                    tool_call_id=item.id,
+                    emoji=emoji,
+                )
         elif isinstance(item, ToolComplete):
             if not item.name.startswith("_"):
                 d = item.data if isinstance(item.data, dict) else {}
@@ -478,7 +465,7 @@ class Runs:
         found = _RUN_ID.fullmatch(run_id)
         if found is None:
             return None
-        original = run_id if found.group(2) is None else _decode(found.group(2))
+        original = run_id if found.group(2) is None else decode_id(found.group(2))
         if original is None:
             return None
         try:
@@ -561,10 +548,24 @@ class Runs:
         if run.ended or not run.approvals:
             raise ApiError(409, f"Run has no pending approval: {run.id}", "approval_not_pending")
         every = body.get("all") in (True, "true", 1) or body.get("resolve_all") in (True, "true", 1)
+        # An answer may name its request (approval.request's approval_id):
+        # then it reaches that one or none, never a later command.
+        named = body.get("approval_id")
+        targets: list[str | None]
+        if named is not None:
+            if not isinstance(named, str) or named not in run.approvals:
+                raise ApiError(
+                    409,
+                    f"Run has no pending approval {str(named)[:80]!r}: {run.id}",
+                    "approval_not_pending",
+                )
+            targets = [named]
+        else:
+            targets = list(run.approvals) if every else run.approvals[:1]
         resolved = 0
         # Oldest first, as Hermes resolves them; each answer names its request,
         # so it never reaches a command it was not meant for.
-        for approval in list(run.approvals) if every else run.approvals[:1]:
+        for approval in targets:
             await self.api.client().approve(run.ref.key, choice, approval=approval)
             if approval in run.approvals:
                 run.approvals.remove(approval)
@@ -580,6 +581,9 @@ class Runs:
                 "resolved": resolved,
             }
         )
+
+    async def media(self, request: Request) -> Response:
+        return await serve_media(self, request)
 
     async def stop(self, request: Request) -> Response:
         run = self.get(request)

@@ -32,6 +32,7 @@ one the request sends (continuity.py).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from dataclasses import dataclass
@@ -230,3 +231,68 @@ def turn_context(
     if history:
         context["history"] = history
     return context
+
+
+def history_of(body: dict[str, Any], raw_input: Any) -> list[dict[str, str]]:
+    """The conversation the front end sends with a run, as Hermes reads
+    it: `conversation_history`, else the messages of an `input` array
+    before its last one. Passed to the session's runtime as the turn's
+    context; the runtime decides whether it needs it."""
+    raw = body.get("conversation_history")
+    if raw:
+        if not isinstance(raw, list) or not all(
+            isinstance(e, dict) and "role" in e and "content" in e for e in raw
+        ):
+            raise ApiError(
+                400,
+                "'conversation_history' must be an array of objects with 'role' and 'content'",
+                "invalid_conversation_history",
+            )
+        return [
+            {
+                "role": str(e["role"]),
+                "content": text_of(e["content"], f"conversation_history[{i}]"),
+            }
+            for i, e in enumerate(raw)
+        ]
+    if isinstance(raw_input, list):
+        return [
+            {
+                "role": str(m["role"]),
+                "content": text_of(m.get("content"), f"input[{i}].content"),
+            }
+            for i, m in enumerate(raw_input[:-1])
+            if isinstance(m, dict) and m.get("role") and m.get("content")
+        ]
+    return []
+
+
+def encode_id(original: str) -> str:
+    """A session id as a run id's suffix (base64url, unpadded)."""
+    raw = original.encode("utf-8", "surrogateescape")
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_id(encoded: str) -> str | None:
+    """The session id of a run id's suffix; None if it is not one."""
+    try:
+        raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+        return raw.decode("utf-8", "surrogateescape")
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def agent_model_of(body: dict[str, Any]) -> str | None:
+    """A run's `agent_model`: the model its session's agent is to use for
+    this turn (a chat's /model), on the session's own provider; not
+    `model`, which clients send as a name and get echoed back."""
+    model = body.get("agent_model")
+    if model is None or model == "":
+        return None
+    if not isinstance(model, str) or not model.isprintable() or len(model) > 200:
+        raise ApiError(
+            400,
+            "'agent_model' must be a model name of at most 200 printable characters",
+            "invalid_agent_model",
+        )
+    return model

@@ -102,7 +102,7 @@ BODY_SCHEMAS: dict[Kind, dict[str, tuple[tuple[type, ...], bool]]] = {
     Kind.SESSIONS: {"sessions": ((list,), True)},
     Kind.KILL: {"force": ((bool,), False), "purge": ((bool,), False)},
     Kind.KILLED: {"pid": ((int, _NONE), True), "reason": ((str,), True)},
-    Kind.WATCH: {"replay": ((int,), False)},
+    Kind.WATCH: {"replay": ((int,), False), "types": ((list,), False)},
     Kind.UNWATCH: {"watch": ((str,), True)},
     Kind.LOGS: {"lines": ((int,), False), "follow": ((bool,), False)},
     Kind.LOG_LINES: {"lines": ((list,), True)},

@@ -83,6 +83,9 @@ def signer_of(client: bytes) -> bytes:
 
 
 APPROVAL_EVENTS = frozenset({"approval", "approval_timeout"})
+# A worker's event outside a turn (PROTOCOL.md, "Notices"), and its limit.
+NOTICE = "notice"
+MAX_NOTICE_BYTES = 64 * 1024
 
 
 def track_approval(session: Session, event_type: str, data: Any) -> None:
@@ -422,6 +425,14 @@ class Turns:
         its worker (already checked to be this session's). True if the turn
         ended."""
         turn = session.current
+        if msg.kind is Kind.EVENT and msg.re is None and msg.body.get("type") == NOTICE:
+            # Something the session's agent says on its own, outside any
+            # turn (a background process ended): for the session's watchers.
+            if len(payload) <= MAX_NOTICE_BYTES:
+                self.watchers.publish(session, NOTICE, msg.body.get("data"), bound=len(payload))
+            else:
+                log.warning(kv("notice_too_large", session=session.key, bytes=len(payload)))
+            return False
         if turn is None or msg.re != turn.id:
             log.warning(kv("stray_worker_message", session=session.key, kind=msg.kind.value))
             return False

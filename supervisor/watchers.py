@@ -43,6 +43,7 @@ MAX_WATCHERS = 1024
 MAX_PER_CLIENT = MAX_WATCHES_PER_CLIENT
 # Event data larger than this is not kept in a session's replay history.
 HISTORY_DATA_LIMIT = 8192
+MAX_WATCH_TYPES = 32
 
 
 def approx_size(data: Any) -> int:
@@ -63,6 +64,8 @@ class Watcher:
     client: bytes
     id: str
     session: str | None
+    # The event types it asked for (`types`); empty: all of them.
+    types: frozenset[str] = frozenset()
 
 
 class Watchers:
@@ -127,6 +130,8 @@ class Watchers:
         for watcher in list(self.by_id.values()):
             if watcher.session not in (None, session.key):
                 continue
+            if watcher.types and event_type not in watcher.types:
+                continue
             msg = Message(Kind.EVENT, body, session=session.key, re=watcher.id)
             if not self.endpoints.to_client(watcher.client, msg):
                 self._end_watch(watcher.id)
@@ -136,8 +141,14 @@ class Watchers:
         up to `replay` events of the session's history first."""
         if msg.session is not None:
             check_session_key(msg.session)
+        types = msg.body.get("types") or []
+        if not all(isinstance(t, str) for t in types) or len(types) > MAX_WATCH_TYPES:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"watch 'types' must be a list of at most {MAX_WATCH_TYPES} event type names",
+            )
         self.check_room(client)
-        self.by_id[msg.id] = Watcher(client, msg.id, msg.session)
+        self.by_id[msg.id] = Watcher(client, msg.id, msg.session, frozenset(types))
         self.per_client[client] += 1
         to_client = self.endpoints.to_client
         to_client(client, msg.reply(Kind.EVENT, {"type": "watching", "data": None}))

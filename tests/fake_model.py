@@ -9,7 +9,16 @@ Scripted by the user's message, so each session drives it independently:
   "ask: QUESTION ;; A | B"  a `clarify` tool call (choices A, B), then "done: RESULT"
   "think: THOUGHT ;; TEXT"  streams THOUGHT as `reasoning_content`, then "said: TEXT"
   "slow: N"        streams a reply token by token over about N seconds
+  "speak: TEXT"    a `text_to_speech` tool call saying TEXT, then "done: RESULT"
+  "bg: COMMAND"    a `terminal` tool call running COMMAND in the background with
+                   notify_on_complete, then "done: RESULT"
+  "cron: NAME ;; PROMPT"  a `cronjob` call creating job NAME (PROMPT, hourly),
+                   then one running it now, then "done: RESULT"
   anything else    streams "echo: TEXT" (with the number of earlier user turns)
+
+`POST /v1/audio/speech` (OpenAI's TTS) answers a few bytes that start as
+the asked format does (`OggS` for opus, `ID3` for mp3) and records each
+request (`speech`).
 
 Streams SSE chunks (`data: {...}` then `data: [DONE]`) as the real API does,
 and records every request it served (`requests`), and its Authorization
@@ -32,6 +41,7 @@ class FakeModel:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
+        self.speech: list[dict[str, Any]] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_port}/v1"
@@ -82,6 +92,16 @@ class FakeModel:
             def do_POST(self) -> None:  # noqa: N802
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path.rstrip("/").endswith("/audio/speech"):
+                    fake.speech.append(body)
+                    opus = body.get("response_format") == "opus"
+                    audio = (b"OggS" if opus else b"ID3") + b"\0fake " + body["input"].encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "audio/ogg" if opus else "audio/mpeg")
+                    self.send_header("Content-Length", str(len(audio)))
+                    self.end_headers()
+                    self.wfile.write(audio)
+                    return
                 if not self.path.rstrip("/").endswith("/chat/completions"):
                     self._json(404, {"error": {"message": "not found"}})
                     return
@@ -131,6 +151,16 @@ class FakeModel:
             ran = sum(m.get("role") == "tool" for m in since)
             if ran < len(commands):
                 return self._tool_call(commands[ran])
+        if text.startswith("cron: "):
+            name, _, prompt = text[len("cron: ") :].partition(" ;; ")
+            since = messages[max(i for i, m in enumerate(messages) if m.get("role") == "user") :]
+            ran = sum(m.get("role") == "tool" for m in since)
+            calls = [
+                {"action": "create", "name": name, "prompt": prompt, "schedule": "every 1h"},
+                {"action": "run", "job_id": name},
+            ]
+            if ran < len(calls):
+                return self._tool_call("", name="cronjob", args=calls[ran])
         if last.get("role") == "tool":
             return self._say(f"done: {_text(last)}")
         if text.startswith("run: "):
@@ -142,6 +172,12 @@ class FakeModel:
             question, _, choices = text[len("ask: ") :].partition(" ;; ")
             args = {"question": question, "choices": choices.split(" | ") if choices else []}
             return self._tool_call("", name="clarify", args=args)
+        if text.startswith("bg: "):
+            args = {"command": text[4:], "background": True, "notify_on_complete": True}
+            return self._tool_call("", args=args)
+        if text.startswith("speak: "):
+            said = text[len("speak: ") :]
+            return self._tool_call("", name="text_to_speech", args={"text": said})
         if text.startswith("think: "):
             thought, _, said = text[len("think: ") :].partition(" ;; ")
             pieces = [thought[i : i + 8] for i in range(0, len(thought), 8)]

@@ -47,14 +47,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .hermes_context import HermesTurnError, TurnContext
 from .hermes_warnings import quiet_own_terminal_cwd
+from .media import media_event
 from .runtime import Emit, SessionInfo, TurnReply
 
 log = logging.getLogger("hermes_sup.worker.hermes")
@@ -69,11 +69,11 @@ APPROVAL_TIMEOUT_SLACK = 0.25
 # The toolsets of a session whose agent config names none: those Hermes's API
 # server gives its agents (config.yaml `platform_toolsets.api_server`).
 TOOLSET_PLATFORM = "api_server"
-# A conversation id becomes a state.db key and part of file names: Hermes's
-# API server refuses longer ones and those that could leave a directory.
-MAX_CONVERSATION_ID = 256
-_UNSAFE_ID = re.compile(r"[\x00-\x1f\x7f/\\]|\.\.")
-HISTORY_ROLES = ("user", "assistant")
+# What the agent is built with from the environment (a turn's chat identity).
+IDENTITY_ENV = tuple(
+    f"HERMES_SESSION_{name}"
+    for name in ("PLATFORM", "CHAT_ID", "CHAT_NAME", "THREAD_ID", "USER_ID", "USER_NAME")
+)
 # Where the supervisor lists the other live sessions on this session's
 # repository, rewritten before each turn (supervisor/worktrees.py), and the
 # most of it put in front of the agent.
@@ -85,10 +85,6 @@ CLARIFY_SHOWN = (
     "end your turn by asking it (the user's next message is the answer), or go on "
     "with a reasonable choice and say which]"
 )
-
-
-class HermesTurnError(Exception):
-    """A turn that hermes could not complete; the message says why."""
 
 
 def _with_peers(instructions: str | None, workspace: Path) -> str | None:
@@ -110,66 +106,6 @@ def _with_peers(instructions: str | None, workspace: Path) -> str | None:
         "you are alone: coordinate through commits on your own branch.\n" + peers
     )
     return f"{instructions}\n\n{note}" if instructions else note
-
-
-@dataclass(frozen=True)
-class TurnContext:
-    """A turn's context (PROTOCOL.md), checked: what the front end sent."""
-
-    instructions: str | None = None
-    history: tuple[dict[str, str], ...] = ()
-    conversation: str | None = None
-
-    @classmethod
-    def parse(cls, context: dict[str, Any] | None) -> TurnContext:
-        """Check the keys this runtime reads (others are ignored); a bad one
-        fails the turn with a message that names it."""
-        if not context:
-            return cls()
-        instructions = context.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise HermesTurnError("context instructions must be a string")
-        conversation = context.get("conversation")
-        if conversation is not None:
-            if not isinstance(conversation, str) or not conversation:
-                raise HermesTurnError("context conversation must be a non-empty string")
-            if len(conversation) > MAX_CONVERSATION_ID:
-                raise HermesTurnError(
-                    f"context conversation is {len(conversation)} characters, "
-                    f"over {MAX_CONVERSATION_ID}"
-                )
-            if _UNSAFE_ID.search(conversation):
-                raise HermesTurnError(
-                    "context conversation may not hold control characters, '/', '\\' or '..'"
-                )
-        return cls(instructions or None, _history(context.get("history")), conversation)
-
-
-def _history(raw: Any) -> tuple[dict[str, str], ...]:
-    """A front end's history as Hermes's conversation messages. Other roles
-    than user and assistant (system, tool) are left out, as Hermes's API
-    server leaves them out of a chat's history; text parts of a content
-    list are joined (images and files are not carried)."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise HermesTurnError("context history must be a list of {role, content} maps")
-    messages = []
-    for i, entry in enumerate(raw):
-        if not isinstance(entry, dict) or not isinstance(entry.get("role"), str):
-            raise HermesTurnError(f"context history[{i}] must be a map with a role")
-        if entry["role"] not in HISTORY_ROLES:
-            continue
-        content = entry.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict)]
-            content = "".join(t for t in parts if isinstance(t, str))
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise HermesTurnError(f"context history[{i}].content must be a string or a list")
-        messages.append({"role": entry["role"], "content": content})
-    return tuple(messages)
 
 
 class HermesRuntime:
@@ -200,6 +136,7 @@ class HermesRuntime:
         self.agent: Any = None
         # The state.db session the agent records into (its `session_id`).
         self._conversation: str | None = None
+        self._identity: tuple[str | None, ...] = ()
         self._emit: Emit | None = None
         # Approval requests waiting for an answer, oldest first (hermes
         # resolves them in that order), each with the timer that reports
@@ -277,12 +214,15 @@ class HermesRuntime:
             "fallback_model": GatewayRunner._load_fallback_model(),
         }
 
-    def _build_agent(self, conversation: str) -> Any:
+    def _build_agent(self, conversation: str, model: str | None = None) -> Any:
         from run_agent import AIAgent
 
         env = os.environ
+        settings = self._agent_settings()
+        if model:
+            settings["model"] = model  # on the session's own provider and base URL
         return AIAgent(
-            **self._agent_settings(),
+            **settings,
             quiet_mode=True,
             session_id=conversation,
             session_db=self.db,
@@ -338,11 +278,16 @@ class HermesRuntime:
         key = self.session.key
         self._approval.register_gateway_notify(key, self._on_approval)
         try:
-            if self.agent is None or conversation != self._conversation:
-                # A new agent records into the turn's conversation; Hermes
-                # fixes that at construction.
-                self.agent = self._build_agent(conversation)
-                self._conversation = conversation
+            identity = (*_identity(), turn.model)
+            if self.agent is None or (conversation, identity) != (
+                self._conversation,
+                self._identity,
+            ):
+                # A new agent records into the turn's conversation, for the
+                # turn's chat and user, with the turn's model (a chat's
+                # /model): Hermes fixes all of them at construction.
+                self.agent = self._build_agent(conversation, turn.model)
+                self._conversation, self._identity = conversation, identity
             else:
                 # An interrupt left over from the previous turn (a cancel that
                 # came as it ended) must not stop this one. A cancel meant for
@@ -355,6 +300,7 @@ class HermesRuntime:
             history = self._history(conversation, turn.history)
             before = _usage(agent)
             result = agent.run_conversation(text, conversation_history=history or None)
+            self._send_media(result, len(history))
         finally:
             self._approval.unregister_gateway_notify(key)
             self._approval_expired()
@@ -377,6 +323,25 @@ class HermesRuntime:
                 "session_id": str(getattr(agent, "session_id", conversation)),
             },
         )
+
+    def set_notify(self, notify: Any) -> None:
+        """The worker's way to speak outside turns: background processes'
+        completions and cron jobs' output go out as notices
+        (worker/hermes_notices.py)."""
+        from .hermes_notices import start_cron, start_notices
+
+        start_notices(notify)
+        start_cron(notify)
+
+    def _send_media(self, result: dict[str, Any], before: int) -> None:
+        """The files this turn's tools made for the user (a TTS voice note),
+        found as Hermes's gateway finds them, each as a `media` event."""
+        from gateway.run import _collect_auto_append_media_tags
+
+        messages = result.get("messages") or []
+        tags, voice = _collect_auto_append_media_tags(messages, history_offset=before)
+        for path in dict.fromkeys(tag.removeprefix("MEDIA:") for tag in tags):
+            self._send("media", media_event(path, voice))
 
     def cancel(self) -> None:
         """Interrupt the running turn (hermes stops at its next check)."""
@@ -539,6 +504,11 @@ class HermesRuntime:
                         "outcome": "denied: no answer in time",
                     },
                 )
+
+
+def _identity() -> tuple[str | None, ...]:
+    """The chat and user the worker serves now (a turn may set them)."""
+    return tuple(os.environ.get(name) for name in IDENTITY_ENV)
 
 
 def _plain(value: Any) -> Any:

@@ -43,6 +43,7 @@ from hermes_sup.protocol import (
 from . import parent, seal
 from . import runtime as runtime_mod
 from .coalesce import MAX_MERGED_BYTES, Coalescer, delta_type
+from .identity import apply_chat_identity, fixed_identity
 
 # The longest the main loop sleeps. An idle worker wakes only to heartbeat;
 # the supervisor's death wakes it at once (parent-death signal -> wake pipe).
@@ -230,6 +231,8 @@ class WorkerLoop:
         self.token: bytes = bytes(req["token"])
         self.supervisor_pid = int(req["supervisor_pid"])
         self.agent = agent
+        # The chat identity the session was opened with: no turn changes it.
+        self.fixed_identity = fixed_identity(os.environ)
         self.link = link or Link(req)
         self.link.set_limit(req)
         self.ctx, self.sock = self.link.ctx, self.link.sock
@@ -259,6 +262,11 @@ class WorkerLoop:
         self._next_beat = 0.0
         # The session's first turn, when it came with the spawn request.
         self.first_turn: dict[str, Any] | None = req.get("turn")
+        # A runtime that speaks outside turns (a background process ended)
+        # is given the way to (PROTOCOL.md, "Notices").
+        set_notify = getattr(agent, "set_notify", None)
+        if callable(set_notify):
+            set_notify(self.notify)
 
     def run(self) -> int:
         """Serve turns until asked to stop or the supervisor goes away."""
@@ -400,6 +408,9 @@ class WorkerLoop:
             )
 
         try:
+            apply_chat_identity(context, self.fixed_identity)
+            if context and "session_env" in context:  # the worker's, now in os.environ
+                context = {k: v for k, v in context.items() if k != "session_env"} or None
             if context and runtime_mod.takes_context(self.agent):
                 agent = cast(runtime_mod.TakesContext, self.agent)
                 result = agent.run_turn(text, emit, context=context)
@@ -424,6 +435,10 @@ class WorkerLoop:
                 session=self.key,
             )
         self._post(final)  # the last thing this thread does
+
+    def notify(self, data: Any) -> None:
+        """Send a notice: an event outside any turn (from any thread)."""
+        self._post(Message(Kind.EVENT, {"type": "notice", "data": data}, session=self.key))
 
     def _post(self, msg: Message) -> None:
         self.outbox.put(msg)

@@ -20,6 +20,9 @@ It lets tests and operators see a session's isolation for themselves:
     ask COMMAND        ask for approval (an `approval` event), then run COMMAND
                        as `sh` does if allowed; no answer in 60 s is a deny
     context            the turn's context from the front end, as sorted JSON
+    media PATH [voice] send the file at PATH (relative to the workspace) to the
+                       user as a `media` event, as a voice note with `voice`
+    notice [N] JSON    send JSON as a notice (an event outside any turn), N times
     peers              the other live sessions on this session's repository (from
                        .hermes-sup/peers, which the supervisor rewrites each turn)
     anything else      echoed back
@@ -41,6 +44,7 @@ from typing import Any
 import psutil
 
 from . import seal
+from .media import media_event
 from .runtime import Emit, SessionInfo, TurnReply
 
 MAX_SLEEP = 24 * 3600.0
@@ -69,6 +73,7 @@ class ProbeRuntime:
         self._answers: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self._asked = 0  # approval requests made, for their ids
         self._context: dict[str, Any] | None = None
+        self._notify: Any = None  # the worker's way to send notices
         os.environ.update(self._kept_env())  # a woken session's earlier setenv
 
     def run_turn(self, text: str, emit: Emit, context: dict[str, Any] | None = None) -> TurnReply:
@@ -101,6 +106,29 @@ class ProbeRuntime:
                     p.send_signal(signal.SIGKILL)
                 except (psutil.Error, ProcessLookupError):
                     pass
+
+    def set_notify(self, notify: Any) -> None:
+        self._notify = notify
+
+    def _do_notice(self, rest: str, emit: Emit) -> TurnReply:
+        count, _, raw = rest.strip().partition(" ")
+        if not count.isdigit():
+            count, raw = "1", rest.strip()
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ProbeError(f"usage: notice [N] JSON ({exc})") from None
+        for _ in range(min(int(count), 10_000)):
+            self._notify(data)
+        return TurnReply(f"sent {count} notice(s)")
+
+    def _do_media(self, rest: str, emit: Emit) -> TurnReply:
+        path, _, voice = rest.strip().partition(" ")
+        if not path or voice not in ("", "voice"):
+            raise ProbeError("usage: media PATH [voice]")
+        event = media_event(self.session.workspace / path, voice == "voice")
+        emit("media", event)
+        return TurnReply(event.get("error") or f"sent {event['name']}")
 
     def _do_context(self, rest: str, emit: Emit) -> TurnReply:
         return TurnReply(json.dumps(self._context, sort_keys=True))
