@@ -22,7 +22,7 @@ goes first:
 - a woken conversation (hermes-sup: its worker hibernated; Hermes: the same
   third message, to a server that keeps no agent between requests anyway);
 - turns/s at each `--concurrency`, follow-ups over distinct conversations;
-- memory (USS summed over every process of each side: for hermes-sup the
+- memory (PSS summed over every process of each side: for hermes-sup the
   supervisor, zygote, spares, workers, HTTP endpoint and its keeper) with
   the conversations live, and once idle (hibernated);
 - with `--many`, memory with that many conversations held, 50 active.
@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -66,28 +67,44 @@ class Side:
     pid: int
     refused = 0  # requests answered 429 (too many at once), retried
 
-    def uss_mib(self) -> float:
-        """USS of the whole process tree, MiB."""
-        root = psutil.Process(self.pid)
-        total = 0
-        for proc in [root, *root.children(recursive=True)]:
+    def roots(self) -> list[int]:
+        """The pids whose trees make this side."""
+        return [self.pid]
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this side, each once."""
+        seen: dict[int, psutil.Process] = {}
+        for pid in self.roots():
             try:
-                total += proc.memory_full_info().uss
+                root = psutil.Process(pid)
+                for proc in [root, *root.children(recursive=True)]:
+                    seen[proc.pid] = proc
+            except psutil.Error:
+                pass
+        return list(seen.values())
+
+    def memory_mib(self) -> float:
+        """PSS of every process of this side, MiB: pages shared between its
+        processes (a zygote's and its workers') count once in the sum, as
+        USS would not count them at all."""
+        total = 0
+        for proc in self.processes():
+            try:
+                total += proc.memory_full_info().pss
             except psutil.Error:
                 pass
         return round(total / MIB, 1)
 
-    def uss_by_kind(self) -> dict[str, float]:
-        """USS of the tree by process title (MiB), to see where it goes."""
-        root = psutil.Process(self.pid)
+    def memory_by_kind(self) -> dict[str, float]:
+        """PSS by process title (MiB), to see where it goes."""
         kinds: dict[str, float] = {}
-        for proc in [root, *root.children(recursive=True)]:
+        for proc in self.processes():
             try:
-                title = " ".join(proc.cmdline()[:2])[:60] or proc.name()
-                uss = proc.memory_full_info().uss
+                title = " ".join(proc.cmdline()[:3])[:70] or proc.name()
+                pss = proc.memory_full_info().pss
             except psutil.Error:
                 continue
-            kinds[title] = round(kinds.get(title, 0.0) + uss / MIB, 1)
+            kinds[title] = round(kinds.get(title, 0.0) + pss / MIB, 1)
         return kinds
 
     def close(self) -> None:
@@ -167,6 +184,11 @@ class HermesSup(Side):
         )  # fmt: skip
         self.pid = self.sup.proc.pid
         _wait_http(self.url + "/health", self.sup.proc, self.sup.log)
+
+    def roots(self) -> list[int]:
+        """The supervisor, and the HTTP endpoint's keeper (which is not its child)."""
+        found = re.search(r"http_endpoint_started pid=\d+ keeper=(\d+)", self.sup.log.read_text())
+        return [self.pid, *([int(found.group(1))] if found else [])]
 
     def states(self) -> dict[str, int]:
         with self.sup.client() as c:
@@ -265,7 +287,8 @@ async def _each(
 
 
 async def _throughput(side: Side, conversations: list[str], concurrency: int, turns: int) -> float:
-    """Follow-ups over distinct conversations, `concurrency` at a time: turns/s."""
+    """Follow-ups over `conversations` (as many as run at once, so each
+    stays live), `concurrency` at a time: turns/s."""
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
 
@@ -311,18 +334,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hermes = HermesApiServer(root / "h", model.url)
         sides = [hermes, sup]
         convs = [f"bench-{i}" for i in range(args.conversations)]
-        base = {s.name: s.uss_mib() for s in sides}
+        base = {s.name: s.memory_mib() for s in sides}
         results["memory_empty_mib"] = base
         print("new conversations and their follow-ups...", flush=True)
         new, follow_up = asyncio.run(_each(sides, convs, [("hello", 1), ("again", 2)]))
         results["new"], results["follow_up"] = _summarize(new), _summarize(follow_up)
-        results["memory_live_mib"] = {s.name: s.uss_mib() for s in sides}
-        results["memory_live_by_process"] = {s.name: s.uss_by_kind() for s in sides}
+        results["memory_live_mib"] = {s.name: s.memory_mib() for s in sides}
+        results["memory_live_by_process"] = {s.name: s.memory_by_kind() for s in sides}
         print("waiting for hibernation...", flush=True)
         results["idle_states"] = _wait_hibernated(sup)
         time.sleep(2)  # let the last stops' memory go back
-        results["memory_idle_mib"] = {s.name: s.uss_mib() for s in sides}
-        results["memory_idle_by_process"] = {s.name: s.uss_by_kind() for s in sides}
+        results["memory_idle_mib"] = {s.name: s.memory_mib() for s in sides}
+        results["memory_idle_by_process"] = {s.name: s.memory_by_kind() for s in sides}
         print("woken conversations...", flush=True)
         woken = convs[: args.woken]
         (woke,) = asyncio.run(_each(sides, woken, [("woken", 3)]))
@@ -331,7 +354,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for concurrency in [int(x) for x in args.concurrency.split(",")]:
             for side in sides if concurrency % 2 else sides[::-1]:
                 rate = asyncio.run(
-                    _throughput(side, convs, concurrency, max(args.turns, 2 * concurrency))
+                    _throughput(
+                        side, convs[:concurrency], concurrency, max(args.turns, 2 * concurrency)
+                    )
                 )
                 results["turns_per_s"].setdefault(str(concurrency), {})[side.name] = rate
                 print(f"c={concurrency} {side.name}: {rate} turns/s", flush=True)
@@ -341,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(_many(sides, extra))
             _wait_hibernated(sup)
             asyncio.run(_each(sides, convs[:50], [("active", 0)]))
-            results["memory_many_mib"] = {s.name: s.uss_mib() for s in sides}
+            results["memory_many_mib"] = {s.name: s.memory_mib() for s in sides}
         results["refused_429"] = {s.name: s.refused for s in sides}
         results["load"] = load_now()
     finally:
