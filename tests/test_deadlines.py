@@ -1,10 +1,12 @@
 """The supervisor's periodic work follows what is due, not what is held:
-the deadline heap against a plain model, and Health's tick over a table
-of many held sessions and a few live ones (fakes for the parts around it;
-the real tick is exercised by every e2e test with a worker)."""
+the deadline heap against a plain model, Health's tick over a table of
+many held sessions and a few live ones, and stops staggered in a shutdown
+(fakes for the parts around them; the real tick and kills are exercised by
+every e2e test with a worker)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from hermes_sup.supervisor.config import Settings
 from hermes_sup.supervisor.deadlines import Deadlines
 from hermes_sup.supervisor.environment import SessionOptions
 from hermes_sup.supervisor.health import Health
+from hermes_sup.supervisor.kills import STOPS_AT_ONCE, Killer
 from hermes_sup.supervisor.session import Session
 from hermes_sup.supervisor.states import State
 
@@ -176,3 +179,73 @@ def test_a_session_idle_before_its_pid_is_known_is_still_watched() -> None:
     session.last_heartbeat = now + 40.0  # and it keeps beating
     _ticks(health, now + 1.0, now + 61.0, wall + 1.0)
     assert session.hibernated
+
+
+class FakeWorker:
+    """A worker that exits a moment after it is asked to stop."""
+
+    def __init__(self, session: Session, stopping: list[int], peak: list[int]) -> None:
+        self.pid, self.returncode = 4242, None
+        self.session, self.stopping, self.peak = session, stopping, peak
+
+    def descendants(self) -> list[object]:
+        return []
+
+    def signal_group(self, sig: int) -> None:
+        pass
+
+    terminate = kill = lambda self: None  # noqa: E731
+
+    def asked_to_stop(self) -> None:
+        self.stopping[0] += 1
+        self.peak[0] = max(self.peak[0], self.stopping[0])
+
+        def gone() -> None:
+            self.stopping[0] -= 1
+            self.returncode = 0
+            self.session.exited.set()
+
+        asyncio.get_running_loop().call_later(0.01, gone)
+
+
+def _stop_all(accepting: bool, draining: bool, n: int = 40) -> int:
+    """Stop `n` fake workers at once; the most that were stopping together."""
+    stopping, peak = [0], [0]
+
+    async def main() -> None:
+        settings = Settings(Path("/nonexistent"), Path("/nonexistent"))
+        ctx = SimpleNamespace(
+            settings=settings, accepting=accepting, draining=draining, forced=False,
+            settings_for=lambda session: settings,
+        )  # fmt: skip
+        sessions = [_session(f"s{i}", State.IDLE) for i in range(n)]
+        for session in sessions:
+            session.proc = FakeWorker(session, stopping, peak)  # type: ignore[assignment]
+
+        def to_worker(session: Session, msg: object) -> bool:
+            session.proc.asked_to_stop()  # type: ignore[union-attr]
+            return True
+
+        killer = Killer(
+            ctx,  # type: ignore[arg-type]
+            SimpleNamespace(transition=lambda s, e, r=None: setattr(s, "state", State.STOPPING)),  # type: ignore[arg-type]
+            SimpleNamespace(fail_queue=lambda *a: None),  # type: ignore[arg-type]
+            SimpleNamespace(),  # type: ignore[arg-type]
+            SimpleNamespace(to_worker=to_worker),  # type: ignore[arg-type]
+        )
+        done = await asyncio.gather(*(killer.kill_session(s, force=False) for s in sessions))
+        assert {how for _, how in done} == {"stopped"}
+
+    asyncio.run(main())
+    return peak[0]
+
+
+def test_a_shutdown_or_a_drain_stops_a_few_workers_at_a_time() -> None:
+    assert _stop_all(accepting=False, draining=False) == STOPS_AT_ONCE < 40
+    assert _stop_all(accepting=True, draining=True) == STOPS_AT_ONCE
+
+
+def test_stops_while_sessions_are_admitted_are_not_held_back() -> None:
+    # A stop parked behind others would keep its descriptors while a new
+    # session took its slot (see kills.py).
+    assert _stop_all(accepting=True, draining=False) == 40
