@@ -190,6 +190,20 @@ class HermesSup(Side):
         found = re.search(r"http_endpoint_started pid=\d+ keeper=(\d+)", self.sup.log.read_text())
         return [self.pid, *([int(found.group(1))] if found else [])]
 
+    def worker_uss_mib(self) -> dict[str, float]:
+        """The USS of its live (not spare) workers: what one more costs."""
+        uss = []
+        for proc in self.processes():
+            try:
+                title = " ".join(proc.cmdline())
+                if title.startswith("hermes-sup worker") and "(spare)" not in title:
+                    uss.append(proc.memory_full_info().uss / MIB)
+            except psutil.Error:
+                continue
+        if not uss:
+            return {}
+        return {"n": len(uss), "p50": round(pct(uss, 50), 1), "max": round(max(uss), 1)}
+
     def states(self) -> dict[str, int]:
         with self.sup.client() as c:
             return dict(c.status()["sessions"])
@@ -341,6 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["new"], results["follow_up"] = _summarize(new), _summarize(follow_up)
         results["memory_live_mib"] = {s.name: s.memory_mib() for s in sides}
         results["memory_live_by_process"] = {s.name: s.memory_by_kind() for s in sides}
+        results["live_worker_uss_mib"] = sup.worker_uss_mib()
         print("waiting for hibernation...", flush=True)
         results["idle_states"] = _wait_hibernated(sup)
         time.sleep(2)  # let the last stops' memory go back
