@@ -37,9 +37,13 @@ def tree(tmp_path: Path) -> Path:
 
 
 def would_run(tree: Path, target: str) -> str:
+    # Under `make test` (as in CI) the outer make's variables would make this
+    # one a sub-make, which prints "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     done = subprocess.run(
-        ["make", "-n", target], cwd=tree, capture_output=True, text=True, timeout=60
-    )
+        ["make", "--no-print-directory", "-n", target],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout
 
