@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from hermes_sup.protocol.messages import PROCESS_NOTICE_FIELDS as FIELDS
+
 log = logging.getLogger("hermes_sup.gateway_plugin")
 
 RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before reconnecting, backing off
@@ -37,20 +39,6 @@ MAX_PER_MINUTE = 20
 HOLD = 30.0  # seconds a notice of a session not yet known waits for it
 MAX_HELD = 100  # such notices kept, per session, and sessions
 ATTR = "_hermes_sup_notices"
-# Of a worker's process event, what Hermes's notification text needs.
-FIELDS = (
-    "type",
-    "session_id",
-    "command",
-    "exit_code",
-    "completion_reason",
-    "termination_source",
-    "output",
-    "started_at",
-    "pattern",
-    "suppressed",
-    "message",
-)
 
 
 class Notices:

@@ -211,3 +211,21 @@ def error_message(
     if detail:
         body.update(detail)
     return Message(Kind.ERROR, body, session=session, re=re)
+
+
+# A process notice's `event` (PROTOCOL.md, "Notices"): the fields of a
+# background process's completion that a chat's notification needs; the
+# worker sends these and the gateway plugin reads no others.
+PROCESS_NOTICE_FIELDS = (
+    "type",
+    "session_id",
+    "command",
+    "exit_code",
+    "completion_reason",
+    "termination_source",
+    "output",
+    "started_at",
+    "pattern",
+    "suppressed",
+    "message",
+)

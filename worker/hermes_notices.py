@@ -24,26 +24,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hermes_sup.protocol.messages import PROCESS_NOTICE_FIELDS as FIELDS
+
 log = logging.getLogger("hermes_sup.worker.hermes")
 
 POLL = 0.25  # seconds between looks at the queue when it is empty
 TICK = 15.0  # seconds between looks for due cron jobs
 MAX_MESSAGE = 16 * 1024  # characters of a cron job's output sent on
-# The completion queue's events a chat hears of, and their fields it needs.
+# The completion queue's events a chat hears of (their fields: FIELDS).
 EVENT_TYPES = ("completion", "watch_match", "watch_disabled")
-FIELDS = (
-    "type",
-    "session_id",
-    "command",
-    "exit_code",
-    "completion_reason",
-    "termination_source",
-    "output",
-    "started_at",
-    "pattern",
-    "suppressed",
-    "message",
-)
 MAX_FIELD = 4096
 
 
