@@ -25,3 +25,16 @@ def parse_listen(spec: str, what: str, any_port: bool = False) -> tuple[str, int
     if not (0 if any_port else 1) <= port < 65536:
         raise ValueError(f"{what} {spec!r}: port {port} is out of range")
     return host, port
+
+
+# Inside a sealed session's network namespace, where the supervisor's
+# egress proxy listens (the socket is made in the worker's namespace and
+# handed to the supervisor, which accepts on it): the same address in
+# every session, since no two share a namespace. Its /model/ path is the
+# model endpoint, with the operator's credentials added outside.
+SESSION_PROXY_HOST = LOOPBACK
+SESSION_PROXY_PORT = 3128
+SESSION_MODEL_PATH = "/model"
+# The supervisor's socket a sealed worker hands that listening socket to,
+# in the state directory (SCM_RIGHTS; checked by SO_PEERCRED).
+EGRESS_SOCKET = "egress.sock"
