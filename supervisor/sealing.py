@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_sup.local import statedir, syscalls
+from hermes_sup.local.addresses import EGRESS_SOCKET
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.prctl import can_fork_to_parent, fork_with
 from hermes_sup.worker import seal
@@ -145,6 +146,9 @@ class Sealing:
             # operator's template home (a front end's own is not trusted).
             "read": [t for t in (settings.runtime_config.get("template_home"),) if t],
             "fault": self.fault,
+            # worker/egress.py: where its proxy listener goes, if anywhere.
+            "network": settings.network,
+            "egress_socket": str(settings.state_dir.absolute() / EGRESS_SOCKET),
         }
 
 
