@@ -8,7 +8,13 @@ import ipaddress
 import pytest
 
 from hermes_sup.supervisor.config import SETTINGS
-from hermes_sup.supervisor.egress import Policy, check_rules, embedded_ipv4, parse_rule, parse_target
+from hermes_sup.supervisor.egress import (
+    Policy,
+    check_rules,
+    embedded_ipv4,
+    parse_rule,
+    parse_target,
+)
 
 PUBLIC = "93.184.215.14"
 
@@ -48,7 +54,9 @@ def test_the_default_denies_what_is_not_the_public_internet(address: str) -> Non
     assert verdict(Policy(), address) != "allowed"
 
 
-@pytest.mark.parametrize("address", [PUBLIC, "2606:4700::6810:85e5", "172.32.0.1", "::ffff:8.8.8.8"])
+@pytest.mark.parametrize(
+    "address", [PUBLIC, "2606:4700::6810:85e5", "172.32.0.1", "::ffff:8.8.8.8"]
+)
 def test_the_default_allows_the_public_internet(address: str) -> None:
     assert verdict(Policy(), address) == "allowed"
 
@@ -141,7 +149,8 @@ def test_rules_parse(text: str, shape: tuple[object, ...]) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "exa mple.com", "host:0", "host:70000", "host:9-1", "host:http", "[fd00::/8", "a..b"]
+    "text",
+    ["", "exa mple.com", "host:0", "host:70000", "host:9-1", "host:http", "[fd00::/8", "a..b"],
 )
 def test_bad_rules_are_refused_with_their_text(text: str) -> None:
     with pytest.raises(ValueError, match="egress rule"):
