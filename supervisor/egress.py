@@ -295,12 +295,13 @@ class Policy:
 
     def default_denied(self, address: IPAddress) -> str | None:
         """Why `address` is closed unless opened by range, or None."""
-        for candidate in filter(None, (address, embedded_ipv4(address))):
-            if candidate in self.host_addresses:
-                return "host"
+        candidates = [a for a in (address, embedded_ipv4(address)) if a is not None]
+        for candidate in candidates:
             for reason, network in DEFAULT_DENIED:
                 if candidate.version == network.version and candidate in network:
                     return reason
+        if any(candidate in self.host_addresses for candidate in candidates):
+            return "host"  # a public address of this host's
         return None
 
 
