@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from hermes_sup.supervisor.sealing import SEALED_UID_BASE, SEALED_UID_COUNT
+from hermes_sup.worker.seal_calls import FAULT_ENV
 
 from .test_hostile_session import NOBODY, Lab, python, refused, require_sealed, start_lab, tries
 from .test_sealed import sh
@@ -301,3 +302,28 @@ def test_two_supervisors_on_one_host_never_share_a_sealed_uid(
     assert uids[0] != uids[1], uids
     for uid in uids:
         assert SEALED_UID_BASE <= uid < SEALED_UID_BASE + SEALED_UID_COUNT
+
+
+def test_where_no_network_namespace_can_be_made_auto_says_so_and_on_refuses(
+    supervisor_factory,  # noqa: ANN001
+    workdir: Path,
+    host_service: int,
+) -> None:
+    """A host that lets us seal but not make network namespaces: `auto`
+    seals with the host's network, and says so at start and in `status`;
+    `on` refuses to start, naming the cause and the setting to change."""
+    env = {**os.environ, FAULT_ENV: "network"}
+    sup = supervisor_factory(env=env)
+    with sup.client(timeout=60) as client:
+        sealed = client.status()["sealed"]
+        assert sealed["mode"] and sealed["network"] == "host", sealed
+        assert not sealed["network_namespace"] and "injected" in sealed["network_reason"]
+        assert "host's network" in sealed["warning"], sealed
+        reached = sh(client, "k", python(CONNECT.replace("PORT", str(host_service))))[1]
+    assert any(line.startswith("reached") for line in reached), reached
+    assert "sessions_share_host_network" in sup.log()
+    (workdir / "on").mkdir()
+    refusing = supervisor_factory("--sealed", "on", env=env, start=False, root=workdir / "on")
+    refusing.start(wait=False)
+    assert refusing.proc is not None and refusing.proc.wait(timeout=60) != 0
+    assert 'network = "host"' in refusing.log() and "ready" not in refusing.log()
