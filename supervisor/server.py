@@ -48,7 +48,7 @@ from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
-from . import configfile, sealing
+from . import configfile, model_gate, sealing
 from .back import Back
 from .config import Settings
 from .context import Context
@@ -186,6 +186,27 @@ class Supervisor:
             statedir.clear_starting(s.state_dir)
             self._lock.release()
 
+    # ------------------------------------------------------------ model gate
+
+    def _model_upstream(self, key: str) -> model_gate.Upstream | None:
+        """The model endpoint a session's calls go to: that of the settings
+        its worker started under (model_gate.py)."""
+        session = self.table.get(key)
+        settings = self.ctx.settings if session is None else self.ctx.settings_for(session)
+        return model_gate.Upstream.from_config(settings.runtime_config)
+
+    def _model_budgets(self) -> dict[str, int]:
+        # Checked when the settings were read: parsing cannot fail here.
+        return model_gate.parse_budgets(self.ctx.settings.model_budgets)
+
+    def _count_model_call(
+        self, key: str | None, outcome: str, usage: model_gate.Usage, sent: int, received: int
+    ) -> None:
+        metrics = self.ctx.metrics
+        if metrics is not None:
+            tokens = (usage.input_tokens, usage.output_tokens)
+            metrics.count_model_call(key, outcome, tokens, sent, received)
+
     def _starting(self, report: dict[str, Any]) -> None:
         """The sealed Hermes preload's progress, before the control socket
         is up: for `status` (statedir.STARTING_FILE) and systemd."""
@@ -261,6 +282,9 @@ class Supervisor:
         gc.freeze()
         gc.set_threshold(*gc.get_threshold()[:2], GC_NEVER)
         self.ctx.metrics = self._start_metrics()
+        model_gate.install(
+            model_gate.Gate(self._model_upstream, self._model_budgets, self._count_model_call)
+        )
         self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
         watching = asyncio.create_task(self.lease_watch.run())
