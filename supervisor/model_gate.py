@@ -38,8 +38,9 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -184,6 +185,41 @@ def worker_agent_config(
         f"http://{SESSION_PROXY_HOST}:{SESSION_PROXY_PORT}{SESSION_MODEL_PATH}{upstream.path}"
     )
     out["api_key"] = PLACEHOLDER_KEY
+    return out
+
+
+# Names of variables that usually hold a credential (OPENAI_API_KEY,
+# ANTHROPIC_API_KEY, GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)", re.IGNORECASE)
+
+
+def exposure_warnings(
+    config: Mapping[str, Any],
+    passed: Iterable[str],
+    template_home: str | None,
+) -> list[str]:
+    """Where a model credential would still reach every worker: said at
+    start. `passed`: names of variables workers get (pass_env beyond the
+    default, and `env`)."""
+    out = []
+    if config.get("api_key") and Upstream.from_config(config) is None:
+        out.append(
+            "the agent config has an api key but no base_url: the supervisor cannot "
+            "forward model calls, so the key is handed to every worker; set base_url"
+        )
+    for name in sorted(set(passed)):
+        if _SECRET_NAME.search(name):
+            out.append(
+                f"variable {name} is given to every worker (pass_env or env): a session's "
+                "shell can read it; put a model key in api_key_env or api_key_file instead"
+            )
+    if template_home:
+        for name in (".env", "auth.json"):
+            if (Path(template_home) / name).exists():
+                out.append(
+                    f"template_home holds {name}, copied into every session's home: a "
+                    "provider key in it is readable by every session"
+                )
     return out
 
 
@@ -602,6 +638,10 @@ class Gate:
                 404, "no model endpoint configured (set base_url in the agent config)", "not_found"
             )
         request = parse_head(head, upstream)
+        if session.startswith("("):
+            # The proxy knows no session for the worker ("(spare)", "(pid N)"):
+            # nobody's budget would hold what it spends.
+            raise Refused(403, "this worker serves no session yet", "forbidden")
         key = tenant_of(session)
         meters = [self.sessions.setdefault(session, Meter())]
         if key is not None:

@@ -50,7 +50,7 @@ from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
 from . import configfile, model_gate, sealing
 from .back import Back
-from .config import Settings
+from .config import DEFAULT_PASS_ENV, Settings
 from .context import Context
 from .endpoints import WORKER_INBOX, Endpoints
 from .environment import allowlisted
@@ -169,6 +169,7 @@ class Supervisor:
             if pool.sealing.mode is None:
                 self._check_unsealed_preload()
             log.info(kv("session_limits", **sealing.describe_limits(s, pool.sealing)))
+            self._warn_model_exposure()
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
             pool.on_preload_progress = self._starting
@@ -187,6 +188,14 @@ class Supervisor:
             self._lock.release()
 
     # ------------------------------------------------------------ model gate
+
+    def _warn_model_exposure(self) -> None:
+        """Say at start where a model key would still reach every worker."""
+        s = self.settings
+        extra = [n for n in s.pass_env if n not in DEFAULT_PASS_ENV and not n.endswith("*")]
+        template = s.runtime_config.get("template_home")
+        for said in model_gate.exposure_warnings(s.runtime_config, [*extra, *s.env], template):
+            log.warning(kv("model_key_exposed", detail=said))
 
     def _model_upstream(self, key: str) -> model_gate.Upstream | None:
         """The model endpoint a session's calls go to: that of the settings

@@ -216,6 +216,13 @@ def test_every_credential_header_a_session_sends_is_dropped(loop: Loop, gate_for
     assert upstream.bodies == [b"{}"]
 
 
+def test_a_worker_of_no_session_is_refused(gate_for: Make, fake: FakeModel) -> None:
+    server = gate_for(fake.url, session="(spare)")
+    answer = server.raw(b"GET /model/v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"serves no session" in answer
+    assert server.gate.meter("(spare)") is None
+
+
 def test_no_configured_endpoint_answers_404_naming_it(loop: Loop) -> None:
     server = GateServer(loop, Gate(lambda s: None))
     try:
@@ -506,3 +513,36 @@ def test_the_key_header_setting_is_the_gates_and_never_reaches_the_worker() -> N
     assert "api_key_header" not in worker_agent_config(operator, {}, None)
     upstream = Upstream.from_config(operator)
     assert upstream is not None and upstream.credential() == ("x-api-key", "k")
+
+
+def test_where_a_key_would_still_reach_every_worker_is_said(tmp_path: Any) -> None:
+    (tmp_path / ".env").write_text("OPENROUTER_API_KEY=x\n")
+    said = model_gate.exposure_warnings(
+        {"api_key": OPERATOR_KEY}, ["OPENAI_API_KEY", "LANG_EXTRA"], str(tmp_path)
+    )
+    assert len(said) == 3
+    assert "no base_url" in said[0]
+    assert "OPENAI_API_KEY" in said[1]
+    assert ".env" in said[2]
+    configured = {"base_url": "https://a/v1", "api_key": OPERATOR_KEY}
+    assert model_gate.exposure_warnings(configured, ["TZ"], None) == []
+
+
+def test_model_calls_are_counted_in_metrics_by_key_and_shown_by_inspect() -> None:
+    pytest.importorskip("prometheus_client")
+    from hermes_sup.cli.show import model_line
+    from hermes_sup.supervisor.metrics import Metrics
+
+    metrics = Metrics(lambda: {})
+    metrics.count_model_call("webui", "ok", (7, 3), 100, 200)
+    metrics.count_model_call(None, "refused", (0, 0), 50, 0)
+    value = metrics.registry.get_sample_value
+    assert value("hermes_sup_model_requests_total", {"key": "webui", "outcome": "ok"}) == 1
+    assert value("hermes_sup_model_tokens_total", {"key": "webui", "direction": "output"}) == 3
+    assert value("hermes_sup_model_bytes_total", {"key": "", "direction": "in"}) == 50
+    use = {**model_gate.Meter(2, 1, 10, 20, 7, 3).describe(), "http_key": "webui"}
+    assert model_line(use) == (
+        "2 call(s), 7 tokens in, 3 out, 10 bytes sent, 20 received, 1 refused (budget); "
+        "HTTP key webui"
+    )
+    assert "no calls" in model_line(None)
