@@ -21,7 +21,11 @@ KEY_ENV = "HERMES_SUP_TEST_MODEL_KEY"
 
 
 def _keyed_supervisor(
-    supervisor_factory: Any, model: Any, workdir: Path, monkeypatch: pytest.MonkeyPatch
+    supervisor_factory: Any,
+    model: Any,
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    as_user: bool = False,
 ) -> tuple[Any, str]:
     """A sealed Hermes supervisor whose agent config names a key (by env
     variable, as an operator does): the key, made for this test."""
@@ -40,6 +44,7 @@ def _keyed_supervisor(
         workdir,
         # The later --agent-config wins: this one names the key.
         ["--spare-workers", "0", "--agent-config", str(config)],
+        as_user=as_user,
     )
     return sup, key
 
@@ -57,14 +62,15 @@ def _worker_pid(sup: Any, session: str) -> int:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("as_user", [False, True], ids=["root", "unprivileged"])
 def test_a_sealed_workers_environment_and_memory_hold_no_model_key(
-    supervisor_factory: Any, workdir: Path, monkeypatch: pytest.MonkeyPatch
+    supervisor_factory: Any, workdir: Path, monkeypatch: pytest.MonkeyPatch, as_user: bool
 ) -> None:
     from .fake_model import FakeModel
 
     model = FakeModel()
     try:
-        sup, key = _keyed_supervisor(supervisor_factory, model, workdir, monkeypatch)
+        sup, key = _keyed_supervisor(supervisor_factory, model, workdir, monkeypatch, as_user)
         session = f"mk-{workdir.name}"
         with sup.client(timeout=120) as client:
             client.open(session)
