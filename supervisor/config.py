@@ -73,6 +73,7 @@ DEFAULT_PASS_ENV: tuple[str, ...] = (
 )
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SEALED_CHOICES = ("off", "auto", "on")
+NETWORK_CHOICES = ("egress", "none", "host")
 # The keys of the [agent] table (and of an --agent-config file), with the
 # type each must have.
 AGENT_KEYS: dict[str, type] = {
@@ -683,6 +684,20 @@ class Settings:
             '`list` and the HTTP endpoint; `"on"` refuses to start without it; `"off"` runs '
             "unsealed by choice, and a session is then no boundary",
             choices=SEALED_CHOICES,
+            reload=False,
+        ),
+    )
+    network: str = field(
+        default="egress",
+        metadata=setting(
+            "--network",
+            'a sealed session\'s network: `"egress"`, a network namespace of its own with '
+            "only `lo`, the outside reached through the supervisor's proxy by policy; "
+            '`"none"`, the namespace and no way out; `"host"`, the host\'s network, '
+            "its loopback services and every other session's listeners included (a warning "
+            'at start). Where the kernel cannot make the namespace, `sealed = "auto"` '
+            'runs with the host\'s network and says so; `"on"` refuses to start',
+            choices=NETWORK_CHOICES,
             reload=False,
         ),
     )

@@ -54,7 +54,7 @@ from .logs import PipeReader
 from .model_gate import worker_agent_config
 from .process import WorkerProcess, kill_processes
 from .records import WorkerRecords
-from .sealing import Sealing, uid_for
+from .sealing import HostUids, Sealing, uid_for
 from .session import Session
 from .spare_workers import Spare, SparePool
 from .spawner import Zygote, ZygoteError
@@ -101,6 +101,7 @@ class WorkerPool:
         # sealing.py), and as root the uid each live session runs as.
         self.sealing = Sealing()
         self.sealed_uids: dict[str, int] = {}
+        self.host_uids: HostUids | None = None  # opened with the first
         # The sealed Hermes preload: how far it is while the zygote starts
         # ({done, of, seconds}), then what it did ({modules, recorded,
         # seconds, missing}), for `status`; None when there is none. Whoever
@@ -258,13 +259,18 @@ class WorkerPool:
             return None
         uid = self.sealed_uids.get(session.key)
         if uid is None:
-            uid = uid_for(session.key, set(self.sealed_uids.values()))
+            if self.host_uids is None:
+                self.host_uids = HostUids.open()
+            uid = uid_for(session.key, set(self.sealed_uids.values()), self.host_uids)
             self.sealed_uids[session.key] = uid
         return uid
 
     def release_uid(self, session: Session) -> None:
-        """The session's worker is gone: its uid may serve another session."""
-        self.sealed_uids.pop(session.key, None)
+        """The session's worker is gone: its uid may serve another session
+        (of ours, or of another supervisor on the host)."""
+        uid = self.sealed_uids.pop(session.key, None)
+        if uid is not None and self.host_uids is not None:
+            self.host_uids.release(uid)
 
     def identify(self, session: Session, token: bytes, worker_id: bytes) -> None:
         """Give the session's next worker its token and routing id."""

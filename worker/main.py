@@ -96,7 +96,10 @@ def _boot(req: dict[str, Any]) -> int:
             # Sealed: the namespace now, while we have one thread (zmq's
             # come next); the session's mounts and uid once assigned.
             try:
-                entered = seal.enter(req["seal"]["mode"], req["seal"].get("fault"))["mode"]
+                plan = req["seal"]
+                entered = seal.enter(
+                    plan["mode"], plan.get("fault"), plan.get("network", "egress")
+                )["mode"]
             except SealError as exc:
                 return _seal_failed("(spare)", exc)
             seal.plan_view(req["seal"])  # what every session hides, worked out now
@@ -305,7 +308,8 @@ def _seal(
     SealError."""
     mode, fault = plan["mode"], plan.get("fault")
     if entered is None:
-        seal.enter(mode, fault)  # fails by itself if we already have threads
+        # (It fails by itself if we already have threads.)
+        seal.enter(mode, fault, plan.get("network", "egress"))
     elif entered != mode:
         raise SealError("unshare", f"this spare was sealed as {entered}, not {mode}")
     dirs = seal.SessionDirs(
