@@ -85,6 +85,9 @@ AGENT_KEYS: dict[str, type] = {
     "template_home": str,
     "api_key_env": str,
     "api_key_file": str,
+    # The header the supervisor's model endpoint sends the key in:
+    # "authorization" (Bearer, the default) or e.g. "x-api-key".
+    "api_key_header": str,
 }
 
 
@@ -114,6 +117,15 @@ def _tcp_address(value: str) -> str | None:
             parse_listen(value, "tcp")
         except ValueError as exc:
             return str(exc)
+    return None
+
+
+def _budgets_fault(value: dict[str, str]) -> str | None:
+    """Why `value` cannot be model_budgets (naming the entry), or None."""
+    for name, tokens in value.items():
+        text = str(tokens).strip().replace("_", "")
+        if not text.isdigit() or int(text) <= 0:
+            return f"model budget for {name!r}: {tokens!r} is not a positive number of tokens"
     return None
 
 
@@ -335,6 +347,18 @@ class Settings:
     env: dict[str, str] = field(
         default_factory=dict,
         metadata=setting("--env", "variables set in every worker", metavar="NAME=VALUE"),
+    )
+    # Tokens each HTTP key's sessions may spend on the model, counted by the
+    # supervisor's model endpoint (model_gate.py) since it started.
+    model_budgets: dict[str, str] = field(
+        default_factory=dict,
+        metadata=setting(
+            "--model-budget",
+            "model tokens an HTTP key's sessions may use (`NAME=TOKENS`; `*` for every key "
+            "not named); sealed sessions only",
+            metavar="NAME=TOKENS",
+            check=_budgets_fault,
+        ),
     )
     max_frame_size: int = field(
         default=DEFAULT_MAX_FRAME_SIZE,

@@ -51,6 +51,7 @@ from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
 from .logs import PipeReader
+from .model_gate import worker_agent_config
 from .process import WorkerProcess, kill_processes
 from .records import WorkerRecords
 from .sealing import HostUids, Sealing, uid_for
@@ -219,6 +220,7 @@ class WorkerPool:
             # a fork over the limit fails at once. (Unsealed, every session
             # shares our uid, and the sampler's count is the only limit.)
             rlimits["nproc"] = s.max_procs
+        seal = self.sealing.plan(s, session, self._sealed_uid(session))
         return {
             "key": session.key,
             "title": session.key if len(session.key) <= 48 else session.key[:45] + "...",
@@ -232,7 +234,9 @@ class WorkerPool:
             "tmp": str(session.tmp),
             "user": str(session.user),
             "runtime": session.options.runtime or s.runtime,
-            "runtime_config": {**s.runtime_config, **session.options.agent},
+            # With a network of its own, the model's key stays here: the
+            # worker calls the supervisor's model endpoint (model_gate.py).
+            "runtime_config": worker_agent_config(s.runtime_config, session.options.agent, seal),
             "options": session.options.to_wire(),
             # Several beats per timeout, so one late beat is never a hang.
             "heartbeat": min(s.heartbeat_interval, s.heartbeat_timeout / 4),
@@ -245,7 +249,7 @@ class WorkerPool:
             # into one event (worker/coalesce.py); 0 is off.
             "coalesce_ms": s.stream_coalesce_ms,
             # How it seals itself (None: unsealed); see sealing.py.
-            "seal": self.sealing.plan(s, session, self._sealed_uid(session)),
+            "seal": seal,
         }
 
     def _sealed_uid(self, session: Session) -> int | None:
