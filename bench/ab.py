@@ -7,6 +7,13 @@ machine falls on both alike.
     .venv/bin/python -m bench.ab /tmp/bv/bin/python --paired
     .venv/bin/python -m bench.ab /tmp/bv/bin/python --rounds 3
 
+Settings A/B of one install (the cost of a setting, e.g. a sealed
+session's network namespace): the same python on both sides, and each
+side's own `serve` arguments:
+
+    .venv/bin/python -m bench.ab .venv/bin/python --paired \\
+        --this-args '--network egress' --other-args '--network host'
+
 --paired (the sharper test) runs both supervisors at once and alternates
 single requests between them: each round trip and each spawn of one has a
 twin of the other taken a millisecond away, under the same load. It
@@ -59,13 +66,22 @@ def once() -> dict[str, float]:
     }
 
 
-def paired(other: str, round_trips: int, spawns: int, sup_args: list[str], idle: int = 0) -> None:
-    """Both supervisors at once, single requests alternated between them."""
+def paired(
+    other: str,
+    round_trips: int,
+    spawns: int,
+    sup_args: list[str],
+    idle: int = 0,
+    this_args: list[str] | None = None,
+    other_args: list[str] | None = None,
+) -> None:
+    """Both supervisors at once, single requests alternated between them
+    (`this_args`, `other_args`: each side's own `serve` arguments)."""
     sides: dict[str, Sup] = {}
     clients: dict[str, Client] = {}
     try:
-        sides["this"] = Sup(*sup_args)
-        sides["other"] = Sup(*sup_args, python=other)
+        sides["this"] = Sup(*sup_args, *(this_args or []))
+        sides["other"] = Sup(*sup_args, *(other_args or []), python=other)
         clients = {name: sup.client() for name, sup in sides.items()}
         pids = {}
         for name, c in clients.items():
@@ -138,6 +154,8 @@ def main() -> None:
     parser.add_argument(
         "--sup-args", default="", help="extra `serve` arguments for both, e.g. '--spare-workers 2'"
     )
+    parser.add_argument("--this-args", default="", help="`serve` arguments for this side only")
+    parser.add_argument("--other-args", default="", help="`serve` arguments for the other only")
     parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.once:
@@ -146,7 +164,15 @@ def main() -> None:
     if not args.other:
         parser.error("name the other install's python")
     if args.paired:
-        paired(args.other, args.round_trips, args.spawns, args.sup_args.split(), args.idle)
+        paired(
+            args.other,
+            args.round_trips,
+            args.spawns,
+            args.sup_args.split(),
+            args.idle,
+            args.this_args.split(),
+            args.other_args.split(),
+        )
         return
     for _ in range(args.rounds):
         for label, python in (("this", sys.executable), ("other", args.other)):

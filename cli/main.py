@@ -237,10 +237,18 @@ def sealing_lines(info: dict[str, Any]) -> list[str]:
     lines = []
     if sealed.get("warning"):
         lines.append(f"WARNING:   {sealed['warning']}")
-    elif sealed.get("mode"):
+    if sealed.get("mode"):
         parts = [f"sealed ({sealed['mode']})"]
         if sealed.get("pid_namespaces"):
             parts.append("own PID namespaces")
+        if sealed.get("ipc_namespace"):
+            parts.append("own IPC")
+        if sealed.get("network_namespace"):
+            parts.append(f"own network ({sealed.get('network')})")
+        else:
+            parts.append("the host's network")
+        if sealed.get("read_only_root"):
+            parts.append("read-only /")
         if sealed.get("syscall_filter"):
             parts.append("syscall filter")
         if not sealed.get("signals_scoped") and not sealed.get("pid_namespaces"):

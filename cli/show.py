@@ -269,6 +269,7 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
         + ("" if logs else " (nothing logged yet)"),
         f"options:    {'; '.join(opts) or 'none'}",
         f"env names:  {' '.join(info.get('env_names') or [])}",
+        f"model:      {model_line(info.get('model'))}",
         # One step a line, each with its time.
         f"history:    {steps[0] if steps else 'no start or stop in its recent history'}",
         *(f"            {step}" for step in steps[1:]),
@@ -277,3 +278,18 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
         after_turns = next(i for i, line in enumerate(lines) if line.startswith("turns:")) + 1
         lines.insert(after_turns, f"approvals:  waiting: {', '.join(info['approvals_waiting'])}")
     return lines
+
+
+def model_line(use: dict[str, Any] | None) -> str:
+    """A session's model use through the supervisor's model endpoint."""
+    if not use:
+        return "no calls through the supervisor's model endpoint"
+    line = (
+        f"{use['requests']} call(s), {use['input_tokens']} tokens in, "
+        f"{use['output_tokens']} out, {use['bytes_in']} bytes sent, {use['bytes_out']} received"
+    )
+    if use.get("refused"):
+        line += f", {use['refused']} refused (budget)"
+    if use.get("http_key"):
+        line += f"; HTTP key {use['http_key']}"
+    return line

@@ -12,14 +12,18 @@ only: the zygote imports it before it forks.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import os
+import socket
 import struct
 from pathlib import Path
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -100,9 +104,50 @@ def clone_flag_names(flags: int) -> str:
         ("CLONE_NEWUSER", CLONE_NEWUSER),
         ("CLONE_NEWNS", CLONE_NEWNS),
         ("CLONE_NEWPID", CLONE_NEWPID),
+        ("CLONE_NEWIPC", CLONE_NEWIPC),
+        ("CLONE_NEWNET", CLONE_NEWNET),
     )
     names = [n for n, v in known if flags & v]
     return "|".join(names)
+
+
+# mount_setattr(2) (Linux 5.12): one call changes a whole tree of mounts.
+# The same number on every architecture (the generic table).
+_SYS_MOUNT_SETATTR = 442
+_AT_FDCWD = -100
+_AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 0x1
+
+
+def mount_setattr_tree(path: str, attr_set: int) -> None:
+    """Set `attr_set` (MOUNT_ATTR_*) on the mount at `path` and on every
+    mount below it, in one call."""
+    attr = struct.pack("QQQQ", attr_set, 0, 0, 0)  # set, clr, propagation, userns_fd
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    rc = _libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path.encode(), _AT_RECURSIVE, buf, len(attr))
+    if rc != 0:
+        raise _refused(f"mount_setattr({path}, AT_RECURSIVE)")
+
+
+# Bringing a network namespace's loopback up: SIOCGIFFLAGS/SIOCSIFFLAGS on
+# a struct ifreq (16 bytes of name, then the flags as a short).
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+
+
+def loopback_up() -> None:
+    """Bring `lo` up in this process's network namespace (a new one has
+    it down: not even 127.0.0.1 answers). Needs CAP_NET_ADMIN there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            req = fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, struct.pack("16sh22x", b"lo", 0))
+            flags = struct.unpack("16sh22x", req)[1]
+            fcntl.ioctl(
+                sock.fileno(), _SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | _IFF_UP)
+            )
+        except OSError as exc:
+            raise OSError(exc.errno, f"ioctl(SIOCSIFFLAGS, lo up): {exc.strerror}") from None
 
 
 # capset's arguments for "no capability at all", made once (in the zygote,

@@ -37,7 +37,7 @@ from hermes_sup.local.statedir import (
 )
 from hermes_sup.protocol import DEFAULT_MAX_FRAME_SIZE
 
-from .egress import NETWORK_CHOICES, check_rules
+from .egress import check_rules
 
 __all__ = [
     "AGENT_KEYS",
@@ -75,6 +75,7 @@ DEFAULT_PASS_ENV: tuple[str, ...] = (
 )
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SEALED_CHOICES = ("off", "auto", "on")
+NETWORK_CHOICES = ("egress", "none", "host")
 # The keys of the [agent] table (and of an --agent-config file), with the
 # type each must have.
 AGENT_KEYS: dict[str, type] = {
@@ -86,6 +87,9 @@ AGENT_KEYS: dict[str, type] = {
     "template_home": str,
     "api_key_env": str,
     "api_key_file": str,
+    # The header the supervisor's model endpoint sends the key in:
+    # "authorization" (Bearer, the default) or e.g. "x-api-key".
+    "api_key_header": str,
 }
 
 
@@ -115,6 +119,15 @@ def _tcp_address(value: str) -> str | None:
             parse_listen(value, "tcp")
         except ValueError as exc:
             return str(exc)
+    return None
+
+
+def _budgets_fault(value: dict[str, str]) -> str | None:
+    """Why `value` cannot be model_budgets (naming the entry), or None."""
+    for name, tokens in value.items():
+        text = str(tokens).strip().replace("_", "")
+        if not text.isdigit() or int(text) <= 0:
+            return f"model budget for {name!r}: {tokens!r} is not a positive number of tokens"
     return None
 
 
@@ -336,6 +349,18 @@ class Settings:
     env: dict[str, str] = field(
         default_factory=dict,
         metadata=setting("--env", "variables set in every worker", metavar="NAME=VALUE"),
+    )
+    # Tokens each HTTP key's sessions may spend on the model, counted by the
+    # supervisor's model endpoint (model_gate.py) since it started.
+    model_budgets: dict[str, str] = field(
+        default_factory=dict,
+        metadata=setting(
+            "--model-budget",
+            "model tokens an HTTP key's sessions may use (`NAME=TOKENS`; `*` for every key "
+            "not named); sealed sessions only",
+            metavar="NAME=TOKENS",
+            check=_budgets_fault,
+        ),
     )
     max_frame_size: int = field(
         default=DEFAULT_MAX_FRAME_SIZE,
@@ -664,17 +689,16 @@ class Settings:
             reload=False,
         ),
     )
-    # Egress: supervisor/egress.py (the policy) and supervisor/proxy.py.
     network: str = field(
         default="egress",
         metadata=setting(
             "--network",
-            'sealed: each session\'s network (see "Network"): `"egress"`, a network '
-            "namespace of its own with only `lo`, and out only through the supervisor's "
-            'proxy, by `egress_allow` and `egress_deny`; `"none"`, the same with every '
-            'destination refused (the model endpoint still answers); `"host"`, the '
-            "host's network, its loopback services and every other session's listeners "
-            "included, with a warning at start",
+            'a sealed session\'s network: `"egress"`, a network namespace of its own with '
+            "only `lo`, the outside reached through the supervisor's proxy by policy; "
+            '`"none"`, the namespace and no way out; `"host"`, the host\'s network, '
+            "its loopback services and every other session's listeners included (a warning "
+            'at start). Where the kernel cannot make the namespace, `sealed = "auto"` '
+            'runs with the host\'s network and says so; `"on"` refuses to start',
             choices=NETWORK_CHOICES,
             reload=False,
         ),

@@ -156,8 +156,14 @@ def check_value(path: Path, setting: Setting, value: Any) -> Any:
                 raise ConfigError(f"{where}: {relative[0]!r} is not an absolute path")
         return (setting.default if setting.extends else ()) + tuple(value)
     if kind == dict[str, str]:
+        if isinstance(value, dict) and setting.name == "model_budgets":
+            # Token counts are numbers in TOML (`webui = 1_000_000`).
+            value = {k: str(v) if type(v) is int else v for k, v in value.items()}
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{where} must be a table of strings")
+        why = setting.check(value) if setting.check else None
+        if why is not None:
+            raise ConfigError(f"{path}: {why}")
         return dict(value)
     raise ConfigError(f"{where} cannot be set in a file")
 

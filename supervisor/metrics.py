@@ -86,10 +86,42 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        # The model endpoint's use (model_gate.py), by HTTP key ("" for
+        # sessions of no HTTP key): a label per key, never per session.
+        self.model_requests = Counter(
+            "hermes_sup_model_requests",
+            "Model calls through the supervisor's model endpoint, by HTTP key and outcome",
+            ["key", "outcome"],
+            registry=self.registry,
+        )
+        self.model_tokens = Counter(
+            "hermes_sup_model_tokens",
+            "Model tokens the responses reported, by HTTP key and direction (input, output)",
+            ["key", "direction"],
+            registry=self.registry,
+        )
+        self.model_bytes = Counter(
+            "hermes_sup_model_bytes",
+            "Bytes through the model endpoint, by HTTP key and direction (in: from sessions)",
+            ["key", "direction"],
+            registry=self.registry,
+        )
         # (node name, draining), read at scrape time; set by the Context.
         self.node_info: Callable[[], tuple[str, bool]] = lambda: ("", False)
         self.registry.register(_Gauges(snapshot, lambda: self.node_info()))
         self.server: Any = None
+
+    def count_model_call(
+        self, key: str | None, outcome: str, tokens: tuple[int, int], sent: int, received: int
+    ) -> None:
+        """One call through the model endpoint (`outcome`: ok or refused)."""
+        label = key or ""
+        self.model_requests.labels(label, outcome).inc()
+        for direction, count in zip(("input", "output"), tokens, strict=True):
+            if count:
+                self.model_tokens.labels(label, direction).inc(count)
+        self.model_bytes.labels(label, "in").inc(sent)
+        self.model_bytes.labels(label, "out").inc(received)
 
     def serve(self, address: str, token: str | None = None) -> str:
         """Start the HTTP endpoint; returns its URL. With `token`, every

@@ -51,9 +51,10 @@ from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
 from .logs import PipeReader
+from .model_gate import worker_agent_config
 from .process import WorkerProcess, kill_processes
 from .records import WorkerRecords
-from .sealing import Sealing, uid_for
+from .sealing import HostUids, Sealing, uid_for
 from .session import Session
 from .spare_workers import Spare, SparePool
 from .spawner import Zygote, ZygoteError
@@ -100,6 +101,7 @@ class WorkerPool:
         # sealing.py), and as root the uid each live session runs as.
         self.sealing = Sealing()
         self.sealed_uids: dict[str, int] = {}
+        self.host_uids: HostUids | None = None  # opened with the first
         # The sealed Hermes preload: how far it is while the zygote starts
         # ({done, of, seconds}), then what it did ({modules, recorded,
         # seconds, missing}), for `status`; None when there is none. Whoever
@@ -218,6 +220,7 @@ class WorkerPool:
             # a fork over the limit fails at once. (Unsealed, every session
             # shares our uid, and the sampler's count is the only limit.)
             rlimits["nproc"] = s.max_procs
+        seal = self.sealing.plan(s, session, self._sealed_uid(session))
         return {
             "key": session.key,
             "title": session.key if len(session.key) <= 48 else session.key[:45] + "...",
@@ -231,7 +234,9 @@ class WorkerPool:
             "tmp": str(session.tmp),
             "user": str(session.user),
             "runtime": session.options.runtime or s.runtime,
-            "runtime_config": {**s.runtime_config, **session.options.agent},
+            # With a network of its own, the model's key stays here: the
+            # worker calls the supervisor's model endpoint (model_gate.py).
+            "runtime_config": worker_agent_config(s.runtime_config, session.options.agent, seal),
             "options": session.options.to_wire(),
             # Several beats per timeout, so one late beat is never a hang.
             "heartbeat": min(s.heartbeat_interval, s.heartbeat_timeout / 4),
@@ -244,7 +249,7 @@ class WorkerPool:
             # into one event (worker/coalesce.py); 0 is off.
             "coalesce_ms": s.stream_coalesce_ms,
             # How it seals itself (None: unsealed); see sealing.py.
-            "seal": self.sealing.plan(s, session, self._sealed_uid(session)),
+            "seal": seal,
         }
 
     def _sealed_uid(self, session: Session) -> int | None:
@@ -254,13 +259,18 @@ class WorkerPool:
             return None
         uid = self.sealed_uids.get(session.key)
         if uid is None:
-            uid = uid_for(session.key, set(self.sealed_uids.values()))
+            if self.host_uids is None:
+                self.host_uids = HostUids.open()
+            uid = uid_for(session.key, set(self.sealed_uids.values()), self.host_uids)
             self.sealed_uids[session.key] = uid
         return uid
 
     def release_uid(self, session: Session) -> None:
-        """The session's worker is gone: its uid may serve another session."""
-        self.sealed_uids.pop(session.key, None)
+        """The session's worker is gone: its uid may serve another session
+        (of ours, or of another supervisor on the host)."""
+        uid = self.sealed_uids.pop(session.key, None)
+        if uid is not None and self.host_uids is not None:
+            self.host_uids.release(uid)
 
     def identify(self, session: Session, token: bytes, worker_id: bytes) -> None:
         """Give the session's next worker its token and routing id."""

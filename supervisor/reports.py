@@ -15,6 +15,7 @@ import psutil
 from hermes_sup.local.version import version
 from hermes_sup.protocol import PROTOCOL_VERSION
 
+from . import model_gate
 from .configfile import hermes_agent_version
 from .context import Context
 from .endpoints import Endpoints
@@ -127,6 +128,8 @@ class Reports:
             "limits": describe_limits(ctx.settings, pool.sealing),
             # What the sealed Hermes preload did (None: there was none).
             "preload": pool.preload,
+            # Model use by HTTP key through the model endpoint, with budgets.
+            "model_keys": model_gate.current().describe(),
         }
 
     def node_info(self) -> dict[str, object]:
@@ -197,4 +200,15 @@ class Reports:
             # A reload since its worker started applies at its next start.
             "settings_outdated": session.settings is not None
             and session.settings is not self.ctx.settings,
+            # Its model use through the supervisor's model endpoint (None:
+            # none yet, or its worker calls the model itself).
+            "model": _model_use(session.key),
         }
+
+
+def _model_use(session: str) -> dict[str, Any] | None:
+    """A session's meter at the model endpoint, with its HTTP key's name."""
+    meter = model_gate.current().meter(session)
+    if meter is None:
+        return None
+    return {**meter.describe(), "http_key": model_gate.tenant_of(session)}

@@ -10,7 +10,8 @@ says at start that sessions run unsealed, and why.
 As root, each session runs as a uid of its own, from SEALED_UID_BASE on:
 derived from its key (so a session keeps its uid, and its files, from one
 worker to the next), moved on to the next free one if a live session holds
-it already. Not root, every worker has the supervisor's uid in a user
+it already, of this supervisor or of any other on the host (`HostUids`: a
+byte-range lock per uid in one file every supervisor shares). Not root, every worker has the supervisor's uid in a user
 namespace of its own; signals between workers of one uid are then kept in
 by Landlock's signal scope where the kernel has it (Linux 6.12+), and
 otherwise remain possible (docs/security.md says so).
@@ -18,6 +19,8 @@ otherwise remain possible (docs/security.md says so).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -64,6 +67,10 @@ class Sealing:
     signals_scoped: bool = False  # Landlock keeps each worker's signals in
     pid_namespaces: bool = False  # each worker the init of its own (the zygote says)
     syscall_filter: bool = False  # seccomp refuses namespaces, mounts, keyrings, ...
+    # Sealed: the network the sessions have (seal.NETWORKS), and why it is
+    # the host's where another was asked for.
+    network: str = "host"
+    network_reason: str = ""
     fault: str | None = None  # FAULT_ENV, for tests
 
     def describe(self) -> dict[str, Any]:
@@ -76,6 +83,14 @@ class Sealing:
             "signals_scoped": self.signals_scoped,
             "pid_namespaces": self.pid_namespaces,
             "syscall_filter": self.syscall_filter,
+            # Made with every sealed worker (worker/seal.py), said here so an
+            # operator sees what holds on this host.
+            "ipc_namespace": self.mode is not None,
+            "network_namespace": self.mode is not None and self.network != "host",
+            "network": self.network if self.mode is not None else "host",
+            "network_reason": self.network_reason or None,
+            "read_only_root": self.mode is not None,
+            "workers_dumpable": self.mode is None,
             "warning": self.warning(),
         }
 
@@ -83,7 +98,7 @@ class Sealing:
         """What an operator must be told while sessions are not a boundary
         (for start, status, list and the HTTP endpoint), or None."""
         if self.mode is not None:
-            return None
+            return self.network_warning()
         if self.asked == "off":
             return (
                 "sessions run unsealed (sealed = off): a session's shell can read the "
@@ -93,6 +108,17 @@ class Sealing:
         return (
             f"sessions run unsealed: {self.reason}; until then a session's shell can read "
             "the supervisor's key and environment and reach every other session"
+        )
+
+    def network_warning(self) -> str | None:
+        """Sealed, but with the host's network: what a session can reach."""
+        if self.network != "host":
+            return None
+        why = self.network_reason or 'network = "host"'
+        return (
+            f"sessions share the host's network ({why}): a session's shell reaches the "
+            "host's loopback services, every other session's listeners and whatever the "
+            'host can reach; use network = "egress"'
         )
 
     def spare_plan(self, settings: Settings) -> dict[str, Any] | None:
@@ -145,9 +171,9 @@ class Sealing:
             # Read by every session, shown read-only even where hidden: the
             # operator's template home (a front end's own is not trusted).
             "read": [t for t in (settings.runtime_config.get("template_home"),) if t],
+            "network": self.network,
             "fault": self.fault,
-            # worker/egress.py: where its proxy listener goes, if anywhere.
-            "network": settings.network,
+            # worker/egress.py: where its proxy listener goes.
             "egress_socket": str(settings.state_dir.absolute() / EGRESS_SOCKET),
         }
 
@@ -194,15 +220,61 @@ def _runtime_dirs() -> list[str]:
     return sorted(p for p in found if p and os.path.isdir(p))
 
 
-def uid_for(key: str, taken: set[int]) -> int:
-    """The session's uid: from its key, or the next one no live session holds."""
+def uid_for(key: str, taken: set[int], host: HostUids | None = None) -> int:
+    """The session's uid: from its key, or the next one no live session
+    holds (of ours: `taken`; of any supervisor on the host: `host`, which
+    then holds it for us until released)."""
     digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     start = digest % SEALED_UID_COUNT
     for i in range(SEALED_UID_COUNT):
         uid = SEALED_UID_BASE + (start + i) % SEALED_UID_COUNT
-        if uid not in taken:
+        if uid not in taken and (host is None or host.take(uid)):
             return uid
     raise RuntimeError("every sealed uid is taken")
+
+
+# Where every supervisor on the host takes its sessions' uids: root's
+# (only root supervisors run sessions as uids of their own), in /run, so
+# no other user can make it first and hold every uid.
+HOST_UIDS_FILE = Path("/run/hermes-sup-sealed-uids.lock")
+
+
+class HostUids:
+    """The sealed uids this supervisor's live sessions hold, host-wide: one
+    POSIX byte-range lock per uid (byte uid - SEALED_UID_BASE) on a file all
+    supervisors share. Two supervisors on one host never hand out the same
+    uid (a session of one would read the other's 0600 files and share its
+    RLIMIT_NPROC), and a supervisor's locks go with it however it dies."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    @classmethod
+    def open(cls, path: Path = HOST_UIDS_FILE) -> HostUids:
+        """Open (or make) the shared file; OSError if it is not root's own."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if st.st_uid != 0 or not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022:
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{path} is not a file root alone may write")
+        return cls(fd)
+
+    def take(self, uid: int) -> bool:
+        """Hold `uid` for us; False if another supervisor holds it."""
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, uid - SEALED_UID_BASE)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def release(self, uid: int) -> None:
+        """Let another supervisor have `uid`."""
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, uid - SEALED_UID_BASE)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 # ------------------------------------------------------------------ detection
@@ -218,10 +290,25 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
         log.warning(kv("unsealed", warning=unsealed.warning()))
         return unsealed
     mode = seal.mode_for_this_process()
+    network, network_reason = settings.network, ""
     try:
         if mode == "root":
             _check_reachable(settings)
-        done = _probe_in_child(mode, settings.state_dir, fault)
+        try:
+            done = _probe_in_child(mode, settings.state_dir, fault, network)
+        except SealError as exc:
+            if network == "host":
+                raise
+            # Sealed all the same, with the host's network, if the network
+            # namespace was what failed (and the operator let us: auto).
+            done = _probe_in_child(mode, settings.state_dir, fault, "host")
+            network_reason = f"no network namespace here: {exc}"
+            if asked == "on":
+                raise SealingUnavailable(
+                    f"sealed = on, but sessions cannot have a network of their own here: "
+                    f'{network_reason}; set network = "host" to run with the host\'s'
+                ) from None
+            network = "host"
     except SealError as exc:
         why = explain(mode, exc)
         if asked == "on":
@@ -235,6 +322,8 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
         asked=asked,
         signals_scoped=bool(done.get("signals_scoped")),
         syscall_filter=syscalls.seccomp_supported(),
+        network=network,
+        network_reason=network_reason,
         fault=fault,
     )
     log.info(
@@ -243,8 +332,11 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
             mode=mode,
             signals_scoped=sealing.signals_scoped,
             syscall_filter=sealing.syscall_filter,
+            network=network,
         )
     )
+    if sealing.network_warning():
+        log.warning(kv("sessions_share_host_network", warning=sealing.network_warning()))
     if mode == "root":
         _warn_of_accounts_in_range()
     return sealing
@@ -289,7 +381,9 @@ def _check_reachable(settings: Settings) -> None:
                 )
 
 
-def _probe_in_child(mode: str, scratch: Path, fault: str | None) -> dict[str, Any]:
+def _probe_in_child(
+    mode: str, scratch: Path, fault: str | None, network: str = "host"
+) -> dict[str, Any]:
     """Run seal.probe in a forked child (its namespaces die with it), born
     into the namespaces a worker is (a PID namespace of its own)."""
     r, w = os.pipe()
@@ -309,7 +403,8 @@ def _probe_in_child(mode: str, scratch: Path, fault: str | None) -> dict[str, An
             seal.born(namespaces, ids)
             os.close(r)
             uid = SEALED_UID_BASE if mode == "root" else None
-            result: dict[str, Any] = {"ok": True, **seal.probe(mode, scratch, uid, uid, fault)}
+            done = seal.probe(mode, scratch, uid, uid, fault, network)
+            result: dict[str, Any] = {"ok": True, **done}
             code = 0
         except SealError as exc:
             result = {"ok": False, "step": exc.step, "message": exc.message}

@@ -50,9 +50,9 @@ from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
-from . import configfile, sealing
+from . import configfile, model_gate, sealing
 from .back import Back
-from .config import Settings
+from .config import DEFAULT_PASS_ENV, Settings
 from .context import Context
 from .endpoints import WORKER_INBOX, Endpoints
 from .environment import allowlisted
@@ -172,7 +172,7 @@ class Supervisor:
             if pool.sealing.mode is None:
                 self._check_unsealed_preload()
             log.info(kv("session_limits", **sealing.describe_limits(s, pool.sealing)))
-            self._say_network(pool.sealing.mode is not None)
+            self._warn_model_exposure()
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
             pool.on_preload_progress = self._starting
@@ -189,6 +189,35 @@ class Supervisor:
                     pass
             statedir.clear_starting(s.state_dir)
             self._lock.release()
+
+    # ------------------------------------------------------------ model gate
+
+    def _warn_model_exposure(self) -> None:
+        """Say at start where a model key would still reach every worker."""
+        s = self.settings
+        extra = [n for n in s.pass_env if n not in DEFAULT_PASS_ENV and not n.endswith("*")]
+        template = s.runtime_config.get("template_home")
+        for said in model_gate.exposure_warnings(s.runtime_config, [*extra, *s.env], template):
+            log.warning(kv("model_key_exposed", detail=said))
+
+    def _model_upstream(self, key: str) -> model_gate.Upstream | None:
+        """The model endpoint a session's calls go to: that of the settings
+        its worker started under (model_gate.py)."""
+        session = self.table.get(key)
+        settings = self.ctx.settings if session is None else self.ctx.settings_for(session)
+        return model_gate.Upstream.from_config(settings.runtime_config)
+
+    def _model_budgets(self) -> dict[str, int]:
+        # Checked when the settings were read: parsing cannot fail here.
+        return model_gate.parse_budgets(self.ctx.settings.model_budgets)
+
+    def _count_model_call(
+        self, key: str | None, outcome: str, usage: model_gate.Usage, sent: int, received: int
+    ) -> None:
+        metrics = self.ctx.metrics
+        if metrics is not None:
+            tokens = (usage.input_tokens, usage.output_tokens)
+            metrics.count_model_call(key, outcome, tokens, sent, received)
 
     def _starting(self, report: dict[str, Any]) -> None:
         """The sealed Hermes preload's progress, before the control socket
@@ -243,7 +272,7 @@ class Supervisor:
         self._events = asyncio.Queue()
         self.endpoints.open(loop, self.front.on_frames, self.back.on_frames)
         self.egress: EgressProxy | None = None
-        if self.pool.sealing.mode is not None and self.settings.network != "host":
+        if self.pool.sealing.mode is not None and self.pool.sealing.network != "host":
             self.egress = self._egress_proxy()
             self.egress.open(loop)
         self._serving = True
@@ -269,6 +298,9 @@ class Supervisor:
         gc.freeze()
         gc.set_threshold(*gc.get_threshold()[:2], GC_NEVER)
         self.ctx.metrics = self._start_metrics()
+        model_gate.install(
+            model_gate.Gate(self._model_upstream, self._model_budgets, self._count_model_call)
+        )
         self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
         watching = asyncio.create_task(self.lease_watch.run())
@@ -366,25 +398,6 @@ class Supervisor:
         self.health.tick(now, time.time())
 
     # ----------------------------------------------------------------- egress
-
-    def _say_network(self, sealed: bool) -> None:
-        """At start: how sessions reach the network, with a warning where
-        they share the host's (as for sealed = off)."""
-        s = self.settings
-        if sealed and s.network != "host":
-            log.info(
-                kv("network", mode=s.network, allow=len(s.egress_allow), deny=len(s.egress_deny))
-            )
-            return
-        why = "network = host" if s.network == "host" else "sessions are unsealed"
-        log.warning(
-            kv(
-                "network_shared",
-                reason=why,
-                warning="a session's shell reaches the host's loopback services, its private "
-                "networks and every other session's listeners",
-            )
-        )
 
     def _egress_proxy(self) -> EgressProxy:
         def lists() -> tuple[str, tuple[str, ...], tuple[str, ...]]:

@@ -266,8 +266,3 @@ def test_listeners_are_closed_with_their_workers(net: Net) -> None:
     cycle(24, "many")
     # Spares are forked again in the background: let them settle.
     wait_for(lambda: sup.num_fds() <= baseline + 4, timeout=30)
-
-
-def test_network_host_is_said_at_start(supervisor_factory, workdir: Path) -> None:  # noqa: ANN001
-    lab = start_lab(supervisor_factory, workdir, "root", "--network", "host")
-    assert 'network_shared reason="network = host"' in lab.sup.log()  # type: ignore[attr-defined]

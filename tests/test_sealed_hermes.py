@@ -611,7 +611,11 @@ import sys
 pid, parts = sys.argv[1], sys.argv[2:]
 needles = [(parts[i] + parts[i + 1]).encode() for i in range(0, len(parts), 2)]
 hits = [0] * len(needles)
-with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+try:
+    maps, mem = open(f"/proc/{pid}/maps"), open(f"/proc/{pid}/mem", "rb", 0)
+except OSError as exc:
+    sys.exit(f"refused: {exc}")
+with maps, mem:
     for line in maps:
         fields = line.split()
         if fields[1][0] != "r" or fields[-1] in ("[vvar]", "[vsyscall]"):
@@ -652,14 +656,15 @@ def test_a_sealed_session_finds_nothing_of_another_in_its_workers_memory(
         own = [beta.encode(), tokens[beta].encode()]
         assert _memory_mentions(pid, own) == set(own)
         assert _memory_mentions(pid, [alpha.encode(), tokens[alpha].encode()]) == set()
-        # Read by beta's own shell (approved): its own token, not alpha's.
-        # (Its worker is pid 1 of the session's own PID namespace.)
+        # Read by beta's own shell (approved), with the agent's terminal
+        # tool: nothing, not even its own token. Its worker (pid 1 of the
+        # session's PID namespace) runs as the shell's uid, and is not
+        # dumpable: no secret the runtime holds is the shell's to read.
         halves = [t[: len(t) // 2] + " " + t[len(t) // 2 :] for t in (tokens[beta], tokens[alpha])]
         command = f"run: python3 - 1 {' '.join(halves)} <<'EOF'\n{MEMORY_SCAN}\nEOF"
         reply, events = _turns(sup, {beta: command})[beta]
         out = _tool_output(events)
-        counts = out.split("hits=", 1)[1].split("\n", 1)[0].split(",")
-        assert int(counts[0]) > 0 and int(counts[1]) == 0, out
+        assert "refused: [Errno 13] Permission denied" in out and "hits=" not in out, out
     finally:
         model.close()
 

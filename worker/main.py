@@ -96,10 +96,13 @@ def _boot(req: dict[str, Any]) -> int:
             # Sealed: the namespace now, while we have one thread (zmq's
             # come next); the session's mounts and uid once assigned.
             try:
-                entered = seal.enter(req["seal"]["mode"], req["seal"].get("fault"))["mode"]
+                plan = req["seal"]
+                entered = seal.enter(
+                    plan["mode"], plan.get("fault"), plan.get("network", "egress")
+                )["mode"]
                 # Its network namespace is made: the proxy's listener goes
                 # to the supervisor now, while the state dir is in view.
-                egress.hand_over(req["seal"])
+                egress.hand_over(plan)
             except SealError as exc:
                 return _seal_failed("(spare)", exc)
             seal.plan_view(req["seal"])  # what every session hides, worked out now
@@ -310,7 +313,8 @@ def _seal(
     SealError."""
     mode, fault = plan["mode"], plan.get("fault")
     if entered is None:
-        seal.enter(mode, fault)  # fails by itself if we already have threads
+        # (It fails by itself if we already have threads.)
+        seal.enter(mode, fault, plan.get("network", "egress"))
         egress.hand_over(plan)  # a spare did at its start
     elif entered != mode:
         raise SealError("unshare", f"this spare was sealed as {entered}, not {mode}")

@@ -70,10 +70,13 @@ from typing import Any
 from hermes_sup.local import syscalls
 from hermes_sup.local.prctl import prctl
 from hermes_sup.local.syscalls import (
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
     CLONE_NEWNS,
     CLONE_NEWPID,
     CLONE_NEWUSER,
     LANDLOCK_SCOPE_ABI,
+    MOUNT_ATTR_RDONLY,
     MS_BIND,
     MS_NODEV,
     MS_NOEXEC,
@@ -100,6 +103,7 @@ from .seal_calls import (
     _mount,
     _open_path,
     _remount_readonly,
+    _remount_writable,
     _under,
     _unshare,
     _write,
@@ -225,17 +229,34 @@ def mode_for_this_process() -> str:
     return "root" if os.geteuid() == 0 else "user"
 
 
-def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
-    """Stage 1: the namespace, / private, and what must be set while this
+# What a session's network may be (supervisor/config.py's `network`):
+# "egress" and "none" give the worker a network namespace of its own with
+# only `lo` (the supervisor's proxy is its way out, or its only peer);
+# "host" leaves it in the host's, as unsealed workers are.
+NETWORKS = ("egress", "none", "host")
+
+
+def namespaces_entered(network: str) -> int:
+    """The namespaces `enter` makes besides the mount namespace: always IPC
+    (System V objects and POSIX queues of its own, gone with the session),
+    and a network namespace unless the network is the host's."""
+    return CLONE_NEWIPC | (0 if network == "host" else CLONE_NEWNET)
+
+
+def enter(mode: str, fault: str | None = None, network: str = "egress") -> dict[str, Any]:
+    """Stage 1: the namespaces, / private, and what must be set while this
     process has one thread. Returns what was done (for logs)."""
     if mode not in MODES:
         raise SealError("unshare", f"unknown sealing mode {mode!r}")
+    if network not in NETWORKS:
+        raise SealError("network", f"unknown network {network!r} (one of {', '.join(NETWORKS)})")
+    more = namespaces_entered(network)
     if len(os.listdir("/proc/self/task")) != 1:
         raise SealError("unshare", "the worker already has threads; sealing needs one")
     uid, gid = os.getuid(), os.getgid()
     _check_fault("unshare", fault)
     if mode == "root":
-        _unshare("unshare", CLONE_NEWNS)
+        _unshare("unshare", CLONE_NEWNS | more)
     else:
         if not BORN_INTO & CLONE_NEWUSER:
             _unshare("unshare", CLONE_NEWUSER)
@@ -248,7 +269,17 @@ def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
         _write("map", "/proc/self/setgroups", "deny")
         _write("map", "/proc/self/uid_map", f"{uid} {uid} 1\n")
         _write("map", "/proc/self/gid_map", f"{gid} {gid} 1\n")
-        _unshare("unshare", CLONE_NEWNS)
+        # Owned by our user namespace, where we still hold every capability:
+        # enough to bring its loopback up and mount its mqueue.
+        _unshare("unshare", CLONE_NEWNS | more)
+    if more & CLONE_NEWNET:
+        # Only `lo`, and down until we bring it up: nothing of the host's
+        # or another session's loopback, no host socket in /proc/net.
+        _check_fault("network", fault)
+        try:
+            syscalls.loopback_up()
+        except OSError as exc:
+            raise _fail("network", "bring lo up", exc.errno) from None
     _check_fault("private", fault)
     _mount("private", None, "/", None, MS_REC | MS_PRIVATE)
     if BORN_INTO & CLONE_NEWPID:
@@ -281,7 +312,7 @@ def enter(mode: str, fault: str | None = None) -> dict[str, Any]:
             syscalls.restrict_syscalls()
         except OSError as exc:
             raise _fail("filter", "seccomp filter", exc.errno) from None
-    return {"mode": mode, "signals_scoped": scoped}
+    return {"mode": mode, "signals_scoped": scoped, "network": network}
 
 
 # What no session may see of a temporary directory shared by the machine.
@@ -392,6 +423,49 @@ def closed_ancestors(paths: Iterable[Path]) -> set[Path]:
     return closed
 
 
+# The lock directories a session gets a tmpfs of its own over (/var/lock
+# is mostly a link to /run/lock): writable by every uid on the host, so
+# what a session leaves there would outlive it.
+LOCK_DIRS = ("/run/lock", "/var/lock")
+LOCK_TMPFS_DATA = "mode=1777,size=1m"
+
+
+def _lock_dirs() -> list[Path]:
+    found: list[Path] = []
+    for raw in LOCK_DIRS:
+        path = Path(os.path.realpath(raw))
+        if path.is_dir() and path not in found:
+            found.append(path)
+    return found
+
+
+def _read_only_root(step: str) -> None:
+    """Every mount of this (private) namespace read-only, in one call where
+    the kernel has mount_setattr (5.12), else one remount each. Our own
+    /proc stays writable: programs set their own oom_score_adj, comm, ..."""
+    try:
+        syscalls.mount_setattr_tree("/", MOUNT_ATTR_RDONLY)
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise _fail(step, "mount_setattr(/, read-only, recursive)", exc.errno) from None
+        for target in _mount_points():
+            _remount_readonly(step, target)
+    if BORN_INTO & CLONE_NEWPID:
+        _remount_writable(step, Path("/proc"))
+
+
+def _mount_points() -> list[Path]:
+    """This namespace's mount points, from /proc/self/mountinfo."""
+    points: list[Path] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4:
+                # Octal escapes (\040 for a space) as the kernel writes them.
+                points.append(Path(fields[4].encode().decode("unicode_escape")))
+    return points
+
+
 def mount_session(
     plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths, keep_socket: bool = False
 ) -> dict[str, Any]:
@@ -421,6 +495,12 @@ def mount_session(
             fds["tmp"] = _open_path("session", dirs.tmp)
         view = plan_view(plan)
         hidden = view.hidden
+        # Nothing of the host is writable from here on but what is mounted
+        # below for the session: its own directories, its tmp, its locks.
+        # (Files a session wrote to /run/lock or into a directory its uid
+        # owns would outlive it, or run as the service at its next start.)
+        _check_fault("readonly", fault)
+        _read_only_root("readonly")
         # What must stay at its own path: (name, source, target, read-only).
         keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True)]
         if not _under(dirs.workspace, [dirs.dir]):
@@ -449,6 +529,15 @@ def mount_session(
         for common_tmp in ("/tmp", "/var/tmp", "/dev/shm"):
             if os.path.isdir(common_tmp) and (common_tmp, tmp_src) != ("/tmp", "/tmp"):
                 _mount("tmp", tmp_src, common_tmp, None, MS_BIND)
+                if not tmp_bytes:  # a bind of the (now read-only) disk
+                    _remount_writable("tmp", Path(common_tmp))
+        # Lock directories every program may write: the session's own,
+        # small, gone with it. And its IPC namespace's message queues where
+        # the host shows them.
+        for lock_dir in _lock_dirs():
+            _mount("tmp", "tmpfs", str(lock_dir), "tmpfs", TMPFS_FLAGS, LOCK_TMPFS_DATA)
+        if os.path.isdir("/dev/mqueue"):
+            _mount("tmp", "mqueue", "/dev/mqueue", "mqueue", TMPFS_FLAGS)
 
         # Read-only empty directories over what no session may see.
         _check_fault("hide", fault)
@@ -467,17 +556,20 @@ def mount_session(
         ):
             _makedirs("session", target)
             _mount("session", f"/proc/self/fd/{fds[name]}", str(target), None, MS_BIND | MS_REC)
+            _remount_writable("session", target)
 
         # What stays visible at its own path, shallowest first.
         _check_fault("bind", fault)
         for name, path, readonly in sorted(keep, key=lambda k: len(k[1].parts)):
             hidden_here = _under(path, [*hidden, *COMMON_TMP])
-            if not hidden_here and not name.startswith("code"):
-                continue  # never hidden
+            if not hidden_here and not name.startswith("code") and readonly:
+                continue  # never hidden, and read-only with the rest of /
             _makedirs("bind", path)
             _mount("bind", f"/proc/self/fd/{fds[name]}", str(path), None, MS_BIND | MS_REC)
             if readonly:
                 _remount_readonly("bind", path)
+            else:
+                _remount_writable("bind", path)
         for path in tmpfs:  # ours: no flags to keep but those we gave
             _mount("hide", None, str(path), None, MS_REMOUNT | MS_BIND | MS_RDONLY | TMPFS_FLAGS)
         if common is not None:
@@ -563,17 +655,23 @@ def drop(
     except OSError as exc:
         raise SealError("drop", f"clear ambient capabilities: {exc.strerror}") from None
     _capset_zero("drop")
-    if mode == "root":
-        # A uid change made us non-dumpable, which turns our /proc files
-        # root's (the session's own shell could not read /proc/self/fd).
-        # Dumpable again: still out of reach of every other uid.
-        prctl(PR_SET_DUMPABLE, 1)
+    # Not dumpable (a uid change made a root worker so already; a user
+    # namespace's is not): the session's own shell runs as our uid, and a
+    # dumpable worker's memory (/proc/1/mem, process_vm_readv, ptrace) is
+    # open to it, and whatever secret the runtime holds with it. Programs
+    # we exec are dumpable again (execve resets it), as they should be.
+    prctl(PR_SET_DUMPABLE, 0)
     if mode == "root" and (os.getuid(), os.geteuid()) != (uid, uid):
         raise SealError("drop", f"still uid {os.getuid()}/{os.geteuid()}")
 
 
 def probe(
-    mode: str, scratch: Path, uid: int | None, gid: int | None, fault: str | None
+    mode: str,
+    scratch: Path,
+    uid: int | None,
+    gid: int | None,
+    fault: str | None,
+    network: str = "host",
 ) -> dict[str, Any]:
     """What the supervisor's start-up check runs in a child of its own: the
     same kinds of steps as a worker (namespace, tmpfs, bind, read-only
@@ -581,7 +679,9 @@ def probe(
     # A session's uid must be able to read the code itself (the directories
     # above it it will pass through: see closed_ancestors).
     unreadable = [str(p) for p in code_paths() if os.stat(p).st_mode & 0o005 != 0o005]
-    done = enter(mode, fault)
+    done = enter(mode, fault, network)
+    _check_fault("readonly", fault)
+    _read_only_root("readonly")
     _check_fault("hide", fault)
     _mount("hide", "tmpfs", str(scratch), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711,size=64k")
     inner = scratch / "bound"

@@ -119,6 +119,20 @@ def _remount_readonly(step: str, target: Path) -> None:
     _mount(step, None, str(target), None, flags)
 
 
+def _remount_writable(step: str, target: Path) -> None:
+    """Make one mount of ours writable again (a bind taken from the
+    read-only tree), keeping its other flags."""
+    try:
+        f_flag = os.statvfs(target).f_flag
+    except OSError as exc:
+        raise SealError(step, f"statvfs {target}: {exc.strerror}") from None
+    flags = MS_REMOUNT | MS_BIND
+    for st, ms in STATVFS_TO_MS.items():
+        if f_flag & st:
+            flags |= ms
+    _mount(step, None, str(target), None, flags)
+
+
 def _under(path: Path, parents: Iterable[Path]) -> bool:
     """Whether `path` is one of `parents` or below one (as strings: pathlib's
     `parents` made this a good part of a spare's assignment)."""
