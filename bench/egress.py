@@ -115,11 +115,10 @@ async def measure(count: int) -> dict[str, list[float]]:
                 os._exit(code)
         os.close(w)
         loop = asyncio.get_running_loop()
+        # Read to the end first: more than a pipe's buffer would hold the
+        # child in its write, and us in waitpid.
+        data = await loop.run_in_executor(None, _read_all, r)
         _, status = await loop.run_in_executor(None, os.waitpid, pid, 0)
-        data = b""
-        while chunk := os.read(r, 1 << 20):
-            data += chunk
-        os.close(r)
         proxy.worker_gone(pid)
         proxy.close()
     server.close()
@@ -127,6 +126,14 @@ async def measure(count: int) -> dict[str, list[float]]:
         raise SystemExit("the measuring child failed")
     times: dict[str, list[float]] = json.loads(data)
     return times
+
+
+def _read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 1 << 20):
+        data += chunk
+    os.close(fd)
+    return data
 
 
 def report(times: dict[str, list[float]]) -> dict[str, Any]:
