@@ -169,3 +169,90 @@ def walk_some(walk: Walk, budget: int) -> tuple[int, bool]:
             walk.seen.add(ident)
         walk.total += st.st_blocks * 512
     return looked, walk.current is None and not walk.pending
+
+
+def quota_support(path: Path) -> tuple[str | None, str]:
+    """Whether the kernel could bound a session's disk use on `path`'s file
+    system (project quotas), and why or why not, from its mount options."""
+    best: tuple[str, str, str] | None = None  # mount point, type, options
+    target = str(path.resolve())
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 6:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                tail = line.split(" - ", 1)[1].split()
+                under = target == point or target.startswith(point.rstrip("/") + "/")
+                if under and (best is None or len(point) >= len(best[0])):
+                    best = (point, tail[0], fields[5] + "," + (tail[2] if len(tail) > 2 else ""))
+    except OSError as exc:
+        return None, f"mounts unreadable ({exc.strerror})"
+    if best is None:
+        return None, "its mount was not found"
+    point, fstype, options = best
+    flags = set(options.split(","))
+    if fstype in ("ext4", "xfs") and flags & {"prjquota", "pquota", "prjquota=on"}:
+        return fstype, f"{fstype} on {point} is mounted with project quotas"
+    return None, f"{fstype} on {point} is not mounted with project quotas (prjquota)"
+
+
+class DiskSampler:
+    """Each live session's bytes on disk (workspace, home, HOME and tmp),
+    added up a slice per tick; a session over `disk_limit_mb` is stopped
+    with the reason `disk`."""
+
+    def __init__(
+        self,
+        limit_mb: Callable[[object], int | None],
+        interval: Callable[[], float],
+        stop: Callable[[object, str], None],
+    ) -> None:
+        self.limit_mb = limit_mb  # the session's limit (its settings'), None: off
+        self.interval = interval
+        self.stop = stop
+        self.walks: dict[str, Walk] = {}
+        self.next_round: dict[str, float] = {}
+        self.mode = "sampler"
+        self.reason = ""
+
+    def describe(self) -> dict[str, object]:
+        """For `status`: what enforces the per-session bound, and why."""
+        return {"enforced_by": self.mode, "why": self.reason}
+
+    def tick(self, now: float, sessions: dict[str, object]) -> None:
+        """Look at up to WALK_ENTRIES entries, over the sessions whose round
+        is due; a walk finished compares its total with the limit."""
+        for key in [k for k in self.walks if k not in sessions]:
+            self.walks.pop(key).close()
+            self.next_round.pop(key, None)
+        budget = WALK_ENTRIES
+        for key, session in sessions.items():
+            if budget <= 0:
+                break
+            limit = self.limit_mb(session)
+            if not limit:
+                continue
+            walk = self.walks.get(key)
+            if walk is None:
+                roots = tuple(
+                    getattr(session, name) for name in ("workspace", "home", "user", "tmp")
+                )
+                walk = self.walks[key] = Walk(roots)
+                walk.start()
+            elif not walk.pending and walk.current is None:
+                if now < self.next_round.get(key, 0.0):
+                    continue
+                walk.start()
+            looked, done = walk_some(walk, budget)
+            budget -= looked
+            if done:
+                self.next_round[key] = now + self.interval()
+                session.disk_used = walk.total  # type: ignore[attr-defined]
+                if walk.total > limit * MIB:
+                    self.stop(
+                        session,
+                        f"went over its disk limit ({walk.total / MIB:.0f} MiB in its "
+                        f"workspace, home and tmp > {limit} MiB) and was stopped (reason: disk)",
+                    )

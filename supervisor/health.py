@@ -60,6 +60,7 @@ from hermes_sup.local.logfmt import kv
 
 from .context import Context
 from .deadlines import Deadlines
+from .disk import DiskSampler, quota_support
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .process import kill_processes
@@ -140,6 +141,21 @@ class Health:
         self._awake: dict[str, tuple[tuple[int, int], float]] = {}
         self._capping: dict[str, tuple[int, list[psutil.Process], bool]] = {}
         table.on_judged = self.judge_soon
+        # Each session's bytes on disk against its disk limit (disk.py).
+        self.disk = DiskSampler(
+            lambda session: ctx.settings_for(session).disk_limit_mb,  # type: ignore[arg-type]
+            lambda: ctx.settings.disk_interval,
+            self._over_disk,  # type: ignore[arg-type]
+        )
+        lifecycle.turns.disk_limit = self.disk.describe  # for `status`
+        kind, why = quota_support(ctx.settings.data_dir)
+        # The kernel's project quotas are not set by this version: where
+        # the file system has them, that is said, and the sampler is used.
+        self.disk.reason = f"{why}; project quotas are not applied by this version" if kind else why
+        if ctx.settings.disk_limit_mb:
+            log.info(
+                kv("disk_limit", mb=ctx.settings.disk_limit_mb, enforced_by="sampler", why=why)
+            )
 
     def begin(self, now: float) -> None:
         """The ticks start (`now` monotonic): a gap before the first is one too."""
@@ -180,6 +196,7 @@ class Health:
             if when is not None:
                 self._due.set(key, when)
         self._start_limits_scan(now)
+        self.disk.tick(now, self.table.judged)  # type: ignore[arg-type]
         if self._watches:
             self._forget_watches()
 
@@ -271,6 +288,12 @@ class Health:
             )
         )
         return True
+
+    def _over_disk(self, session: Session, reason: str) -> None:
+        """The disk sampler found a session over its disk limit."""
+        if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
+            log.warning(kv("disk_limit_exceeded", session=session.key, reason="disk"))
+            self.lifecycle.killer.terminate(session, reason)
 
     # -- the awake cap ------------------------------------------------------
 
