@@ -17,10 +17,14 @@ import pytest
 from hermes_sup.client import SupervisorError
 from hermes_sup.protocol import ErrorCode, session_dir_name
 
-from .test_disk_full import fill, small_disks  # noqa: F401  (the fixture)
+from . import test_disk_full
+from .test_disk_full import fill
 from .test_turn_ids import kill_hard
 
 pytestmark = pytest.mark.e2e
+
+# The data directory on a small tmpfs, unmounted at the end (test_disk_full.py).
+small_disks = test_disk_full.small_disks
 
 
 def runs(marks: Path) -> list[str]:
