@@ -523,6 +523,63 @@ class Settings:
             "seconds between memory/process samples (longer under load)",
         ),
     )
+    # Disk (see supervisor/disk.py): the supervisor's reserve for its own
+    # state, and each session's bound on its workspace, home and tmp.
+    disk_reserve_mb: int | None = field(
+        default=64,
+        metadata=setting(
+            "--disk-reserve",
+            "MiB kept free for the supervisor's own state (turn journal, session records) on "
+            "the data and state directories' disks: below it, new turns are refused with "
+            "`disk_full` (safe to send again) and `status` says so",
+            zero="off",
+        ),
+    )
+    disk_limit_mb: int | None = field(
+        default=10240,
+        metadata=setting(
+            "--disk-limit",
+            "MiB a session's workspace, home and tmp may take on disk; over it the session is "
+            "stopped with the reason `disk` (sampled every `disk_interval`; `status` says how "
+            "it is enforced)",
+            zero="off",
+        ),
+    )
+    disk_interval: float = field(
+        default=5.0,
+        metadata=setting(
+            "--disk-interval",
+            "seconds between two rounds of the disk sampler over a session's files (each "
+            "round is read a slice per tick, so a large tree takes longer)",
+        ),
+    )
+    # A session with processes of its own running never is idle (health.py):
+    # past this while awake, with no turn, they are ended and it hibernates.
+    max_awake_seconds: float | None = field(
+        default=3600.0,
+        metadata=setting(
+            "--max-awake",
+            "seconds a session with background processes may stay awake without a turn "
+            "before they get SIGTERM, then SIGKILL after `awake_grace`, and it hibernates",
+            zero="off",
+        ),
+    )
+    awake_grace: float = field(
+        default=10.0,
+        metadata=setting(
+            "--awake-grace",
+            "seconds a session's background processes have to end after SIGTERM at "
+            "`max_awake`, before SIGKILL",
+        ),
+    )
+    awake_exempt: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--awake-exempt",
+            "session keys (or `PREFIX*`) never stopped by `max_awake`",
+            metavar="KEY",
+        ),
+    )
     # When full, the least recently used idle session is stopped to make room.
     max_sessions: int | None = field(
         default=None,

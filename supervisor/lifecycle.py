@@ -207,7 +207,8 @@ class Lifecycle:
             # the turn, which then fails (at most once) instead of waiting
             # for a retry as it would behind a runtime that cannot start.
             turn = self.turns.hand_over(session)
-            request["turn"] = {"id": turn.id, "text": turn.text}
+            if turn is not None:  # None: not journaled, refused once the worker is ready
+                request["turn"] = {"id": turn.id, "text": turn.text}
         if prepare:
             self.table.store.save_new(session)  # the directory the worktree goes in
             self.ctx.spawn(self._prepare_and_fork(session, session.generation, request, template))

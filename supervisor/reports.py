@@ -124,6 +124,9 @@ class Reports:
             "node": self.node_info(),
             # Whether sessions are sealed (worker/seal.py), how, and if not why.
             "sealed": pool.sealing.describe(),
+            # The reserve for the supervisor's own state, and how each
+            # session's disk bound is enforced (supervisor/disk.py).
+            "disk": self.turns.disk_status(),
             # How each per-session limit is enforced here.
             "limits": describe_limits(ctx.settings, pool.sealing),
             # What the sealed Hermes preload did (None: there was none).
@@ -191,6 +194,10 @@ class Reports:
             "current_turn": session.current.id if session.current is not None else None,
             "approvals_waiting": list(session.approvals),
             "state_history": history,
+            # Background processes ended by the awake cap (health.py), and
+            # bytes on disk at the disk sampler's last round (disk.py).
+            "awake_capped": session.awake_capped,
+            "disk_used": session.disk_used,
             # Its lease (see PROTOCOL.md, "Nodes"): held here, at which epoch.
             "node": self.ctx.node,
             "lease_epoch": session.lease.epoch if session.lease is not None else None,
