@@ -233,6 +233,11 @@ class Lifecycle:
             token, worker_id = new_identity()
             self.pool.identify(session, token, worker_id)
             request.update(token=token, worker_id=worker_id)
+        # Its cgroup, made now: the forked child enters it as its first act.
+        assert session.worker_id is not None
+        request["cgroup"] = self.pool.cgroups.make(
+            session.worker_id, self.ctx.settings_for(session)
+        )
         forked = self.pool.fork(request)
         self.ctx.spawn(self._register(session, session.generation, forked))
 
@@ -327,8 +332,12 @@ class Lifecycle:
         if session is None:
             return
         assert session.proc is not None
-        reason = session.kill_reason or describe_exit(
-            session.proc.exit_code, session.proc.exit_signal
+        # The kernel's word first (an OOM kill, forks refused at pids.max):
+        # a SIGKILL alone does not say which.
+        reason = (
+            session.kill_reason
+            or self.pool.cgroups.end_reason(session.worker_id)
+            or describe_exit(session.proc.exit_code, session.proc.exit_signal)
         )
         self.worker_gone(session, reason, exit_code=session.proc.exit_code)
 
@@ -338,6 +347,8 @@ class Lifecycle:
         s = self.ctx.settings_for(session)
         was = session.state
         pid = session.proc.pid if session.proc is not None else None
+        # What it left in its cgroup is killed, and the group removed.
+        self.pool.cgroups.release(session.worker_id)
         self.pool.forget_worker(session)
         session.exits += 1
         session.last_exit = reason

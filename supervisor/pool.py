@@ -47,6 +47,7 @@ from hermes_sup.protocol import (
 )
 from hermes_sup.worker.seal import SealedPaths
 
+from .cgroups import SessionGroups
 from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
@@ -100,6 +101,9 @@ class WorkerPool:
         # sealing.py), and as root the uid each live session runs as.
         self.sealing = Sealing()
         self.sealed_uids: dict[str, int] = {}
+        # A kernel control group per worker, where the host gives us one
+        # (set up at start by the server, see cgroups.py).
+        self.cgroups = SessionGroups()
         # The sealed Hermes preload: how far it is while the zygote starts
         # ({done, of, seconds}), then what it did ({modules, recorded,
         # seconds, missing}), for `status`; None when there is none. Whoever
@@ -296,6 +300,10 @@ class WorkerPool:
         Returns its exit status if it was reaped before we knew its pid."""
         session.proc = proc
         self.by_pid[proc.pid] = session
+        if session.worker_id is not None:
+            # It entered its group itself as its first act; this checks it
+            # did (and moves it if it could not).
+            self.cgroups.place(session.worker_id, proc.pid)
         if out_fd is not None and session.log is not None:
             own = self.ctx.settings_for(session)
             session.log.limit_rate(own.log_rate_limit, own.log_rate_burst)
@@ -428,6 +436,10 @@ class WorkerPool:
         """Give a new session a ready spare worker: send it the spawn request
         it would have been forked with. False if it is gone (then fork one)."""
         assert spare.proc is not None
+        # Into the session's cgroup before it hears of the session: nothing
+        # of the session runs outside it.
+        if self.cgroups.make(spare.worker_id, self.ctx.settings_for(session)):
+            self.cgroups.place(spare.worker_id, spare.proc.pid)
         # Everything but the token, which the spare has had since its fork.
         body = {"request": {k: v for k, v in request.items() if k != "token"}}
         try:
