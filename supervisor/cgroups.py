@@ -187,11 +187,11 @@ class SessionGroups:
             return None
         if use.oom_kills:
             limit = f"{use.memory_max // MIB} MiB" if use.memory_max else "the host's memory"
-            return f"oom: killed by the kernel, out of memory (limit {limit})"
+            return f"was ended by the kernel: oom (out of memory at its limit of {limit})"
         if use.pids_max_hits:
             return (
-                f"pids: its processes hit the limit of {use.pids_max} "
-                f"({use.pids_max_hits} forks refused)"
+                f"was ended after the kernel refused it processes: pids (at its limit of "
+                f"{use.pids_max}, {use.pids_max_hits} forks refused)"
             )
         return None
 

@@ -256,7 +256,7 @@ class Health:
                 continue
             if groups.oom_killed(session.worker_id) is None:
                 continue
-            reason = groups.end_reason(session.worker_id) or "oom: killed by the kernel"
+            reason = groups.end_reason(session.worker_id) or "was ended by the kernel: oom"
             log.warning(kv("oom_kill", session=session.key, reason=reason))
             # All of it now: what the kernel left of the session is not to
             # be trusted to stop politely, and its memory is full.

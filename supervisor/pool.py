@@ -216,11 +216,12 @@ class WorkerPool:
             rlimits["cpu"] = s.cpu_seconds
         if s.file_size_limit_mb:
             rlimits["fsize"] = s.file_size_limit_mb * 1024 * 1024
-        if s.max_procs and self.sealing.mode is not None:
+        if s.max_procs and self.sealing.mode is not None and not self.cgroups.active:
             # Sealed, a session's processes are its own uid's (root) or its
             # own user namespace's: the kernel counts them per session, and
             # a fork over the limit fails at once. (Unsealed, every session
             # shares our uid, and the sampler's count is the only limit.)
+            # With cgroups, the session's pids.max counts them instead.
             rlimits["nproc"] = s.max_procs
         return {
             "key": session.key,
