@@ -313,6 +313,12 @@ class Lifecycle:
         if session.state is not State.STARTING:
             return
         session.hello_pid = int(msg.body["pid"])
+        if session.proc is not None and session.worker_id is not None:
+            # It entered its cgroup as its first act (before it could say
+            # hello); checked here, and moved where its own write failed.
+            # (Not at the fork's reply: a move costs the kernel an RCU grace
+            # period, which would stall the loop if it raced the child's.)
+            self.pool.cgroups.place(session.worker_id, session.proc.pid)
         self.table.transition(session, Event.HELLO)
         self.runtimes_started.add(session.runtime_kind)
         log.info(kv("ready", session=session.key, pid=msg.body["pid"]))

@@ -301,10 +301,6 @@ class WorkerPool:
         Returns its exit status if it was reaped before we knew its pid."""
         session.proc = proc
         self.by_pid[proc.pid] = session
-        if session.worker_id is not None:
-            # It entered its group itself as its first act; this checks it
-            # did (and moves it if it could not).
-            self.cgroups.place(session.worker_id, proc.pid)
         if out_fd is not None and session.log is not None:
             own = self.ctx.settings_for(session)
             session.log.limit_rate(own.log_rate_limit, own.log_rate_burst)
@@ -388,6 +384,10 @@ class WorkerPool:
                 # Sealed: it enters its namespace at start (single-threaded),
                 # and mounts its session's directories once assigned.
                 "seal": self.sealing.spare_plan(self.ctx.settings),
+                # Born into the cgroup its session will have: moving a
+                # process costs the kernel an RCU grace period (ms), paid
+                # here, ahead of need, not when a session is waiting.
+                "cgroup": self.cgroups.make(spare.worker_id, self.ctx.settings),
             }
             # As for a worker: culls wait until it is known.
             self.ctx.spawn(self._register_spare(spare, self.fork(request)))
@@ -409,6 +409,7 @@ class WorkerPool:
                 pid, out_fd = await forked
             except ZygoteError as exc:
                 self.spares.discard(spare)
+                self.cgroups.release(spare.worker_id)
                 self.spares.retry_at = time.monotonic() + 1.0  # not on every tick
                 log.warning(kv("spare_not_forked", error=exc))
                 return
@@ -437,8 +438,10 @@ class WorkerPool:
         """Give a new session a ready spare worker: send it the spawn request
         it would have been forked with. False if it is gone (then fork one)."""
         assert spare.proc is not None
-        # Into the session's cgroup before it hears of the session: nothing
-        # of the session runs outside it.
+        # The spare was born in a group of its own (fill_spares), which
+        # becomes the session's: its limits are the session's from now, and
+        # it is in it before it hears of the session (moved now only if its
+        # own write failed).
         if self.cgroups.make(spare.worker_id, self.ctx.settings_for(session)):
             self.cgroups.place(spare.worker_id, spare.proc.pid)
         # Everything but the token, which the spare has had since its fork.
@@ -469,6 +472,7 @@ class WorkerPool:
             except OSError:
                 pass
             os.close(spare.out_fd)
+        self.cgroups.release(spare.worker_id)
         pool, s = self.spares, self.ctx.settings
         if spare.worker_id not in pool.by_id:
             pool.discard(spare)  # retired by us
