@@ -38,7 +38,9 @@ def run(spawns: int, round_trips: int, sup_args: list[str], keep: bool = False) 
         if not cgroups["active"]:
             print(f"cgroups are not in force here ({cgroups['reason']}): nothing to compare")
             return
-        print(f"this: cgroups {cgroups['version']} ({', '.join(cgroups['controllers'])}); other: off")
+        print(
+            f"this: cgroups {cgroups['version']} ({', '.join(cgroups['controllers'])}); other: off"
+        )
         for c in clients.values():
             c.run("k", "x")
 

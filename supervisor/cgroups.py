@@ -268,7 +268,9 @@ def lower_oom_score(groups: SessionGroups) -> None:
     )
 
 
-def amend_limits(limits: dict[str, str], settings: Settings, groups: SessionGroups) -> dict[str, str]:
+def amend_limits(
+    limits: dict[str, str], settings: Settings, groups: SessionGroups
+) -> dict[str, str]:
     """`describe_limits` (sealing.py) as it is with cgroups in force: memory
     and processes bounded by the kernel per session, and the weights."""
     h = groups.hierarchy
@@ -279,7 +281,11 @@ def amend_limits(limits: dict[str, str], settings: Settings, groups: SessionGrou
     if settings.memory_limit_mb:
         limits["memory"] = (
             f"{settings.memory_limit_mb} MiB, {where} memory.max incl. shm, tmpfs and memfd"
-            + ("; OOM kill ends the session whole" if h.oom_group else "; OOM kill ends the session")
+            + (
+                "; OOM kill ends the session whole"
+                if h.oom_group
+                else "; OOM kill ends the session"
+            )
         )
     if settings.max_procs:
         limits["processes"] = f"{settings.max_procs}, {where} pids.max (threads count)"

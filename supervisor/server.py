@@ -49,8 +49,8 @@ from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
 from . import cgroups, configfile, sealing
-from .cgroups import lower_oom_score
 from .back import Back
+from .cgroups import lower_oom_score
 from .config import Settings
 from .context import Context
 from .endpoints import WORKER_INBOX, Endpoints

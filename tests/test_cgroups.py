@@ -118,7 +118,9 @@ def mountinfo(v2: Path | None = None, v1: dict[str, Path] | None = None) -> str:
     if v2 is not None:
         lines.append(f"41 31 0:38 / {v2} rw,relatime - cgroup2 cgroup2 rw")
     for i, (controller, point) in enumerate((v1 or {}).items()):
-        lines.append(f"{50 + i} 31 0:{60 + i} / {point} rw,relatime - cgroup cgroup rw,{controller}")
+        lines.append(
+            f"{50 + i} 31 0:{60 + i} / {point} rw,relatime - cgroup cgroup rw,{controller}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -237,12 +239,10 @@ def v1_or_skip(tag: str) -> cgroupfs.V1:
 
 def run_in(h: cgroupfs.Hierarchy, name: str, code: str) -> subprocess.Popen[str]:
     """A python child that enters the group itself (as a worker does) first."""
-    prelude = (
-        "import os\n"
-        f"for p in {h.procs_files(name)!r}:\n"
-        "    open(p, 'w').write('0')\n"
+    prelude = f"import os\nfor p in {h.procs_files(name)!r}:\n    open(p, 'w').write('0')\n"
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + code], text=True, stdout=subprocess.PIPE
     )
-    return subprocess.Popen([sys.executable, "-c", prelude + code], text=True, stdout=subprocess.PIPE)
 
 
 @needs_root

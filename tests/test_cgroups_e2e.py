@@ -13,7 +13,6 @@ import os
 import secrets
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
