@@ -12,7 +12,10 @@ import hashlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
+import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +72,10 @@ def oom_score_adj(pid: int) -> int:
 def test_each_worker_is_in_its_sessions_group_and_none_outlives_the_supervisor(
     supervisor_factory,  # noqa: ANN001
 ) -> None:
-    sup = supervisor_factory("--spare-workers", "1")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sup = supervisor_factory("--spare-workers", "1", "--metrics", str(port))
     bases = v1_bases(sup.data_dir)
     with sup.client() as client:
         status = client.status()
@@ -99,6 +105,23 @@ def test_each_worker_is_in_its_sessions_group_and_none_outlives_the_supervisor(
         assert all(oom_score_adj(pid) == 500 for pid in pids.values())
         rows = {row["key"]: row for row in client.sessions()}
         assert rows["a"]["cgroup"]["pids_max"] == 256
+        # `status` says it; metrics show each session against its limits.
+        shown = subprocess.run(
+            [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(sup.state_dir), "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert "cgroups:   v1, one per session" in shown, shown
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = dict(
+                line.rsplit(" ", 1)
+                for line in response.read().decode().splitlines()
+                if line and not line.startswith("#")
+            )
+        assert float(metrics['hermes_sup_session_memory_max_bytes{session="a"}']) == 2048 * MIB
+        assert float(metrics['hermes_sup_session_tasks_max{session="c"}']) == 256
+        assert float(metrics['hermes_sup_session_oom_kills{session="a"}']) == 0
         # A session's group goes with its worker.
         name_b = groups_of(pids["b"])["memory"].rsplit("/", 1)[1]
         client.kill("b")
