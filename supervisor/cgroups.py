@@ -45,6 +45,7 @@ from .session import Session
 
 log = logging.getLogger("hermes_sup.supervisor")
 MIB = 1024 * 1024
+MAX_WEIGHT = 10000
 
 
 def group_name(worker_id: bytes) -> str:
@@ -57,8 +58,9 @@ def limits_for(settings: Settings) -> Limits:
     return Limits(
         memory=settings.memory_limit_mb * MIB if settings.memory_limit_mb else None,
         pids=settings.max_procs or None,
-        cpu_weight=settings.cpu_weight or None,
-        io_weight=settings.io_weight or None,
+        # The kernel refuses a weight over 10000: taken as the most.
+        cpu_weight=min(settings.cpu_weight, MAX_WEIGHT) if settings.cpu_weight else None,
+        io_weight=min(settings.io_weight, MAX_WEIGHT) if settings.io_weight else None,
     )
 
 

@@ -484,20 +484,19 @@ class Settings:
         default=100,
         metadata=setting(
             "--cpu-weight",
-            "with cgroups: a session's CPU weight, 1-10000 (`cpu.weight`; v1 `cpu.shares` "
-            "x10.24): sessions share the CPUs in proportion, however many processes each runs",
+            "with cgroups: a session's CPU weight, 1-10000, more is 10000 (`cpu.weight`; v1 "
+            "`cpu.shares` x10.24): sessions share the CPUs in proportion, however many "
+            "processes each runs",
             zero="the kernel's default",
-            check=lambda v: None if v is None or 1 <= v <= 10000 else "must be 1 to 10000",
         ),
     )
     io_weight: int | None = field(
         default=100,
         metadata=setting(
             "--io-weight",
-            "with cgroups: a session's IO weight, 1-10000 (`io.weight`, where the kernel's "
-            "IO controller weighs; v1 `blkio.weight`, 10-1000)",
+            "with cgroups: a session's IO weight, 1-10000, more is 10000 (`io.weight`, where "
+            "the kernel's IO controller weighs; v1 `blkio.weight`, 10-1000)",
             zero="the kernel's default",
-            check=lambda v: None if v is None or 1 <= v <= 10000 else "must be 1 to 10000",
         ),
     )
     max_open_files: int | None = field(

@@ -5,6 +5,7 @@ subtree where the host has one."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import signal
@@ -356,3 +357,20 @@ def test_oom_score_adj_of_a_worker_can_always_be_raised() -> None:
     )
     out, _ = child.communicate(timeout=30)
     assert out.strip() == "500"
+
+
+def test_settings_become_kernel_limits() -> None:
+    from hermes_sup.supervisor.cgroups import group_name, limits_for
+    from hermes_sup.supervisor.config import Settings
+
+    base = Settings(state_dir=Path("/tmp/s"), data_dir=Path("/tmp/d"))
+    limits = limits_for(base)
+    assert limits == Limits(memory=2048 * MIB, pids=256, cpu_weight=100, io_weight=100)
+    big = limits_for(
+        dataclasses.replace(
+            base, memory_limit_mb=None, max_procs=None, cpu_weight=50000, io_weight=None
+        )
+    )
+    assert big == Limits(memory=None, pids=None, cpu_weight=10000, io_weight=None)
+    # A group's name is made from the routing id only, never from a key.
+    assert group_name(b"w" + bytes(range(15))) == "w77" + bytes(range(15)).hex()
