@@ -25,7 +25,7 @@ import pytest
 from hermes_sup.client.errors import WorkerDied
 from hermes_sup.local import cgroupfs
 
-from .test_hostile_session import python
+from .test_hostile_session import python, refused, tries
 from .test_sealed import sh
 from .waiting import wait_for
 
@@ -338,3 +338,34 @@ def test_a_fork_bomb_stops_at_pids_max(supervisor_factory) -> None:  # noqa: ANN
         assert rows["bomb"]["cgroup"]["pids_max_hits"] > 0
         client.kill("bomb", force=True)
         assert client.inspect("bomb")["cgroup"] is None  # its group went with it
+
+
+def test_a_session_cannot_loosen_or_leave_its_group(supervisor_factory) -> None:  # noqa: ANN001
+    """From the session's own shell: its limits cannot be raised, and it
+    cannot move itself out of its group (or into another's)."""
+    sup = supervisor_factory()
+    with sup.client(timeout=60) as client:
+        assert client.run("other", "echo hi").ok
+        assert client.run("s", "echo hi").ok
+        pid = client.inspect("s")["pid"]
+        other = groups_of(client.inspect("other")["pid"])
+        mine = groups_of(pid)
+        memory = Path("/sys/fs/cgroup/memory") / mine["memory"].lstrip("/")
+        pids = Path("/sys/fs/cgroup/pids") / mine["pids"].lstrip("/")
+        attempts = tries(
+            client,
+            "s",
+            {
+                "raise memory": f"echo 9223372036854771712 > {memory}/memory.limit_in_bytes",
+                "raise pids": f"echo max > {pids}/pids.max",
+                "leave": f"echo $$ > {pids.parent.parent.parent}/cgroup.procs",
+                "to root": "echo $$ > /sys/fs/cgroup/pids/cgroup.procs",
+                "into another's": "echo $$ > /sys/fs/cgroup/pids" + other["pids"] + "/cgroup.procs",
+                "remove": f"rmdir {memory}",
+            },
+        )
+        for name, lines in attempts.items():
+            assert refused(lines), (name, lines)
+        assert groups_of(pid) == mine
+        cg = client.inspect("s")["cgroup"]
+        assert cg["memory_max"] == 2048 * MIB and cg["pids_max"] == 256
