@@ -189,7 +189,7 @@ class SessionGroups:
             return None
         if use.oom_kills:
             limit = f"{use.memory_max // MIB} MiB" if use.memory_max else "the host's memory"
-            return f"was ended by the kernel: oom (out of memory at its limit of {limit})"
+            return f"was ended by the kernel: oom (out of memory at its memory limit of {limit})"
         if use.pids_max_hits:
             return (
                 f"was ended after the kernel refused it processes: pids (at its limit of "
