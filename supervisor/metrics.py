@@ -29,6 +29,11 @@ def exit_category(
     reason: str, exit_code: int | None, signal_name: str | None, stopped: bool
 ) -> str:
     """A low-cardinality label for why a worker ended."""
+    # The kernel's word first: on cgroup v1 the supervisor itself stops a
+    # session the kernel OOM-killed in, which is no operator's stop.
+    for words, label in (("by the kernel: oom", "oom"), ("refused it processes: pids", "pids")):
+        if words in reason:
+            return label
     if stopped:
         return "stopped"
     for words, label in (

@@ -374,3 +374,12 @@ def test_settings_become_kernel_limits() -> None:
     assert big == Limits(memory=None, pids=None, cpu_weight=10000, io_weight=None)
     # A group's name is made from the routing id only, never from a key.
     assert group_name(b"w" + bytes(range(15))) == "w77" + bytes(range(15)).hex()
+
+
+def test_a_kernel_ending_is_its_own_exit_category() -> None:
+    from hermes_sup.supervisor.metrics import exit_category
+
+    oom = "was ended by the kernel: oom (out of memory at its memory limit of 80 MiB)"
+    assert exit_category(oom, None, "SIGKILL", stopped=True) == "oom"
+    pids = "was ended after the kernel refused it processes: pids (at its limit of 64, 3 forks refused)"
+    assert exit_category(pids, 1, None, stopped=False) == "pids"
