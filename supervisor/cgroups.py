@@ -277,8 +277,7 @@ def amend_limits(
     and processes bounded by the kernel per session, and the weights."""
     h = groups.hierarchy
     if h is None:
-        limits["cgroups"] = f"off ({groups.reason})"
-        return limits
+        return limits  # as sealing says; `status` says why there are no cgroups
     where = f"kernel (cgroup {h.version})"
     if settings.memory_limit_mb:
         limits["memory"] = (

@@ -369,3 +369,13 @@ def test_a_session_cannot_loosen_or_leave_its_group(supervisor_factory) -> None:
         assert groups_of(pid) == mine
         cg = client.inspect("s")["cgroup"]
         assert cg["memory_max"] == 2048 * MIB and cg["pids_max"] == 256
+
+
+def test_the_cgroups_bench_runs_and_leaves_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/cgroups_ab.py, tiny: both sides measured, paired."""
+    from bench import cgroups_ab
+
+    cgroups_ab.run(3, 20, ["--spare-workers", "0"])
+    out = capsys.readouterr().out
+    assert "this: cgroups v1" in out
+    assert "round trip (this: cgroups)" in out and "spawn (this: cgroups)" in out
