@@ -25,7 +25,7 @@ import pytest
 from hermes_sup.client.errors import WorkerDied
 from hermes_sup.local import cgroupfs
 
-from .test_hostile_session import python, refused, tries
+from .test_hostile_session import python, refused, start_lab, tries
 from .test_sealed import sh
 from .waiting import wait_for
 
@@ -379,3 +379,17 @@ def test_the_cgroups_bench_runs_and_leaves_nothing(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "this: cgroups v1" in out
     assert "round trip (this: cgroups)" in out and "spawn (this: cgroups)" in out
+
+
+def test_unprivileged_without_a_delegated_v2_tree_says_why(supervisor_factory, workdir) -> None:  # noqa: ANN001
+    """As a service user on this host (v1, and an empty v2 root) there are
+    no cgroups: `status` says so and why, and the rlimit and sampler stay."""
+    lab = start_lab(supervisor_factory, workdir, "user")
+    with lab.client() as client:
+        status = client.status()
+        assert client.run("s", "echo hi").ok
+        assert client.inspect("s")["cgroup"] is None
+    groups = status["cgroups"]
+    assert not groups["active"] and "never delegated to an unprivileged user" in groups["reason"]
+    assert "RLIMIT_NPROC" in status["limits"]["processes"]
+    assert "cgroups_unavailable" in lab.sup.log()
