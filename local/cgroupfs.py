@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +215,12 @@ class Hierarchy(ABC):
     def teardown(self) -> None:
         """Remove what setup made, where it is empty (the supervisor stops)."""
 
+    @abstractmethod
+    def made_dirs(self) -> list[str]:
+        """The directories setup made, deepest first: the session groups are
+        their children (for the zygote's clean-up after a supervisor that
+        was killed, see remove_empty)."""
+
 
 class V2(Hierarchy):
     """A delegated cgroup v2 subtree: `<unit>/supervisor` holds the supervisor
@@ -342,6 +349,9 @@ class V2(Hierarchy):
         except OSError:
             pass  # a group still there (the caller said so); never the leaf we run in
 
+    def made_dirs(self) -> list[str]:
+        return [str(self.sessions)]
+
 
 class V1(Hierarchy):
     """cgroup v1 (root only): each session group mirrored in one directory
@@ -463,6 +473,9 @@ class V1(Hierarchy):
                 except OSError:
                     break  # a group still there: leave the rest
 
+    def made_dirs(self) -> list[str]:
+        return [str(d) for base in self.bases.values() for d in (base / SESSIONS, base)]
+
 
 @dataclass(frozen=True)
 class Mounts:
@@ -573,6 +586,31 @@ def detect(
     if isinstance(v1, V1):
         return v1
     return f"{v2}; {v1}"
+
+
+def remove_empty(dirs: list[str], patience: float = 2.0) -> None:
+    """Remove each of `dirs` (deepest first) and the groups in them, once
+    empty: what a supervisor killed outright could not (its zygote calls
+    this after killing its workers, which leave their groups a moment
+    later). Populated or foreign groups stay; errors are ignored."""
+    deadline = time.monotonic() + patience
+    for top in dirs:
+        while True:
+            try:
+                for entry in os.scandir(top):
+                    if entry.is_dir(follow_symlinks=False):
+                        try:
+                            os.rmdir(entry.path)
+                        except OSError:
+                            pass
+                os.rmdir(top)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)  # a killed worker still leaving its group
 
 
 # The OOM killer's view of our processes (proc(5) oom_score_adj): the

@@ -111,6 +111,10 @@ class SessionGroups:
             )
         )
 
+    def made_dirs(self) -> tuple[str, ...]:
+        """What setup made (for the zygote's clean-up if we are killed)."""
+        return tuple(self.hierarchy.made_dirs()) if self.hierarchy is not None else ()
+
     @property
     def active(self) -> bool:
         return self.hierarchy is not None

@@ -142,6 +142,7 @@ class WorkerPool:
             sealed=mode,
             data_dir=str(settings.data_dir.absolute()),
             hermes=hermes,
+            cgroup_dirs=self.cgroups.made_dirs(),
         )
         # Hermes preloaded (sealed) is some 1,800 modules: seconds on a quiet
         # machine, minutes on a loaded one; anything else is quick.

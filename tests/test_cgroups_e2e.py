@@ -159,7 +159,8 @@ def test_a_previous_runs_groups_are_cleared_at_start(supervisor_factory) -> None
 @pytest.fixture
 def capped_cgroup() -> Iterator[Path]:
     """A v1 memory cgroup of 400 MiB (what a unit's MemoryMax= gives), for
-    a supervisor to be started in; removed after."""
+    a supervisor to be started in; removed after (ask for it before
+    supervisor_factory: the supervisor is stopped first)."""
     own = cgroupfs.read_own(Path("/proc/self/cgroup").read_text())[1]["memory"]
     path = Path("/sys/fs/cgroup/memory") / own.lstrip("/") / f"hst-cap-{secrets.token_hex(4)}"
     path.mkdir()
@@ -198,8 +199,8 @@ FILL_MEMFD = python(
 
 @pytest.mark.parametrize("cgroups", ["auto", "off"])
 def test_a_session_filling_a_capped_service_is_ended_alone_with_reason_oom(
-    supervisor_factory,  # noqa: ANN001
     capped_cgroup: Path,
+    supervisor_factory,  # noqa: ANN001
     cgroups: str,
 ) -> None:
     """With cgroups the session's own memory.max stops it (reason `oom`);
@@ -393,3 +394,17 @@ def test_unprivileged_without_a_delegated_v2_tree_says_why(supervisor_factory, w
     assert not groups["active"] and "never delegated to an unprivileged user" in groups["reason"]
     assert "RLIMIT_NPROC" in status["limits"]["processes"]
     assert "cgroups_unavailable" in lab.sup.log()
+
+
+def test_a_supervisor_killed_outright_leaves_no_group(supervisor_factory) -> None:  # noqa: ANN001
+    """SIGKILL gives the supervisor no chance to clean up: its zygote,
+    which outlives it a moment to kill its workers, removes the groups."""
+    sup = supervisor_factory("--spare-workers", "1")
+    bases = v1_bases(sup.data_dir)
+    with sup.client() as client:
+        assert client.run("a", "echo hi").ok
+        assert client.run("b", "echo hi").ok
+    assert any((base / "sessions").iterdir() for base in bases.values())
+    sup.proc.kill()
+    sup.proc.wait()
+    wait_for(lambda: not any(base.exists() for base in bases.values()))

@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sealed", choices=["root", "user"], default=None)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--hermes", action="store_true")
+    # The session cgroups' parents (supervisor/cgroups.py), deepest first.
+    parser.add_argument("--cgroup-dir", action="append", default=[])
     args = parser.parse_args(argv)
 
     # Hear of the supervisor's death (as SIGTERM, or as EOF on the socket);
@@ -394,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"hermes-sup zygote: killed {killed} leftover worker process(es)", file=sys.stderr
             )
+        if args.cgroup_dir:
+            # A supervisor killed outright leaves its session groups; a
+            # stopping one has removed them already (then this finds none).
+            from hermes_sup.local.cgroupfs import remove_empty
+
+            remove_empty(args.cgroup_dir)
 
 
 if __name__ == "__main__":
