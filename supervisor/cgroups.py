@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,9 @@ from .session import Session
 log = logging.getLogger("hermes_sup.supervisor")
 MIB = 1024 * 1024
 MAX_WEIGHT = 10000
+# Seconds the supervisor waits at start and stop for killed processes to
+# leave their groups (never while serving: then the tick retries).
+SETTLE_PATIENCE = 3.0
 
 
 def group_name(worker_id: bytes) -> str:
@@ -101,6 +105,7 @@ class SessionGroups:
         stale = found.names()
         for name in stale:
             self._remove(name)
+        self._settle()
         log.info(
             kv(
                 "cgroups",
@@ -223,6 +228,15 @@ class SessionGroups:
             log.warning(kv("cgroup_remove_failed", group=name, error=exc))
         self.leftover.add(name)
 
+    def _settle(self) -> None:
+        """At start and stop only (it sleeps): wait a little for processes
+        just killed to leave their groups (a spare killed at shutdown, a
+        sealed worker's namespace being torn down), removing them as they go."""
+        deadline = time.monotonic() + SETTLE_PATIENCE
+        while self.leftover and time.monotonic() < deadline:
+            time.sleep(0.02)
+            self.retry()
+
     def retry(self) -> None:
         """Remove the groups that were still busy (from the tick)."""
         for name in list(self.leftover):
@@ -236,8 +250,7 @@ class SessionGroups:
         self.oom_seen.clear()
         for name in h.names():
             self._remove(name)
-        for name in list(self.leftover):
-            self._remove(name)
+        self._settle()
         if self.leftover:
             log.warning(kv("cgroups_left", groups=",".join(sorted(self.leftover))))
         h.teardown()
