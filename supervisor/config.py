@@ -490,6 +490,40 @@ class Settings:
             zero="off",
         ),
     )
+    # supervisor/cgroups.py: a kernel control group per session's worker,
+    # where the host delegates one; memory_limit_mb and max_procs become its
+    # memory.max and pids.max.
+    cgroups: str = field(
+        default="auto",
+        metadata=setting(
+            "--cgroups",
+            "a cgroup per session (v2 delegated subtree, or v1 as root): its memory, "
+            "processes, CPU and IO bounded by the kernel, and an OOM kill ends that "
+            'session only; `"auto"` uses them where the host allows and says why not in '
+            '`status`; `"on"` refuses to start without them; `"off"` never',
+            choices=SEALED_CHOICES,
+            reload=False,
+        ),
+    )
+    cpu_weight: int | None = field(
+        default=100,
+        metadata=setting(
+            "--cpu-weight",
+            "with cgroups: a session's CPU weight, 1-10000, more is 10000 (`cpu.weight`; v1 "
+            "`cpu.shares` x10.24): sessions share the CPUs in proportion, however many "
+            "processes each runs",
+            zero="the kernel's default",
+        ),
+    )
+    io_weight: int | None = field(
+        default=100,
+        metadata=setting(
+            "--io-weight",
+            "with cgroups: a session's IO weight, 1-10000, more is 10000 (`io.weight`, where "
+            "the kernel's IO controller weighs; v1 `blkio.weight`, 10-1000)",
+            zero="the kernel's default",
+        ),
+    )
     max_open_files: int | None = field(
         default=1024,
         metadata=setting("--max-open-files", "open-file rlimit of each worker", zero="off"),

@@ -86,6 +86,10 @@ PROGRESS_GRACE = 3
 # CPU time (seconds) a silent worker must have used since its last sample to
 # count as progress: more than a stray wakeup or two of an idle thread.
 MIN_CPU_PROGRESS = 0.02
+# Seconds between looks at the session cgroups' OOM counters (v1: an OOM
+# kill in a session ends it, there being no memory.oom.group) and retries of
+# groups still busy when their worker went.
+CGROUP_INTERVAL = 0.5
 # /proc stat states of a worker that cannot be making progress.
 STOPPED_STATES = frozenset("Tt")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -140,6 +144,7 @@ class Health:
         # and those it is ending: (generation, the processes told, SIGKILLed).
         self._awake: dict[str, tuple[tuple[int, int], float]] = {}
         self._capping: dict[str, tuple[int, list[psutil.Process], bool]] = {}
+        self._next_cgroups = 0.0
         table.on_judged = self.judge_soon
         # Each session's bytes on disk against its disk limit (disk.py).
         self.disk = DiskSampler(
@@ -197,6 +202,9 @@ class Health:
                 self._due.set(key, when)
         self._start_limits_scan(now)
         self.disk.tick(now, self.table.judged)  # type: ignore[arg-type]
+        if now >= self._next_cgroups:
+            self._next_cgroups = now + CGROUP_INTERVAL
+            self._check_cgroups()
         if self._watches:
             self._forget_watches()
 
@@ -256,6 +264,32 @@ class Health:
         if wanted:
             self._next_scan = now + self.ctx.settings.limits_interval
             self.ctx.spawn(self._check_limits())
+
+    def _check_cgroups(self) -> None:
+        """Remove session groups left busy, and (v1) end every session in
+        which the kernel OOM-killed a process: on v2 the kernel killed the
+        whole group itself (memory.oom.group), and the exit says so."""
+        groups = self.lifecycle.pool.cgroups
+        if groups.hierarchy is None:
+            return
+        groups.retry()
+        if groups.hierarchy.oom_group:
+            return
+        for session in list(self.table.judged.values()):
+            if session.worker_id is None or session.state not in (
+                State.STARTING,
+                State.IDLE,
+                State.BUSY,
+            ):
+                continue
+            if groups.oom_killed(session.worker_id) is None:
+                continue
+            reason = groups.end_reason(session.worker_id) or "was ended by the kernel: oom"
+            log.warning(kv("oom_kill", session=session.key, reason=reason))
+            # All of it now: what the kernel left of the session is not to
+            # be trusted to stop politely, and its memory is full.
+            session.kill_reason = reason
+            self.ctx.spawn(self.lifecycle.killer.kill_session(session, force=True, reason=reason))
 
     def _hibernate(self, session: Session, idle: float) -> bool:
         """Stop an idle session's worker; it is listed `hibernated` and its

@@ -16,6 +16,7 @@ from hermes_sup.local.version import version
 from hermes_sup.protocol import PROTOCOL_VERSION
 
 from . import model_gate
+from .cgroups import amend_limits
 from .configfile import hermes_agent_version
 from .context import Context
 from .endpoints import Endpoints
@@ -74,6 +75,8 @@ class Reports:
                     cpu_percent=round(max(0.0, use.cpu - since[0]) / elapsed * 100, 1),
                 )
                 s.cpu_sample = (use.cpu, now)
+            # The kernel's count against its limits, where it has a cgroup.
+            row["cgroup"] = self.pool.cgroups.usage_dict(s.worker_id)
             rows.append(row)
         default_runtime = self.ctx.settings.runtime
         for stored_session in stored:
@@ -84,6 +87,7 @@ class Reports:
                 rss=None,
                 cpu_percent=None,
                 procs=None,
+                cgroup=None,
             )
             rows.append(row)
         rows.sort(key=lambda row: row["key"])
@@ -128,7 +132,11 @@ class Reports:
             # session's disk bound is enforced (supervisor/disk.py).
             "disk": self.turns.disk_status(),
             # How each per-session limit is enforced here.
-            "limits": describe_limits(ctx.settings, pool.sealing),
+            "limits": amend_limits(
+                describe_limits(ctx.settings, pool.sealing), ctx.settings, pool.cgroups
+            ),
+            # Whether each session has a kernel cgroup, which, and if not why.
+            "cgroups": pool.cgroups.describe(),
             # What the sealed Hermes preload did (None: there was none).
             "preload": pool.preload,
             # Model use by HTTP key through the model endpoint, with budgets.
@@ -204,6 +212,8 @@ class Reports:
             # Sealed, its worker runs as this uid (as root; None otherwise).
             "sealed": self.pool.sealing.mode is not None,
             "uid": self.pool.sealed_uids.get(session.key),
+            # Its worker's cgroup: the kernel's count against its limits.
+            "cgroup": self.pool.cgroups.usage_dict(session.worker_id),
             # A reload since its worker started applies at its next start.
             "settings_outdated": session.settings is not None
             and session.settings is not self.ctx.settings,
