@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
-from bench.ab import report
+from bench.ab import alternate, report
 from bench.common import Sup
 from hermes_sup.client import Client
 from hermes_sup.protocol import Kind
@@ -61,14 +60,6 @@ def run(spawns: int, round_trips: int, sup_args: list[str], keep: bool = False) 
                 # Stopped again, so that the groups (and workers) do not pile up.
                 clients[name].kill(f"sp{i}", force=True)
             return elapsed
-
-        def alternate(measure: Callable[[str, int], float], n: int) -> dict[str, list[float]]:
-            out: dict[str, list[float]] = {"this": [], "other": []}
-            for i in range(n):
-                order = ("this", "other") if i % 2 == 0 else ("other", "this")
-                for name in order:
-                    out[name].append(measure(name, i))
-            return out
 
         alternate(round_trip, 200)  # warm-up
         report("round trip (this: cgroups)", alternate(round_trip, round_trips), 1e6, "us")
