@@ -104,14 +104,6 @@ def paired(
             clients[name].run(f"sp{i}", "x")
             return time.perf_counter() - started
 
-        def alternate(measure: Callable[[str, int], float], n: int) -> dict[str, list[float]]:
-            out: dict[str, list[float]] = {"this": [], "other": []}
-            for i in range(n):
-                order = ("this", "other") if i % 2 == 0 else ("other", "this")
-                for name in order:
-                    out[name].append(measure(name, i))
-            return out
-
         alternate(lambda name, i: round_trip(name), 300)  # warm-up
         before = {n: (cpu_seconds(p), sum(map(context_switches, p))) for n, p in pids.items()}
         rtt = alternate(lambda name, i: round_trip(name), round_trips)
@@ -128,6 +120,17 @@ def paired(
             c.close()
         for sup in sides.values():
             sup.close()
+
+
+def alternate(measure: Callable[[str, int], float], n: int) -> dict[str, list[float]]:
+    """`n` pairs of measurements of the sides "this" and "other", which of
+    the two goes first alternating from pair to pair."""
+    out: dict[str, list[float]] = {"this": [], "other": []}
+    for i in range(n):
+        order = ("this", "other") if i % 2 == 0 else ("other", "this")
+        for name in order:
+            out[name].append(measure(name, i))
+    return out
 
 
 def report(what: str, samples: dict[str, list[float]], scale: float, unit: str) -> None:

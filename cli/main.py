@@ -254,6 +254,15 @@ def sealing_lines(info: dict[str, Any]) -> list[str]:
         if not sealed.get("signals_scoped") and not sealed.get("pid_namespaces"):
             parts.append("signals between sessions not scoped")
         lines.append("sealing:   " + ", ".join(parts))
+    groups = info.get("cgroups")
+    if isinstance(groups, dict):
+        if groups.get("active"):
+            lines.append(
+                f"cgroups:   {groups.get('version')}, one per session under {groups.get('where')} "
+                f"({', '.join(groups.get('controllers') or [])})"
+            )
+        else:
+            lines.append(f"cgroups:   none: {groups.get('reason')}")
     preload = info.get("preload")
     if isinstance(preload, dict) and preload.get("recorded"):
         missing = preload.get("missing") or 0

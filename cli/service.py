@@ -59,6 +59,17 @@ ExecStart={exec_start} serve
 # the service leaves nothing behind, whatever a session did.
 KillMode=control-group
 KillSignal=SIGTERM
+# A cgroup per session beneath the service's own (supervisor/cgroups.py):
+# systemd hands the subtree over and starts the supervisor in its leaf
+# <unit>/supervisor (DelegateSubgroup=, systemd 254 or newer: an older one
+# ignores the line and the supervisor moves itself there).
+Delegate=yes
+DelegateSubgroup=supervisor
+# One session's OOM kill ends that session, never the service.
+OOMPolicy=continue
+# The OOM killer's last choice (set by systemd before it drops to User=);
+# every worker raises its own to 500.
+OOMScoreAdjust=-900
 TimeoutStopSec=30
 WatchdogSec=30
 Restart=on-failure
@@ -79,11 +90,13 @@ PrivateMounts=yes
 PrivateTmp=yes
 PrivateDevices=yes
 DevicePolicy=closed
-ReadWritePaths=/var/lib/hermes-sup /run/hermes-sup
+# /sys/fs/cgroup: the delegated subtree is the only part of it the service
+# user owns (ProtectControlGroups= would make even that read-only).
+ReadWritePaths=/var/lib/hermes-sup /run/hermes-sup /sys/fs/cgroup
 ProtectKernelTunables=yes
 ProtectKernelModules=yes
 ProtectKernelLogs=yes
-ProtectControlGroups=yes
+ProtectControlGroups=no
 ProtectClock=yes
 ProtectHostname=yes
 ProtectProc=invisible

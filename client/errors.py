@@ -89,6 +89,12 @@ class ShuttingDown(SupervisorError):
     """The supervisor is stopping and takes no new turns."""
 
 
+class DiskFull(SupervisorError):
+    """The turn was not run: the supervisor could not record its start (its
+    data disk is full, or below its reserve). Its id is unspent: send it
+    again, same id, once there is room."""
+
+
 class InternalError(SupervisorError):
     """A bug in hermes-sup; the supervisor logged a traceback."""
 
@@ -118,6 +124,7 @@ _BY_CODE: dict[str, type[SupervisorError]] = {
     ErrorCode.NOTHING_TO_APPROVE: NothingToApprove,
     ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.INTERNAL: InternalError,
+    ErrorCode.DISK_FULL: DiskFull,
 }
 
 

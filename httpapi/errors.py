@@ -100,6 +100,9 @@ def from_client_error(exc: ClientError) -> ApiError:
         return ApiError(504, message, "turn_timeout", SERVER)
     if isinstance(exc, (WorkerDied, SessionKilled)):
         return ApiError(502, message, exc.code, SERVER)
+    if isinstance(exc, SupervisorError) and exc.code == "disk_full":
+        # Not run, its id unspent: safe to retry once the disk has room.
+        return unavailable(message, "disk_full", 30)
     if isinstance(exc, SupervisorError) and exc.code in ("interrupted", "too_large", "expired"):
         # A retry's turn ran once already and this is all that is known of
         # its end: a server-side failure, not to be retried into a second run.

@@ -303,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    # As root, the OOM killer's last choice with the supervisor (a session's
+    # worker goes first); the keeper's endpoint inherits it.
+    from hermes_sup.local.cgroupfs import lower_oom_score
+
+    lower_oom_score()
     if args.keep:
         if args.fd is None or args.watch_fd is None:
             parser.error("--keep needs --fd and --watch-fd")

@@ -47,6 +47,10 @@ class ErrorCode(StrEnum):
     # A turn that started and whose supervisor stopped before it ended (the
     # turn journal, supervisor/journal.py): it is never run again.
     INTERRUPTED = "interrupted"
+    # The turn was not run: its start could not be recorded in the turn
+    # journal, or the data disk is below the supervisor's reserve. Its id
+    # stays unspent: sending it again is safe.
+    DISK_FULL = "disk_full"
 
 
 class ProtocolError(Exception):

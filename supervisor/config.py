@@ -492,6 +492,40 @@ class Settings:
             zero="off",
         ),
     )
+    # supervisor/cgroups.py: a kernel control group per session's worker,
+    # where the host delegates one; memory_limit_mb and max_procs become its
+    # memory.max and pids.max.
+    cgroups: str = field(
+        default="auto",
+        metadata=setting(
+            "--cgroups",
+            "a cgroup per session (v2 delegated subtree, or v1 as root): its memory, "
+            "processes, CPU and IO bounded by the kernel, and an OOM kill ends that "
+            'session only; `"auto"` uses them where the host allows and says why not in '
+            '`status`; `"on"` refuses to start without them; `"off"` never',
+            choices=SEALED_CHOICES,
+            reload=False,
+        ),
+    )
+    cpu_weight: int | None = field(
+        default=100,
+        metadata=setting(
+            "--cpu-weight",
+            "with cgroups: a session's CPU weight, 1-10000, more is 10000 (`cpu.weight`; v1 "
+            "`cpu.shares` x10.24): sessions share the CPUs in proportion, however many "
+            "processes each runs",
+            zero="the kernel's default",
+        ),
+    )
+    io_weight: int | None = field(
+        default=100,
+        metadata=setting(
+            "--io-weight",
+            "with cgroups: a session's IO weight, 1-10000, more is 10000 (`io.weight`, where "
+            "the kernel's IO controller weighs; v1 `blkio.weight`, 10-1000)",
+            zero="the kernel's default",
+        ),
+    )
     max_open_files: int | None = field(
         default=1024,
         metadata=setting("--max-open-files", "open-file rlimit of each worker", zero="off"),
@@ -523,6 +557,63 @@ class Settings:
         metadata=setting(
             "--limits-interval",
             "seconds between memory/process samples (longer under load)",
+        ),
+    )
+    # Disk (see supervisor/disk.py): the supervisor's reserve for its own
+    # state, and each session's bound on its workspace, home and tmp.
+    disk_reserve_mb: int | None = field(
+        default=64,
+        metadata=setting(
+            "--disk-reserve",
+            "MiB kept free for the supervisor's own state (turn journal, session records) on "
+            "the data and state directories' disks: below it, new turns are refused with "
+            "`disk_full` (safe to send again) and `status` says so",
+            zero="off",
+        ),
+    )
+    disk_limit_mb: int | None = field(
+        default=10240,
+        metadata=setting(
+            "--disk-limit",
+            "MiB a session's workspace, home and tmp may take on disk; over it the session is "
+            "stopped with the reason `disk` (sampled every `disk_interval`; `status` says how "
+            "it is enforced)",
+            zero="off",
+        ),
+    )
+    disk_interval: float = field(
+        default=5.0,
+        metadata=setting(
+            "--disk-interval",
+            "seconds between two rounds of the disk sampler over a session's files (each "
+            "round is read a slice per tick, so a large tree takes longer)",
+        ),
+    )
+    # A session with processes of its own running never is idle (health.py):
+    # past this while awake, with no turn, they are ended and it hibernates.
+    max_awake_seconds: float | None = field(
+        default=3600.0,
+        metadata=setting(
+            "--max-awake",
+            "seconds a session with background processes may stay awake without a turn "
+            "before they get SIGTERM, then SIGKILL after `awake_grace`, and it hibernates",
+            zero="off",
+        ),
+    )
+    awake_grace: float = field(
+        default=10.0,
+        metadata=setting(
+            "--awake-grace",
+            "seconds a session's background processes have to end after SIGTERM at "
+            "`max_awake`, before SIGKILL",
+        ),
+    )
+    awake_exempt: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--awake-exempt",
+            "session keys (or `PREFIX*`) never stopped by `max_awake`",
+            metavar="KEY",
         ),
     )
     # When full, the least recently used idle session is stopped to make room.

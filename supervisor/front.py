@@ -84,6 +84,7 @@ class Front:
         self.endpoints = endpoints
         self.reload = reload
         self.guard = ReplayGuard()
+        turns.forget_id = self.guard.forget  # a turn refused before it ran
         # What list, status and inspect answer.
         self.reports = Reports(ctx, table, turns, pool, endpoints)
         self.handlers: dict[Kind, Callable[[bytes, Message], None]] = {
@@ -219,6 +220,13 @@ class Front:
             )
         self.lifecycle.admit(session)
         known = turns.journal.known(session, msg.id)
+        short = turns.reserve.shortfall() if known is None else None
+        if short is not None:
+            # Below the reserve, new turns wait: the room left is for the
+            # records of those running (a repeat is still answered below).
+            if session.state is State.EXITED and not session.queue:
+                self.table.ownership.release(session)
+            raise RemoteProtocolError(ErrorCode.DISK_FULL, short)
         if known is not None:
             # Run before (on another node, or before a restart): never again.
             # Each repeat is answered the same way, so its id stays unspent.

@@ -54,12 +54,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
+
 from hermes_sup.local.logfmt import kv
 
 from .context import Context
 from .deadlines import Deadlines
+from .disk import DiskSampler, quota_support
 from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
+from .process import kill_processes
 from .session import Session
 from .states import State
 from .table import SessionTable
@@ -82,6 +86,10 @@ PROGRESS_GRACE = 3
 # CPU time (seconds) a silent worker must have used since its last sample to
 # count as progress: more than a stray wakeup or two of an idle thread.
 MIN_CPU_PROGRESS = 0.02
+# Seconds between looks at the session cgroups' OOM counters (v1: an OOM
+# kill in a session ends it, there being no memory.oom.group) and retries of
+# groups still busy when their worker went.
+CGROUP_INTERVAL = 0.5
 # /proc stat states of a worker that cannot be making progress.
 STOPPED_STATES = frozenset("Tt")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -131,7 +139,28 @@ class Health:
         self._watches: dict[str, Watch] = {}
         self._due = Deadlines()
         self._read = False  # whether this tick has read the workers' socket
+        # The awake cap: per session deferred for its background processes,
+        # ((generation, turns) then, since when it is awake on them alone);
+        # and those it is ending: (generation, the processes told, SIGKILLed).
+        self._awake: dict[str, tuple[tuple[int, int], float]] = {}
+        self._capping: dict[str, tuple[int, list[psutil.Process], bool]] = {}
+        self._next_cgroups = 0.0
         table.on_judged = self.judge_soon
+        # Each session's bytes on disk against its disk limit (disk.py).
+        self.disk = DiskSampler(
+            lambda session: ctx.settings_for(session).disk_limit_mb,  # type: ignore[arg-type]
+            lambda: ctx.settings.disk_interval,
+            self._over_disk,  # type: ignore[arg-type]
+        )
+        lifecycle.turns.disk_limit = self.disk.describe  # for `status`
+        kind, why = quota_support(ctx.settings.data_dir)
+        # The kernel's project quotas are not set by this version: where
+        # the file system has them, that is said, and the sampler is used.
+        self.disk.reason = f"{why}; project quotas are not applied by this version" if kind else why
+        if ctx.settings.disk_limit_mb:
+            log.info(
+                kv("disk_limit", mb=ctx.settings.disk_limit_mb, enforced_by="sampler", why=why)
+            )
 
     def begin(self, now: float) -> None:
         """The ticks start (`now` monotonic): a gap before the first is one too."""
@@ -172,6 +201,10 @@ class Health:
             if when is not None:
                 self._due.set(key, when)
         self._start_limits_scan(now)
+        self.disk.tick(now, self.table.judged)  # type: ignore[arg-type]
+        if now >= self._next_cgroups:
+            self._next_cgroups = now + CGROUP_INTERVAL
+            self._check_cgroups()
         if self._watches:
             self._forget_watches()
 
@@ -207,6 +240,9 @@ class Health:
                     if self._hibernate(session, idle):
                         return None
                     idle = 0.0  # deferred: its clock starts over
+                    left = self._awake_left(session, wall)
+                    if left is not None:
+                        when = min(when, now + max(left, 0.0) + JUDGE_SLACK)
                 else:
                     idle = own.idle_timeout - IDLE_RETRY  # look again in a moment
             when = min(when, now + own.idle_timeout - idle + JUDGE_SLACK)
@@ -229,16 +265,56 @@ class Health:
             self._next_scan = now + self.ctx.settings.limits_interval
             self.ctx.spawn(self._check_limits())
 
+    def _check_cgroups(self) -> None:
+        """Remove session groups left busy, and (v1) end every session in
+        which the kernel OOM-killed a process: on v2 the kernel killed the
+        whole group itself (memory.oom.group), and the exit says so."""
+        groups = self.lifecycle.pool.cgroups
+        if groups.hierarchy is None:
+            return
+        groups.retry()
+        if groups.hierarchy.oom_group:
+            return
+        for session in list(self.table.judged.values()):
+            if session.worker_id is None or session.state not in (
+                State.STARTING,
+                State.IDLE,
+                State.BUSY,
+            ):
+                continue
+            if groups.oom_killed(session.worker_id) is None:
+                continue
+            reason = groups.end_reason(session.worker_id) or "was ended by the kernel: oom"
+            log.warning(kv("oom_kill", session=session.key, reason=reason))
+            # All of it now: what the kernel left of the session is not to
+            # be trusted to stop politely, and its memory is full.
+            session.kill_reason = reason
+            self.ctx.spawn(self.lifecycle.killer.kill_session(session, force=True, reason=reason))
+
     def _hibernate(self, session: Session, idle: float) -> bool:
         """Stop an idle session's worker; it is listed `hibernated` and its
         next turn wakes it. Not while a process of its own still runs (a
         background job, a watcher): that is work, so its idle clock starts
         over (False)."""
         left = session.proc.descendants() if session.proc is not None else []
+        capping = self._capping.get(session.key)
+        if capping is not None and capping[0] == session.generation and capping[2]:
+            left = []  # what is left was SIGKILLed by the awake cap: going
         if left:
+            awake = self._awake_from(session)  # before touch() starts the idle clock over
             session.touch()
             log.info(kv("hibernate_deferred", session=session.key, processes=len(left)))
+            own = self.ctx.settings_for(session)
+            cap = own.max_awake_seconds
+            if (
+                cap is not None
+                and not exempt(session.key, own.awake_exempt)
+                and time.time() - awake >= cap
+            ):
+                self._end_background(session, left, time.time() - awake)
             return False
+        self._capping.pop(session.key, None)
+        self._awake.pop(session.key, None)
         session.hibernated = True
         self.ctx.spawn(
             self.lifecycle.killer.kill_session(
@@ -246,6 +322,93 @@ class Health:
             )
         )
         return True
+
+    def _over_disk(self, session: Session, reason: str) -> None:
+        """The disk sampler found a session over its disk limit."""
+        if session.state in (State.IDLE, State.BUSY) and session.proc is not None:
+            log.warning(kv("disk_limit_exceeded", session=session.key, reason="disk"))
+            self.lifecycle.killer.terminate(session, reason)
+
+    # -- the awake cap ------------------------------------------------------
+
+    def _awake_from(self, session: Session) -> float:
+        """Since when (wall time) the session has stayed awake on its
+        background processes alone: its last turn's end, as of its first
+        deferred hibernation since that turn (a turn or a new worker
+        starts the count again)."""
+        mark = (session.generation, session.turns)
+        known = self._awake.get(session.key)
+        if known is None or known[0] != mark:
+            known = self._awake[session.key] = (mark, session.last_activity)
+        return known[1]
+
+    def _awake_left(self, session: Session, wall: float) -> float | None:
+        """Seconds until the awake cap acts on a deferred session (None:
+        no cap for it, or it is acting already)."""
+        own = self.ctx.settings_for(session)
+        known = self._awake.get(session.key)
+        if own.max_awake_seconds is None or known is None or session.key in self._capping:
+            return None
+        if exempt(session.key, own.awake_exempt):
+            return None
+        return known[1] + own.max_awake_seconds - wall
+
+    def _end_background(self, session: Session, procs: list[psutil.Process], awake: float) -> None:
+        """The awake cap: the session's background processes (never its
+        worker) get SIGTERM now and SIGKILL after `awake_grace`; then it
+        hibernates as any idle session does."""
+        if session.key in self._capping:
+            return  # already told
+        own = self.ctx.settings_for(session)
+        self._capping[session.key] = (session.generation, procs, False)
+        told = kill_processes(procs, signal.SIGTERM)
+        log.warning(
+            kv(
+                "awake_cap",
+                session=session.key,
+                awake=f"{awake:.0f}s",
+                limit=f"{own.max_awake_seconds:g}s",
+                processes=told,
+                signal="SIGTERM",
+                grace=f"{own.awake_grace:g}s",
+            )
+        )
+        session.awake_capped = {
+            "at": time.time(),
+            "awake_seconds": round(awake, 1),
+            "processes": told,
+            "note": (
+                f"awake {awake:.0f}s with no turn, over max_awake "
+                f"({own.max_awake_seconds:g}s): its {told} background process(es) got "
+                f"SIGTERM, then SIGKILL after {own.awake_grace:g}s, and it hibernated"
+            ),
+        }
+        asyncio.get_running_loop().call_later(
+            own.awake_grace, self._kill_background, session, session.generation
+        )
+
+    def _kill_background(self, session: Session, generation: int) -> None:
+        """After the grace: SIGKILL what was told and is still there (and
+        anything it started since, now the worker's), then hibernate."""
+        capping = self._capping.get(session.key)
+        if capping is None or capping[0] != generation or session.generation != generation:
+            self._capping.pop(session.key, None)
+            return
+        if session.state is not State.IDLE or session.current is not None or session.queue:
+            # A turn came meanwhile: the session is in use again, not capped.
+            self._capping.pop(session.key, None)
+            return
+        procs = list(capping[1])
+        if session.proc is not None:
+            procs += session.proc.descendants()
+        killed = kill_processes(procs, signal.SIGKILL)
+        log.warning(kv("awake_cap_killed", session=session.key, processes=killed))
+        self._capping[session.key] = (generation, [], True)
+        idle = time.time() - session.last_activity
+        if self.ctx.accepting:
+            self._hibernate(session, idle)
+        else:
+            self._capping.pop(session.key, None)
 
     @staticmethod
     def _judged(session: Session) -> bool:
@@ -388,6 +551,12 @@ class Health:
                     f"went over its process limit ({use.procs} processes > "
                     f"{s.max_procs}) and was recycled",
                 )
+
+
+def exempt(key: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a session key is exempt from the awake cap: named, or
+    matching a `PREFIX*`."""
+    return any(key.startswith(p[:-1]) if p.endswith("*") else key == p for p in patterns)
 
 
 def sample(pid: int) -> Sample | None:

@@ -16,7 +16,10 @@ Each session's directory holds `turns`, msgpack records appended one
     {"t": id, "e": "end", "at": wall, "k": kind, "b": body, "n": bytes}
 
 `start` is written before the worker is given the turn (`begin`, or the
-spawn request that carries it), `end` with its one final answer (the body
+spawn request that carries it); a turn whose `start` cannot be written (a
+full disk) is not run at all but answered `disk_full`, its id left unspent,
+since a resend after a restart could not tell that it ran. `end` is written
+with its one final answer (the body
 is kept up to KEEP_BODY bytes; beyond, only its size, and a repeat gets
 `too_large`). Every write is made by the supervisor holding the session's
 lease (leases.py), after the fenced state change that precedes it, and
@@ -52,6 +55,7 @@ add milliseconds to every turn).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -235,15 +239,24 @@ class TurnJournal:
             on_disk = OrderedDict()
         return on_disk.get(turn_id) or entries[turn_id]
 
-    def started(self, session: Session, turn_id: str) -> None:
+    def started(self, session: Session, turn_id: str) -> OSError | None:
+        """Record that a turn starts, before its worker has it. The error
+        when the record could not be written (a full disk): the turn must
+        then not run, since nothing would stop a resend after a restart
+        from running it a second time. The in-memory entry goes too, so a
+        retry of the id is a new start, not a repeat of one."""
         entries = self.held.get(session.key)
         if entries is None:
-            return  # not held (a bug elsewhere): nothing is written unfenced
+            return None  # not held (a bug elsewhere): nothing is written unfenced
+        at = time.time()
+        failed = self._append(session, {"t": turn_id, "e": "start", "at": at, "node": self.node})
+        if failed is not None:
+            return failed
         entry = entries.get(turn_id)
         if entry is None:
             entry = entries[turn_id] = Entry(turn_id)
-        entry.started, entry.node = time.time(), self.node
-        self._append(session, {"t": turn_id, "e": "start", "at": entry.started, "node": self.node})
+        entry.started, entry.node = at, self.node
+        return None
 
     def ended(self, session: Session, final: Message, size: int) -> None:
         """A turn's final answer (`final.re` is its id), when the session is held."""
@@ -266,7 +279,8 @@ class TurnJournal:
         while len(entries) > 2 * JOURNAL_TURNS:
             entries.popitem(last=False)
 
-    def _append(self, session: Session, rec: dict[str, Any]) -> None:
+    def _append(self, session: Session, rec: dict[str, Any]) -> OSError | None:
+        """Append one record; the error if it could not be written whole."""
         key = session.key
         path = self.paths.get(key)
         if path is None:
@@ -277,17 +291,27 @@ class TurnJournal:
             data = msgpack.packb(rec, use_bin_type=True)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, data)
+                written = os.write(fd, data)
+                if written != len(data):
+                    # Cut short by a full disk: a torn record, which read()
+                    # ignores; the next record must not follow it, so the
+                    # tail is cut back to where it was.
+                    os.ftruncate(fd, os.fstat(fd).st_size - written)
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             finally:
                 os.close(fd)
-        except (OSError, TypeError, ValueError) as exc:
-            # A full disk, or a body msgpack cannot carry: the turn is served
-            # all the same, and a repeat of it is only caught in memory.
+        except (TypeError, ValueError) as exc:
+            # A body msgpack cannot carry (an end record): that turn's end
+            # is kept in memory only, and a repeat of it caught there.
             log.warning(kv("journal_unwritten", session=key, error=exc))
-            return
+            return OSError(errno.EINVAL, str(exc))
+        except OSError as exc:
+            log.warning(kv("journal_unwritten", session=key, error=exc.strerror or exc))
+            return exc
         if not self.records.get(key):
             self.first[key] = float(rec.get("at") or time.time())
         self.records[key] = self.records.get(key, 0) + 1
+        return None
 
     def _rotate(self, session: Session, path: str) -> None:
         """`turns` becomes `turns.1` (the older one dropped); a new `turns`

@@ -207,7 +207,8 @@ class Lifecycle:
             # the turn, which then fails (at most once) instead of waiting
             # for a retry as it would behind a runtime that cannot start.
             turn = self.turns.hand_over(session)
-            request["turn"] = {"id": turn.id, "text": turn.text}
+            if turn is not None:  # None: not journaled, refused once the worker is ready
+                request["turn"] = {"id": turn.id, "text": turn.text}
         if prepare:
             self.table.store.save_new(session)  # the directory the worktree goes in
             self.ctx.spawn(self._prepare_and_fork(session, session.generation, request, template))
@@ -233,6 +234,11 @@ class Lifecycle:
             token, worker_id = new_identity()
             self.pool.identify(session, token, worker_id)
             request.update(token=token, worker_id=worker_id)
+        # Its cgroup, made now: the forked child enters it as its first act.
+        assert session.worker_id is not None
+        request["cgroup"] = self.pool.cgroups.make(
+            session.worker_id, self.ctx.settings_for(session)
+        )
         forked = self.pool.fork(request)
         self.ctx.spawn(self._register(session, session.generation, forked))
 
@@ -308,6 +314,12 @@ class Lifecycle:
         if session.state is not State.STARTING:
             return
         session.hello_pid = int(msg.body["pid"])
+        if session.proc is not None and session.worker_id is not None:
+            # It entered its cgroup as its first act (before it could say
+            # hello); checked here, and moved where its own write failed.
+            # (Not at the fork's reply: a move costs the kernel an RCU grace
+            # period, which would stall the loop if it raced the child's.)
+            self.pool.cgroups.place(session.worker_id, session.proc.pid)
         self.table.transition(session, Event.HELLO)
         self.runtimes_started.add(session.runtime_kind)
         log.info(kv("ready", session=session.key, pid=msg.body["pid"]))
@@ -327,8 +339,12 @@ class Lifecycle:
         if session is None:
             return
         assert session.proc is not None
-        reason = session.kill_reason or describe_exit(
-            session.proc.exit_code, session.proc.exit_signal
+        # The kernel's word first (an OOM kill, forks refused at pids.max):
+        # a SIGKILL alone does not say which.
+        reason = (
+            session.kill_reason
+            or self.pool.cgroups.end_reason(session.worker_id)
+            or describe_exit(session.proc.exit_code, session.proc.exit_signal)
         )
         self.worker_gone(session, reason, exit_code=session.proc.exit_code)
 
@@ -338,6 +354,8 @@ class Lifecycle:
         s = self.ctx.settings_for(session)
         was = session.state
         pid = session.proc.pid if session.proc is not None else None
+        # What it left in its cgroup is killed, and the group removed.
+        self.pool.cgroups.release(session.worker_id)
         self.pool.forget_worker(session)
         session.exits += 1
         session.last_exit = reason

@@ -33,6 +33,11 @@ def exit_category(
     reason: str, exit_code: int | None, signal_name: str | None, stopped: bool
 ) -> str:
     """A low-cardinality label for why a worker ended."""
+    # The kernel's word first: on cgroup v1 the supervisor itself stops a
+    # session the kernel OOM-killed in, which is no operator's stop.
+    for words, label in (("by the kernel: oom", "oom"), ("refused it processes: pids", "pids")):
+        if words in reason:
+            return label
     if stopped:
         return "stopped"
     for words, label in (
@@ -250,3 +255,27 @@ class _Gauges:
             ("supervisor_open_fds", "Open file descriptors of the supervisor"),
         ):
             yield GaugeMetricFamily(f"hermes_sup_{name}", help_text, value=snap[name])
+        yield from _cgroup_gauges(snap.get("session_cgroups") or {})
+
+
+# Per-session gauges from each session's cgroup, and their help.
+CGROUP_GAUGES = (
+    ("memory", "session_memory_bytes", "Memory the kernel charges to the session's cgroup"),
+    ("memory_max", "session_memory_max_bytes", "The session cgroup's memory.max"),
+    ("pids", "session_tasks", "Processes and threads in the session's cgroup"),
+    ("pids_max", "session_tasks_max", "The session cgroup's pids.max"),
+    ("oom_kills", "session_oom_kills", "OOM kills in the session's cgroup (its worker's)"),
+    ("pids_max_hits", "session_forks_refused", "Forks refused at the session's pids.max"),
+)
+
+
+def _cgroup_gauges(usage: dict[str, dict[str, int | None]]) -> Iterator[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    for field, name, help_text in CGROUP_GAUGES:
+        family = GaugeMetricFamily(f"hermes_sup_{name}", help_text, labels=["session"])
+        for key, use in usage.items():
+            value = use.get(field)
+            if value is not None:
+                family.add_metric([key], value)
+        yield family

@@ -47,6 +47,7 @@ from hermes_sup.protocol import (
 )
 from hermes_sup.worker.seal import SealedPaths
 
+from .cgroups import SessionGroups
 from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
@@ -102,6 +103,9 @@ class WorkerPool:
         self.sealing = Sealing()
         self.sealed_uids: dict[str, int] = {}
         self.host_uids: HostUids | None = None  # opened with the first
+        # A kernel control group per worker, where the host gives us one
+        # (set up at start by the server, see cgroups.py).
+        self.cgroups = SessionGroups()
         # The sealed Hermes preload: how far it is while the zygote starts
         # ({done, of, seconds}), then what it did ({modules, recorded,
         # seconds, missing}), for `status`; None when there is none. Whoever
@@ -140,6 +144,7 @@ class WorkerPool:
             sealed=mode,
             data_dir=str(settings.data_dir.absolute()),
             hermes=hermes,
+            cgroup_dirs=self.cgroups.made_dirs(),
         )
         # Hermes preloaded (sealed) is some 1,800 modules: seconds on a quiet
         # machine, minutes on a loaded one; anything else is quick.
@@ -214,11 +219,12 @@ class WorkerPool:
             rlimits["cpu"] = s.cpu_seconds
         if s.file_size_limit_mb:
             rlimits["fsize"] = s.file_size_limit_mb * 1024 * 1024
-        if s.max_procs and self.sealing.mode is not None:
+        if s.max_procs and self.sealing.mode is not None and not self.cgroups.active:
             # Sealed, a session's processes are its own uid's (root) or its
             # own user namespace's: the kernel counts them per session, and
             # a fork over the limit fails at once. (Unsealed, every session
             # shares our uid, and the sampler's count is the only limit.)
+            # With cgroups, the session's pids.max counts them instead.
             rlimits["nproc"] = s.max_procs
         seal = self.sealing.plan(s, session, self._sealed_uid(session))
         return {
@@ -389,6 +395,10 @@ class WorkerPool:
                 # Sealed: it enters its namespace at start (single-threaded),
                 # and mounts its session's directories once assigned.
                 "seal": self.sealing.spare_plan(self.ctx.settings),
+                # Born into the cgroup its session will have: moving a
+                # process costs the kernel an RCU grace period (ms), paid
+                # here, ahead of need, not when a session is waiting.
+                "cgroup": self.cgroups.make(spare.worker_id, self.ctx.settings),
             }
             # As for a worker: culls wait until it is known.
             self.ctx.spawn(self._register_spare(spare, self.fork(request)))
@@ -410,6 +420,7 @@ class WorkerPool:
                 pid, out_fd = await forked
             except ZygoteError as exc:
                 self.spares.discard(spare)
+                self.cgroups.release(spare.worker_id)
                 self.spares.retry_at = time.monotonic() + 1.0  # not on every tick
                 log.warning(kv("spare_not_forked", error=exc))
                 return
@@ -438,6 +449,12 @@ class WorkerPool:
         """Give a new session a ready spare worker: send it the spawn request
         it would have been forked with. False if it is gone (then fork one)."""
         assert spare.proc is not None
+        # The spare was born in a group of its own (fill_spares), which
+        # becomes the session's: its limits are the session's from now, and
+        # it is in it before it hears of the session (moved now only if its
+        # own write failed).
+        if self.cgroups.make(spare.worker_id, self.ctx.settings_for(session)):
+            self.cgroups.place(spare.worker_id, spare.proc.pid)
         # Everything but the token, which the spare has had since its fork.
         body = {"request": {k: v for k, v in request.items() if k != "token"}}
         try:
@@ -466,6 +483,7 @@ class WorkerPool:
             except OSError:
                 pass
             os.close(spare.out_fd)
+        self.cgroups.release(spare.worker_id)
         pool, s = self.spares, self.ctx.settings
         if spare.worker_id not in pool.by_id:
             pool.discard(spare)  # retired by us

@@ -16,6 +16,7 @@ from hermes_sup.local.version import version
 from hermes_sup.protocol import PROTOCOL_VERSION
 
 from . import model_gate
+from .cgroups import amend_limits
 from .configfile import hermes_agent_version
 from .context import Context
 from .endpoints import Endpoints
@@ -74,6 +75,8 @@ class Reports:
                     cpu_percent=round(max(0.0, use.cpu - since[0]) / elapsed * 100, 1),
                 )
                 s.cpu_sample = (use.cpu, now)
+            # The kernel's count against its limits, where it has a cgroup.
+            row["cgroup"] = self.pool.cgroups.usage_dict(s.worker_id)
             rows.append(row)
         default_runtime = self.ctx.settings.runtime
         for stored_session in stored:
@@ -84,6 +87,7 @@ class Reports:
                 rss=None,
                 cpu_percent=None,
                 procs=None,
+                cgroup=None,
             )
             rows.append(row)
         rows.sort(key=lambda row: row["key"])
@@ -124,8 +128,15 @@ class Reports:
             "node": self.node_info(),
             # Whether sessions are sealed (worker/seal.py), how, and if not why.
             "sealed": pool.sealing.describe(),
+            # The reserve for the supervisor's own state, and how each
+            # session's disk bound is enforced (supervisor/disk.py).
+            "disk": self.turns.disk_status(),
             # How each per-session limit is enforced here.
-            "limits": describe_limits(ctx.settings, pool.sealing),
+            "limits": amend_limits(
+                describe_limits(ctx.settings, pool.sealing), ctx.settings, pool.cgroups
+            ),
+            # Whether each session has a kernel cgroup, which, and if not why.
+            "cgroups": pool.cgroups.describe(),
             # What the sealed Hermes preload did (None: there was none).
             "preload": pool.preload,
             # Model use by HTTP key through the model endpoint, with budgets.
@@ -191,12 +202,18 @@ class Reports:
             "current_turn": session.current.id if session.current is not None else None,
             "approvals_waiting": list(session.approvals),
             "state_history": history,
+            # Background processes ended by the awake cap (health.py), and
+            # bytes on disk at the disk sampler's last round (disk.py).
+            "awake_capped": session.awake_capped,
+            "disk_used": session.disk_used,
             # Its lease (see PROTOCOL.md, "Nodes"): held here, at which epoch.
             "node": self.ctx.node,
             "lease_epoch": session.lease.epoch if session.lease is not None else None,
             # Sealed, its worker runs as this uid (as root; None otherwise).
             "sealed": self.pool.sealing.mode is not None,
             "uid": self.pool.sealed_uids.get(session.key),
+            # Its worker's cgroup: the kernel's count against its limits.
+            "cgroup": self.pool.cgroups.usage_dict(session.worker_id),
             # A reload since its worker started applies at its next start.
             "settings_outdated": session.settings is not None
             and session.settings is not self.ctx.settings,

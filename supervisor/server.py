@@ -50,8 +50,9 @@ from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
-from . import configfile, model_gate, sealing
+from . import cgroups, configfile, model_gate, sealing
 from .back import Back
+from .cgroups import lower_oom_score
 from .config import DEFAULT_PASS_ENV, Settings
 from .context import Context
 from .endpoints import WORKER_INBOX, Endpoints
@@ -171,7 +172,17 @@ class Supervisor:
             pool.sealing = sealing.detect(s, self.ctx.environ)
             if pool.sealing.mode is None:
                 self._check_unsealed_preload()
-            log.info(kv("session_limits", **sealing.describe_limits(s, pool.sealing)))
+            # Before the zygote starts: on v2 it must start in our leaf.
+            pool.cgroups.start(s)
+            lower_oom_score(pool.cgroups)
+            log.info(
+                kv(
+                    "session_limits",
+                    **cgroups.amend_limits(
+                        sealing.describe_limits(s, pool.sealing), s, pool.cgroups
+                    ),
+                )
+            )
             self._warn_model_exposure()
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
@@ -182,6 +193,8 @@ class Supervisor:
         finally:
             if pool is not None and pool.zygote is not None:
                 pool.zygote.close()
+            if pool is not None:
+                pool.cgroups.stop()
             for name in (statedir.CONTROL_SOCKET, statedir.WORKER_SOCKET):
                 try:
                     (s.state_dir / name).unlink()
@@ -460,6 +473,8 @@ class Supervisor:
             "spare_workers": len(self.pool.spares.by_pid),  # a len: safe from this thread
             "supervisor_rss_bytes": me.memory_info().rss,
             "supervisor_open_fds": me.num_fds(),
+            # Each live session's cgroup as the kernel counts it (none without cgroups).
+            "session_cgroups": self.pool.cgroups.usage_by_key(list(self.table.judged.values())),
         }
 
     def _notify_systemd(self, now: float) -> None:

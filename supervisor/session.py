@@ -88,6 +88,11 @@ class Session:
     # Its worker was stopped for idleness (health.py), not by request: it is
     # listed `hibernated` until its next worker starts.
     hibernated: bool = False
+    # What the awake cap did to its background processes (health.py), for
+    # `inspect`: None until it acted on this session.
+    awake_capped: dict[str, Any] | None = None
+    # Its bytes on disk at the last complete round of the disk sampler.
+    disk_used: int | None = None
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     last_activity: float = field(default_factory=time.time)

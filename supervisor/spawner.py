@@ -48,8 +48,12 @@ class Zygote:
         sealed: str | None = None,
         data_dir: str | None = None,
         hermes: bool = False,
+        cgroup_dirs: tuple[str, ...] = (),
     ) -> None:
         self.preload = preload
+        # The session cgroups' parents: the zygote removes what is left of
+        # them if the supervisor dies without doing it (cgroups.py).
+        self.cgroup_dirs = cgroup_dirs
         self.env = dict(env)
         self.cwd = cwd
         # Sealed mode ("root"/"user", supervisor/sealing.py): the zygote
@@ -97,6 +101,8 @@ class Zygote:
             argv += ["--sealed", self.sealed, "--data-dir", self.data_dir]
             if self.hermes:
                 argv.append("--hermes")
+        for path in self.cgroup_dirs:
+            argv += ["--cgroup-dir", path]
         self.pid = os.posix_spawn(sys.executable, argv, self.env, setsid=False)
         theirs.close()
         ours.settimeout(timeout)

@@ -51,6 +51,7 @@ from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, error_message
 
 from .context import Context
+from .disk import DiskReserve
 from .endpoints import Endpoints
 from .journal import TurnJournal, turn_state
 from .leases import holder_of
@@ -74,6 +75,19 @@ KEEP_ANSWER_LIMIT = 64 * 1024
 # connection is looked for: a socket its client has just closed is still
 # listed by zmq for a moment (about a millisecond here).
 RESEND_SETTLE = 0.2
+
+
+def disk_full_message(turn_id: str, session: str, reason: str) -> Message:
+    """`disk_full` for a turn that was not run because its start could not
+    be recorded."""
+    return error_message(
+        ErrorCode.DISK_FULL.value,
+        f"turn {turn_id!r} was not run: its start could not be recorded in the session's "
+        f"turn journal ({reason}); nothing of it ran, and sending it again (same id) once "
+        "the data disk has room runs it once",
+        re=turn_id,
+        session=session,
+    )
 
 
 def signer_of(client: bytes) -> bytes:
@@ -145,6 +159,23 @@ class Turns:
         self.journal = TurnJournal(ctx.node, table.ownership.still_ours)
         table.ownership.on_taken = self.journal.taken
         table.ownership.on_released = self.journal.released
+        # Free space against the supervisor's reserve, before each new turn.
+        self.reserve = DiskReserve(
+            lambda: (ctx.settings.data_dir, ctx.settings.state_dir),
+            lambda: ctx.settings.disk_reserve_mb or 0,
+        )
+        # How each session's disk bound is enforced: set by the sampler.
+        self.disk_limit: Callable[[], dict[str, Any]] = lambda: {"enforced_by": None}
+        # Lets an id be used again (the front's replay guard sets it): for
+        # a turn refused before it ran.
+        self.forget_id: Callable[[str], None] = lambda turn_id: None
+
+    def disk_status(self) -> dict[str, Any]:
+        """`status`'s disk section: the reserve and, once the disk sampler
+        is set (health.py), how the per-session bound is enforced."""
+        out: dict[str, Any] = {"reserve": self.reserve.describe()}
+        out["limit"] = self.disk_limit()
+        return out
 
     # ------------------------------------------------------------- resends
 
@@ -329,13 +360,17 @@ class Turns:
         session.queue.appendleft(turn)
         self.queued_total += 1
 
-    def hand_over(self, session: Session) -> Turn:
+    def hand_over(self, session: Session) -> Turn | None:
         """Take the first queued turn as the one a starting worker is given
-        in its spawn request (it starts it right after its hello)."""
-        turn = session.queue.popleft()
+        in its spawn request (it starts it right after its hello). None if
+        its start could not be journaled: it stays queued, and is refused
+        (`disk_full`) when the worker is ready, unless there is room by then."""
+        turn = session.queue[0]
+        if self.journal.started(session, turn.id) is not None:
+            return None
+        session.queue.popleft()
         self.queued_total -= 1
         session.current = turn
-        self.journal.started(session, turn.id)
         return turn
 
     def remove_queued(self, session: Session, turn_id: str) -> Turn | None:
@@ -360,16 +395,18 @@ class Turns:
 
     def pump(self, session: Session) -> None:
         """Hand the next queued turn to an idle worker."""
-        if session.state is not State.IDLE or session.current is not None or not session.queue:
-            return
-        turn = session.queue.popleft()
-        self.queued_total -= 1
-        session.current = turn
-        self.begin(session, turn, handed=False)
+        # A turn refused at its start leaves the worker idle: the next one.
+        while session.state is State.IDLE and session.current is None and session.queue:
+            turn = session.queue.popleft()
+            self.queued_total -= 1
+            session.current = turn
+            if self.begin(session, turn, handed=False):
+                return
 
-    def begin(self, session: Session, turn: Turn, handed: bool) -> None:
+    def begin(self, session: Session, turn: Turn, handed: bool) -> bool:
         """The turn runs now: tell its client, and its worker unless the
-        worker already has it (`handed`: it came in the spawn request)."""
+        worker already has it (`handed`: it came in the spawn request).
+        False if it was refused instead, its start not journaled."""
         turn.started_at = time.monotonic()
         # An idle worker may have been silent longer than a busy one may be:
         # the busy clock starts with the turn.
@@ -379,7 +416,10 @@ class Turns:
             metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self.table.transition(session, Event.TURN)
         if not handed:
-            self.journal.started(session, turn.id)  # after the fenced transition
+            failed = self.journal.started(session, turn.id)  # after the fenced transition
+            if failed is not None:
+                self._refuse_unjournaled(session, turn, failed)
+                return False
         session.approvals.clear()  # any left were an earlier turn's
         # The worker first: its turn is the critical path; the client's
         # acknowledgement and the history are made while the worker runs it.
@@ -419,6 +459,33 @@ class Turns:
             asyncio.get_running_loop().call_later(
                 own.turn_timeout, self._on_turn_timeout, session, turn
             )
+        return True
+
+    def _refuse_unjournaled(self, session: Session, turn: Turn, error: OSError) -> None:
+        """A turn whose start the journal could not record is not run: run
+        unrecorded, a resend after a restart would run it again. Its client
+        gets `disk_full`, and its id is forgotten (here and by the replay
+        guard), so a retry with the same id is a first run."""
+        session.current = None
+        if session.state is State.BUSY:
+            self.table.transition(session, Event.DONE)
+        reason = error.strerror or str(error)
+        log.warning(kv("turn_refused_disk_full", session=session.key, turn=turn.id, error=reason))
+        self.refuse(turn, session, disk_full_message(turn.id, session.key, reason))
+
+    def refuse(self, turn: Turn, session: Session, final: Message) -> None:
+        """End a turn that never ran with an error, leaving its id unspent:
+        nothing is kept for resends nor journaled (a retry runs it once)."""
+        self.unacked.discard(turn.id)
+        record = self.sent.get(turn.id)
+        if record is not None and record.turn is turn:
+            del self.sent[turn.id]
+        self.forget_id(turn.id)
+        self.endpoints.to_client(turn.client, final)
+        self.watchers.publish(session, "error", final.body, turn=turn.id)
+        metrics = self.ctx.metrics
+        if metrics is not None:
+            metrics.turns.labels(str(final.body.get("code"))).inc()
 
     def on_answer(self, session: Session, msg: Message, payload: bytes) -> bool:
         """An event or the final answer of the session's running turn, from

@@ -27,6 +27,7 @@ import pytest
 
 from hermes_sup.protocol import Kind, Limits, Message, encode
 from hermes_sup.supervisor import lifecycle as lifecycle_module
+from hermes_sup.supervisor.cgroups import SessionGroups
 from hermes_sup.supervisor.config import Settings
 from hermes_sup.supervisor.context import Context
 from hermes_sup.supervisor.endpoints import Endpoints
@@ -140,6 +141,7 @@ class FakePool:
         self.orphan_culls = 0
         self.sealing = Sealing()  # unsealed, as sealed = off
         self.sealed_uids: dict[str, int] = {}
+        self.cgroups = SessionGroups()  # not started: none
 
     def take_spare(self) -> None:
         return None  # spare_workers = 0: every worker is forked

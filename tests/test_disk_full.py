@@ -87,7 +87,15 @@ def test_a_full_disk_loses_log_lines_not_the_supervisor(
     # Unsealed: hs_printer SIGKILLs itself, which a sealed worker (its PID
     # namespace's init) cannot.
     sup = supervisor_factory(
-        "--agent", "hs_printer:make", "--min-uptime", "0", "--sealed", "off", env=env
+        "--agent",
+        "hs_printer:make",
+        "--min-uptime",
+        "0",
+        "--sealed",
+        "off",
+        "--disk-reserve",
+        "0",
+        env=env,
     )
     log_path = small_data_dir / "sessions" / session_dir_name("noisy") / "worker.log"
     try:
@@ -137,13 +145,26 @@ def test_a_worker_starts_when_its_record_cannot_be_written(supervisor_factory, s
     # Unsealed: hs_printer SIGKILLs itself, which a sealed worker (its PID
     # namespace's init) cannot.
     sup = supervisor_factory(
-        "--agent", "hs_printer:make", "--min-uptime", "0", "--sealed", "off", env=env
+        "--agent",
+        "hs_printer:make",
+        "--min-uptime",
+        "0",
+        "--sealed",
+        "off",
+        "--disk-reserve",
+        "0",
+        env=env,
     )
     try:
         with sup.client() as client:
             assert client.run("first", "print 3").text == "printed 3"
             fill(data), fill(state)
-            assert client.run("fresh", "print 3").text == "printed 3"
+            # Its worker starts; its turn, whose start its journal (new, on the
+            # full disk) cannot record, is not run (test_disk_reserve.py).
+            with pytest.raises(SupervisorError) as full:
+                client.run("fresh", "print 3")
+            assert full.value.code == "disk_full"
+            assert client.inspect("fresh")["state"] == "idle"
             with pytest.raises(SupervisorError, match="SIGKILL"):
                 client.run("first", "print-and-die 100")
             assert client.run("first", "print 3").text == "printed 3"

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,9 +127,10 @@ def test_the_default_configuration_is_sealed(lab: Lab) -> None:
     assert f"sealed mode={lab.mode}" in lab.sup.log()  # type: ignore[attr-defined]
 
 
-@pytest.fixture(params=["root", "user"])
-def lab(request, supervisor_factory, workdir):  # noqa: ANN001
-    made = start_lab(supervisor_factory, workdir, request.param)
+def sealed_lab(supervisor_factory, workdir: Path, mode: str) -> Iterator[Lab]:  # noqa: ANN001
+    """A sealed Lab for a test, and the host paths its attacks left removed
+    after it (the body of every `lab` fixture)."""
+    made = start_lab(supervisor_factory, workdir, mode)
     require_sealed(made)
     yield made
     for path in made.host_marks:
@@ -136,6 +138,11 @@ def lab(request, supervisor_factory, workdir):  # noqa: ANN001
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+@pytest.fixture(params=["root", "user"])
+def lab(request, supervisor_factory, workdir):  # noqa: ANN001
+    yield from sealed_lab(supervisor_factory, workdir, request.param)
 
 
 def refused(lines: list[str]) -> bool:

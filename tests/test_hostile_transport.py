@@ -16,7 +16,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import psutil
 import pytest
 import zmq
 import zmq.auth
@@ -81,14 +80,26 @@ def test_options_whose_environment_could_not_start_a_program_are_refused() -> No
 def connected_spares(sup, count: int) -> set[int]:  # noqa: ANN001
     """The spares' pids once `count` of them are connected to the supervisor."""
     pids = spare_pids(sup)
-    connected = set()
-    for pid in pids:
-        try:
-            if psutil.Process(pid).net_connections(kind="unix"):
-                connected.add(pid)
-        except psutil.Error:
-            pass
+    connected = {pid for pid in pids if _has_unix_connection(pid)}
     return connected if len(connected) == count else set()
+
+
+def _has_unix_connection(pid: int) -> bool:
+    """Whether `pid` holds a connected unix socket. Read in its own network
+    namespace (/proc/PID/net/unix): a sealed worker's is not ours, where
+    psutil looks."""
+    try:
+        inodes = {
+            link[len("socket:[") : -1]
+            for fd in os.listdir(f"/proc/{pid}/fd")
+            if (link := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:[")
+        }
+        with open(f"/proc/{pid}/net/unix") as rows:
+            next(rows)
+            # Num RefCount Protocol Flags Type St(ate) Inode [Path]; 03 is connected.
+            return any(r.split()[5] == "03" and r.split()[6] in inodes for r in rows)
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("spares", [0, 2])

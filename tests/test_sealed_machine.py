@@ -19,7 +19,6 @@ Real supervisors, real workers, real shells.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ import pytest
 from hermes_sup.supervisor.sealing import SEALED_UID_BASE, SEALED_UID_COUNT
 from hermes_sup.worker.seal_calls import FAULT_ENV
 
-from .test_hostile_session import NOBODY, Lab, python, refused, require_sealed, start_lab, tries
+from .test_hostile_session import NOBODY, Lab, python, refused, sealed_lab, tries
 from .test_sealed import sh
 
 pytestmark = [
@@ -41,14 +40,7 @@ pytestmark = [
 
 @pytest.fixture(params=["root", "user"])
 def lab(request, supervisor_factory, workdir):  # noqa: ANN001
-    made = start_lab(supervisor_factory, workdir, request.param)
-    require_sealed(made)
-    yield made
-    for path in made.host_marks:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+    yield from sealed_lab(supervisor_factory, workdir, request.param)
 
 
 def test_status_says_which_kernel_mechanisms_hold(lab: Lab) -> None:

@@ -92,6 +92,13 @@ def test_install_service_writes_a_hardened_notify_unit(tmp_path: Path) -> None:
         "WatchdogSec=",
         "Environment=HERMES_SUP_STATE_DIR=/run/hermes-sup",
         "Environment=HERMES_SUP_DATA_DIR=/var/lib/hermes-sup",
+        # A cgroup per session: the subtree is the supervisor's, and one
+        # session's OOM kill is not the service's end.
+        "Delegate=yes",
+        "DelegateSubgroup=supervisor",
+        "OOMPolicy=continue",
+        "OOMScoreAdjust=-900",
+        "ProtectControlGroups=no",
     ):
         assert line in unit, line
     exec_line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))

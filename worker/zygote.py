@@ -38,6 +38,7 @@ from typing import Any
 import msgpack
 
 from hermes_sup.local import datagrams
+from hermes_sup.local.cgroupfs import WORKER_OOM_SCORE_ADJ
 from hermes_sup.local.prctl import PR_SET_PDEATHSIG, can_fork_to_parent, fork_to_parent, prctl
 from hermes_sup.worker import parent
 
@@ -110,7 +111,33 @@ def _boot(body: memoryview, out_w: int) -> None:
     from hermes_sup.worker.main import boot
 
     request = msgpack.unpackb(body, raw=False)
+    enter_cgroup(request.get("cgroup") or ())
     boot(request, out_w)
+
+
+def enter_cgroup(procs_files: Any) -> None:
+    """The forked child's first act, before anything of its session runs:
+    into the session's cgroup (the supervisor made it and checks this after,
+    moving it where a write here failed), and first in line for the OOM
+    killer (raising one's own oom_score_adj is always allowed; children
+    inherit it)."""
+    for path in procs_files:
+        try:
+            fd = os.open(str(path), os.O_WRONLY)
+            try:
+                os.write(fd, b"0")  # "0": the writing process itself
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, str(WORKER_OOM_SCORE_ADJ).encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 # The namespaces each worker is forked into (sealed: its own PID namespace,
@@ -293,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sealed", choices=["root", "user"], default=None)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--hermes", action="store_true")
+    # The session cgroups' parents (supervisor/cgroups.py), deepest first.
+    parser.add_argument("--cgroup-dir", action="append", default=[])
     args = parser.parse_args(argv)
 
     # Hear of the supervisor's death (as SIGTERM, or as EOF on the socket);
@@ -367,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"hermes-sup zygote: killed {killed} leftover worker process(es)", file=sys.stderr
             )
+        if args.cgroup_dir:
+            # A supervisor killed outright leaves its session groups; a
+            # stopping one has removed them already (then this finds none).
+            from hermes_sup.local.cgroupfs import remove_empty
+
+            remove_empty(args.cgroup_dir)
 
 
 if __name__ == "__main__":
