@@ -212,6 +212,13 @@ def serve(
             parse_address(settings.metrics)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--metrics") from None
+        if settings.metrics_token_file:
+            from hermes_sup.supervisor.metrics import read_token
+
+            try:
+                read_token(settings.metrics_token_file)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--metrics-token-file") from None
         if importlib.util.find_spec("prometheus_client") is None:
             raise click.ClickException(
                 "metrics need prometheus-client (the metrics extra): " + install_hint("metrics")

@@ -37,6 +37,8 @@ from hermes_sup.local.statedir import (
 )
 from hermes_sup.protocol import DEFAULT_MAX_FRAME_SIZE
 
+from .egress import check_rules
+
 __all__ = [
     "AGENT_KEYS",
     "DATA_DIR_ENV",
@@ -790,6 +792,42 @@ class Settings:
             'runs with the host\'s network and says so; `"on"` refuses to start',
             choices=NETWORK_CHOICES,
             reload=False,
+        ),
+    )
+    egress_allow: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--egress-allow",
+            "destinations a session may reach besides the public internet: `host`, "
+            "`*.domain`, an address range (`10.1.0.0/16`, `[fd00::/8]`) or `*`, each with "
+            "an optional `:PORT` or `:LOW-HIGH`; only an address range opens loopback, "
+            "private, link-local and the host's own addresses",
+            metavar="RULE",
+            check=check_rules,
+        ),
+    )
+    egress_deny: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--egress-deny",
+            "destinations no session may reach, in the form of `egress_allow`; a deny "
+            "always wins over an allow, but `*` alone only closes what `egress_allow` "
+            "does not name",
+            metavar="RULE",
+            check=check_rules,
+        ),
+    )
+    metrics_token_file: str = field(
+        default="",
+        metadata=setting(
+            "--metrics-token-file",
+            "a file holding a token the metrics endpoint requires (`Authorization: Bearer "
+            "TOKEN`, or basic auth with the token as password); without one, a `metrics` "
+            "address beyond loopback is warned of at start",
+            zero="no credentials",
+            reload=False,
+            path=True,
+            metavar="FILE",
         ),
     )
     # supervisor/worktrees.py.

@@ -8,7 +8,11 @@ in prometheus-client's own thread and only reads the supervisor's state.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import logging
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,6 +83,14 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30),
             registry=self.registry,
         )
+        # Each destination a session was refused by the egress policy
+        # (supervisor/egress.py), by the policy's reason: a handful of values.
+        self.egress_denied = Counter(
+            "hermes_sup_egress_denied",
+            "Connections a session asked its egress proxy for and was refused, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
         # The model endpoint's use (model_gate.py), by HTTP key ("" for
         # sessions of no HTTP key): a label per key, never per session.
         self.model_requests = Counter(
@@ -116,12 +128,18 @@ class Metrics:
         self.model_bytes.labels(label, "in").inc(sent)
         self.model_bytes.labels(label, "out").inc(received)
 
-    def serve(self, address: str) -> str:
-        """Start the HTTP endpoint; returns its URL."""
-        from prometheus_client import start_http_server
+    def serve(self, address: str, token: str | None = None) -> str:
+        """Start the HTTP endpoint; returns its URL. With `token`, every
+        request must carry it (`require_token`)."""
+        from prometheus_client import make_wsgi_app, start_http_server
 
         host, port = parse_address(address)
-        self.server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        if token is None:
+            self.server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        else:
+            self.server = _serve_wsgi(
+                host, port, require_token(make_wsgi_app(self.registry), token)
+            )
         bound = self.server.server_address[1]
         return f"http://{host}:{bound}/metrics"
 
@@ -131,6 +149,71 @@ class Metrics:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+
+def read_token(path: str) -> str:
+    """The metrics token in the file at `path`; ValueError saying what is wrong."""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"metrics token file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ValueError(f"metrics token file {path} is empty")
+    return token
+
+
+def require_token(app: Any, token: str) -> Any:
+    """A WSGI app answering 401 unless the request carries `token`, as
+    `Authorization: Bearer TOKEN` or as basic auth's password (any user):
+    Prometheus' `authorization.credentials_file` and `basic_auth.password_file`."""
+    expected = token.encode()
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        given = _credentials(environ.get("HTTP_AUTHORIZATION", ""))
+        if given is not None and hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Basic realm="hermes-sup"')],
+        )
+        return [b"credentials required\n"]
+
+    return guarded
+
+
+def _credentials(header: str) -> bytes | None:
+    """The secret an Authorization header carries (bearer token or basic
+    password), or None."""
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip().encode()
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True)
+        except (ValueError, binascii.Error):
+            return None
+        return decoded.partition(b":")[2]
+    return None
+
+
+def _serve_wsgi(host: str, port: int, app: Any) -> Any:
+    """prometheus-client's threaded WSGI server, for an app of ours."""
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a scrape every few seconds is not news
+
+    server = make_server(host, port, app, Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+    return server
 
 
 class _Gauges:

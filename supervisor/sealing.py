@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_sup.local import statedir, syscalls
+from hermes_sup.local.addresses import EGRESS_SOCKET
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.prctl import can_fork_to_parent, fork_with
 from hermes_sup.worker import seal
@@ -172,6 +173,8 @@ class Sealing:
             "read": [t for t in (settings.runtime_config.get("template_home"),) if t],
             "network": self.network,
             "fault": self.fault,
+            # worker/egress.py: where its proxy listener goes.
+            "egress_socket": str(settings.state_dir.absolute() / EGRESS_SOCKET),
         }
 
 

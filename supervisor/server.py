@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import os
 import resource
@@ -44,6 +45,7 @@ import psutil
 
 from hermes_sup.door import privatedir, remote
 from hermes_sup.local import statedir
+from hermes_sup.local.addresses import parse_listen
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
@@ -60,10 +62,11 @@ from .health import Health
 from .lease_watch import LeaseWatch
 from .lifecycle import Lifecycle
 from .limits import allowed_sessions
-from .metrics import Metrics
+from .metrics import Metrics, read_token
 from .notify import Notifier
 from .pool import WorkerPool
 from .process import become_subreaper
+from .proxy import EgressProxy, PolicySource
 from .records import WorkerRecords
 from .spare_dirs import SpareDirs
 from .states import LIVE_STATES, State
@@ -281,6 +284,10 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
         self.endpoints.open(loop, self.front.on_frames, self.back.on_frames)
+        self.egress: EgressProxy | None = None
+        if self.pool.sealing.mode is not None and self.pool.sealing.network != "host":
+            self.egress = self._egress_proxy()
+            self.egress.open(loop)
         self._serving = True
         if self.pool.sealing.mode == "root":
             sealing.open_worker_socket(self.settings.state_dir / statedir.WORKER_SOCKET)
@@ -319,6 +326,8 @@ class Supervisor:
             assert self.pool.zygote is not None
             self.pool.zygote.detach(loop)
             self.endpoints.close()
+            if self.egress is not None:
+                self.egress.close()
             self.notifier.close()
             if self.ctx.metrics is not None:
                 self.ctx.metrics.close()
@@ -373,6 +382,8 @@ class Supervisor:
                 zygote = self.pool.zygote  # a new one, if it was restarted
             else:
                 self.lifecycle.on_exit(pid, status)
+            if self.egress is not None:
+                self.egress.worker_gone(pid)  # its listener holds its namespace
 
     async def _tick_loop(self) -> None:
         """Heartbeats, limits and idle time, a few times a second."""
@@ -399,14 +410,55 @@ class Supervisor:
                 log.info(kv("full_gc", ms=round(took * 1000, 1), collected=found))
         self.health.tick(now, time.time())
 
+    # ----------------------------------------------------------------- egress
+
+    def _egress_proxy(self) -> EgressProxy:
+        def lists() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+            s = self.settings
+            return s.network, s.egress_allow, s.egress_deny
+
+        def own_ports() -> tuple[int, ...]:
+            ports = []
+            if self.settings.tcp:
+                ports.append(parse_listen(self.settings.tcp, "tcp")[1])
+            metrics = self.ctx.metrics
+            if metrics is not None and metrics.server is not None:
+                ports.append(int(metrics.server.server_address[1]))
+            return tuple(ports)
+
+        def session_of(pid: int) -> str | None:
+            session = self.pool.by_pid.get(pid)
+            if session is not None:
+                return session.key
+            return "(spare)" if pid in self.pool.spares.by_pid else None
+
+        return EgressProxy(
+            self.settings.state_dir,
+            PolicySource(lists, own_ports),
+            session_of,
+            lambda: self.ctx.metrics,
+        )
+
     # ---------------------------------------------------------- observability
 
     def _start_metrics(self) -> Metrics | None:
         if not self.settings.metrics:
             return None
         metrics = Metrics(self._metrics_snapshot)
-        url = metrics.serve(self.settings.metrics)
-        log.info(kv("metrics", url=url))
+        token = None
+        if self.settings.metrics_token_file:
+            token = read_token(self.settings.metrics_token_file)  # checked by `serve`
+        url = metrics.serve(self.settings.metrics, token)
+        log.info(kv("metrics", url=url, credentials="required" if token else "none"))
+        host = metrics.server.server_address[0]
+        if token is None and not ipaddress.ip_address(host.split("%")[0]).is_loopback:
+            log.warning(
+                kv(
+                    "metrics_open",
+                    url=url,
+                    hint="anyone who reaches this address reads them; set metrics_token_file",
+                )
+            )
         return metrics
 
     def _metrics_snapshot(self) -> dict[str, Any]:

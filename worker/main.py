@@ -50,7 +50,7 @@ from hermes_sup.protocol import (
     encode,
 )
 
-from . import parent, seal
+from . import egress, parent, seal
 from . import runtime as runtime_mod
 from .loop import Link, TurnThread, WorkerLoop
 from .seal_calls import SealError
@@ -100,6 +100,9 @@ def _boot(req: dict[str, Any]) -> int:
                 entered = seal.enter(
                     plan["mode"], plan.get("fault"), plan.get("network", "egress")
                 )["mode"]
+                # Its network namespace is made: the proxy's listener goes
+                # to the supervisor now, while the state dir is in view.
+                egress.hand_over(plan)
             except SealError as exc:
                 return _seal_failed("(spare)", exc)
             seal.plan_view(req["seal"])  # what every session hides, worked out now
@@ -216,6 +219,8 @@ def _serve_session(
         workspace, home = paths.workspace, paths.home
         env = {**env, "HERMES_HOME": str(home), "TERMINAL_CWD": str(workspace)}
         env["HOME"] = str(paths.user)
+        # Its only way out is the supervisor's proxy: tell its clients.
+        env.update(egress.proxy_env(plan.get("network")))
         for name in TMP_VARIABLES:
             env[name] = "/tmp"
         tempfile.tempdir = "/tmp"
@@ -310,6 +315,7 @@ def _seal(
     if entered is None:
         # (It fails by itself if we already have threads.)
         seal.enter(mode, fault, plan.get("network", "egress"))
+        egress.hand_over(plan)  # a spare did at its start
     elif entered != mode:
         raise SealError("unshare", f"this spare was sealed as {entered}, not {mode}")
     dirs = seal.SessionDirs(
