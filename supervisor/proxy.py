@@ -36,6 +36,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import resource
 import socket
 import struct
 from collections.abc import Callable
@@ -62,6 +63,12 @@ CONNECT_TIMEOUT = 15.0
 HANDOFF_TIMEOUT = 5.0
 # Handovers being read at once (each is a worker at its start).
 MAX_PENDING_HANDOFFS = 64
+# Connections one session may have through its proxy at once, and all
+# sessions together as a share of our descriptors (a tunnel holds two): a
+# session that opens connections without end must not take the
+# descriptors every other session and client needs. Over either, a 503.
+MAX_SESSION_CONNECTIONS = 32
+FD_SHARE = 8
 CHUNK = 64 * 1024
 # Headers meant for the proxy, never forwarded (hop by hop).
 HOP_HEADERS = frozenset(
@@ -100,6 +107,9 @@ class EgressProxy:
         self.session_of = session_of
         self.metrics = metrics
         self.listeners: dict[int, Listener] = {}
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = max(MAX_SESSION_CONNECTIONS, soft // FD_SHARE)
+        self.connections = 0  # through every listener, now
         self._sock: socket.socket | None = None
         self._pending: dict[int, socket.socket] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -231,10 +241,23 @@ class EgressProxy:
             assert entry is not None
             task = asyncio.current_task()
             assert task is not None
+            if len(entry.tasks) >= MAX_SESSION_CONNECTIONS or (
+                self.connections >= self.max_connections
+            ):
+                await _answer(
+                    writer,
+                    503,
+                    f"too many connections through the proxy (a session may have "
+                    f"{MAX_SESSION_CONNECTIONS} at once)",
+                )
+                writer.close()
+                return
             entry.tasks.add(task)
+            self.connections += 1
             try:
                 await self._serve_connection(pid, reader, writer)
             finally:
+                self.connections -= 1
                 entry.tasks.discard(task)
                 writer.close()
 

@@ -21,8 +21,10 @@ import psutil
 import pytest
 
 from hermes_sup.local.addresses import SESSION_PROXY_PORT
+from hermes_sup.supervisor.proxy import MAX_SESSION_CONNECTIONS
 
 from .test_hostile_session import Lab, free_port, python, refused, require_sealed, start_lab, tries
+from .test_sealed import sh
 from .waiting import wait_for
 
 pytestmark = [
@@ -266,3 +268,39 @@ def test_listeners_are_closed_with_their_workers(net: Net) -> None:
     cycle(24, "many")
     # Spares are forked again in the background: let them settle.
     wait_for(lambda: sup.num_fds() <= baseline + 4, timeout=30)
+
+
+FLOOD_PROXY = """
+import socket
+held, refused = [], 0
+for _ in range(100):
+    s = socket.create_connection(("127.0.0.1", PORT), timeout=10)
+    s.settimeout(0.3)
+    try:
+        if s.recv(100).startswith(b"HTTP/1.1 503"):
+            refused += 1
+            s.close()
+            continue
+    except socket.timeout:
+        pass  # still open: held by the proxy, waiting for a request
+    held.append(s)
+print("held", len(held), "refused", refused, flush=True)
+"""
+
+
+def test_a_session_cannot_take_the_supervisors_descriptors_through_its_proxy(net: Net) -> None:
+    """A session opens connections to its proxy without end: it holds at
+    most its share, the rest are refused at once, and the supervisor keeps
+    serving everyone with its descriptors."""
+    sup = psutil.Process(net.lab.sup.pid)  # type: ignore[attr-defined]
+    with net.lab.client() as client:
+        client.run("bystander", "echo hi")
+        client.run("flooder", "echo hi")
+        wait_for(lambda: len(sup.children()) >= 4, timeout=30)  # 2 sessions, 2 spares
+        before = sup.num_fds()
+        command = python(FLOOD_PROXY.replace("PORT", str(SESSION_PROXY_PORT)))
+        text, lines = sh(client, "flooder", command)
+        out = "\n".join(lines)
+        assert f"held {MAX_SESSION_CONNECTIONS} refused {100 - MAX_SESSION_CONNECTIONS}" in out, out
+        assert client.run("bystander", "echo still").ok
+    wait_for(lambda: sup.num_fds() <= before + 8, timeout=30)
