@@ -208,12 +208,17 @@ class DiskSampler:
         limit_mb: Callable[[object], int | None],
         interval: Callable[[], float],
         stop: Callable[[object, str], None],
+        enabled: Callable[[], bool] = lambda: True,
     ) -> None:
         self.limit_mb = limit_mb  # the session's limit (its settings'), None: off
+        self.enabled = enabled  # whether rounds run at all (the operator's setting)
         self.interval = interval
         self.stop = stop
-        self.walks: dict[str, Walk] = {}
-        self.next_round: dict[str, float] = {}
+        # The round under way: the keys still to add up, the first being
+        # walked (its Walk kept across ticks), and when the next begins.
+        self.round: deque[str] = deque()
+        self.walk: Walk | None = None
+        self.next_round = 0.0
         self.mode = "sampler"
         self.reason = ""
 
@@ -222,37 +227,43 @@ class DiskSampler:
         return {"enforced_by": self.mode, "why": self.reason}
 
     def tick(self, now: float, sessions: dict[str, object]) -> None:
-        """Look at up to WALK_ENTRIES entries, over the sessions whose round
-        is due; a walk finished compares its total with the limit."""
-        for key in [k for k in self.walks if k not in sessions]:
-            self.walks.pop(key).close()
-            self.next_round.pop(key, None)
+        """Look at up to WALK_ENTRIES entries of the round under way, one
+        session after another; a session's walk finished compares its total
+        with its limit. A round takes the live sessions once per interval,
+        so a tick costs the same however many sessions are live."""
+        if not self.round:
+            if now < self.next_round or not self.enabled():
+                return
+            self.next_round = now + self.interval()
+            self.round.extend(sessions)
         budget = WALK_ENTRIES
-        for key, session in sessions.items():
-            if budget <= 0:
-                break
-            limit = self.limit_mb(session)
-            if not limit:
+        while self.round and budget > 0:
+            session = sessions.get(self.round[0])
+            limit = self.limit_mb(session) if session is not None else None
+            if session is None or not limit:
+                self._next_session()  # gone since the round began, or unbounded
                 continue
-            walk = self.walks.get(key)
-            if walk is None:
-                roots = tuple(
-                    getattr(session, name) for name in ("workspace", "home", "user", "tmp")
+            if self.walk is None:
+                self.walk = Walk(
+                    tuple(getattr(session, name) for name in ("workspace", "home", "user", "tmp"))
                 )
-                walk = self.walks[key] = Walk(roots)
-                walk.start()
-            elif not walk.pending and walk.current is None:
-                if now < self.next_round.get(key, 0.0):
-                    continue
-                walk.start()
-            looked, done = walk_some(walk, budget)
+                self.walk.start()
+            looked, done = walk_some(self.walk, budget)
             budget -= looked
-            if done:
-                self.next_round[key] = now + self.interval()
-                session.disk_used = walk.total  # type: ignore[attr-defined]
-                if walk.total > limit * MIB:
-                    self.stop(
-                        session,
-                        f"went over its disk limit ({walk.total / MIB:.0f} MiB in its "
-                        f"workspace, home and tmp > {limit} MiB) and was stopped (reason: disk)",
-                    )
+            if not done:
+                continue
+            total = self.walk.total
+            self._next_session()
+            session.disk_used = total  # type: ignore[attr-defined]
+            if total > limit * MIB:
+                self.stop(
+                    session,
+                    f"went over its disk limit ({total / MIB:.0f} MiB in its "
+                    f"workspace, home and tmp > {limit} MiB) and was stopped (reason: disk)",
+                )
+
+    def _next_session(self) -> None:
+        self.round.popleft()
+        if self.walk is not None:
+            self.walk.close()
+            self.walk = None

@@ -151,8 +151,8 @@ class Health:
             lambda session: ctx.settings_for(session).disk_limit_mb,  # type: ignore[arg-type]
             lambda: ctx.settings.disk_interval,
             self._over_disk,  # type: ignore[arg-type]
+            enabled=lambda: bool(ctx.settings.disk_limit_mb),
         )
-        lifecycle.turns.disk_limit = self.disk.describe  # for `status`
         kind, why = quota_support(ctx.settings.data_dir)
         # The kernel's project quotas are not set by this version: where
         # the file system has them, that is said, and the sampler is used.

@@ -134,6 +134,7 @@ class Supervisor:
                 WORKER_INBOX * (len(self.table) + len(self.pool.spares) + 1)
             ),
         )
+        self.turns.disk_limit = self.health.disk.describe  # for `status`
         self.front = Front(
             ctx,
             self.table,

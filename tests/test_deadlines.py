@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hermes_sup.supervisor.cgroups import SessionGroups
 from hermes_sup.supervisor.config import Settings
 from hermes_sup.supervisor.deadlines import Deadlines
 from hermes_sup.supervisor.environment import SessionOptions
@@ -84,6 +85,12 @@ def _session(key: str, state: State = State.EXITED) -> Session:
     return Session(key=key, dir=Path("/nonexistent") / key, options=SessionOptions(), state=state)
 
 
+def _lifecycle(**more: object) -> SimpleNamespace:
+    """What Health reads of a Lifecycle here: its pool's session groups
+    (none: no cgroups), and `more`."""
+    return SimpleNamespace(pool=SimpleNamespace(cgroups=SessionGroups()), **more)
+
+
 def _table(held: int, live: int) -> SimpleNamespace:
     sessions = {f"held-{i}": _session(f"held-{i}") for i in range(held)}
     table = SimpleNamespace(sessions=sessions, judged={})
@@ -102,10 +109,11 @@ def test_a_tick_looks_only_at_live_sessions_and_only_when_due() -> None:
         idle_timeout=None,
         heartbeat_timeout=30.0,
         idle_heartbeat_interval=5.0,
+        disk_limit_mb=None,  # no disk rounds: this counts the heartbeat watch's lookups
     )
     ctx = CountingContext(settings)
     table = _table(held=5_000, live=3)
-    health = Health(ctx, table, lifecycle=SimpleNamespace())  # type: ignore[arg-type]
+    health = Health(ctx, table, lifecycle=_lifecycle())  # type: ignore[arg-type]
     for session in table.judged.values():
         table.on_judged(session)
     now = time.monotonic()
@@ -120,7 +128,11 @@ def test_a_tick_looks_only_at_live_sessions_and_only_when_due() -> None:
 
 def test_an_idle_session_is_looked_at_when_its_idle_time_is_up() -> None:
     settings = Settings(
-        Path("/nonexistent"), Path("/nonexistent"), idle_timeout=60.0, heartbeat_timeout=600.0
+        Path("/nonexistent"),
+        Path("/nonexistent"),
+        idle_timeout=60.0,
+        heartbeat_timeout=600.0,
+        disk_limit_mb=None,
     )
     ctx = CountingContext(settings)
     table = _table(held=0, live=1)
@@ -128,7 +140,7 @@ def test_an_idle_session_is_looked_at_when_its_idle_time_is_up() -> None:
     health = Health(
         ctx,
         table,
-        lifecycle=SimpleNamespace(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
+        lifecycle=_lifecycle(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
     )  # type: ignore[arg-type]
     table.on_judged(session)
     now, wall = time.monotonic(), time.time()
@@ -168,7 +180,7 @@ def test_a_session_idle_before_its_pid_is_known_is_still_watched() -> None:
     health = Health(
         ctx,
         table,
-        lifecycle=SimpleNamespace(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
+        lifecycle=_lifecycle(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
     )  # type: ignore[arg-type]
     table.on_judged(session)
     now, wall = time.monotonic(), time.time()
