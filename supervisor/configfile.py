@@ -92,7 +92,30 @@ def check_agent_config(
         if not template.is_dir():
             raise ConfigError(f"{where}: template_home {template} is not a directory")
         config["template_home"] = str(template)
+        if "base_url" not in config:
+            # The model an operator's existing Hermes config names: the
+            # supervisor must know it to forward a sealed session's calls
+            # (model_gate.py), or the session could not reach it at all.
+            named = template_base_url(template)
+            if named is not None:
+                config["base_url"] = named
     return config
+
+
+def template_base_url(template: Path) -> str | None:
+    """`model.base_url` of a template home's config.yaml, if it names one
+    (read only where PyYAML is installed, as with the Hermes runtime)."""
+    try:
+        import yaml
+    except ImportError:
+        return None
+    try:
+        loaded = yaml.safe_load((template / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    model = loaded.get("model") if isinstance(loaded, dict) else None
+    url = model.get("base_url") if isinstance(model, dict) else None
+    return url if isinstance(url, str) and url else None
 
 
 def load_agent_config(path: Path, environ: typing.Mapping[str, str] = os.environ) -> dict[str, Any]:

@@ -14,10 +14,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from hermes_sup.local.addresses import SESSION_MODEL_PATH, SESSION_PROXY_HOST, SESSION_PROXY_PORT
 from tests import test_http
 from tests.fake_model import FakeModel
 from tests.test_http import run_events
@@ -209,8 +211,12 @@ model:
 tts:
   provider: openai
   openai:
-    base_url: "{url}"
+    base_url: "{tts_url}"
 """
+# Where a sealed session reaches the operator's model provider for more
+# than chat (speech here): the supervisor's model endpoint in its own
+# network, which forwards under the agent config's base_url.
+SESSION_MODEL_URL = f"http://{SESSION_PROXY_HOST}:{SESSION_PROXY_PORT}{SESSION_MODEL_PATH}"
 
 
 @pytest.fixture
@@ -223,7 +229,8 @@ def hermes_endpoint(supervisor_factory, workdir):
     model = FakeModel()
     template = workdir / "template-home"
     template.mkdir()
-    (template / "config.yaml").write_text(TTS_CONFIG.format(url=model.url))
+    tts_url = SESSION_MODEL_URL + urlsplit(model.url).path
+    (template / "config.yaml").write_text(TTS_CONFIG.format(url=model.url, tts_url=tts_url))
     config = workdir / "agent.toml"
     config.write_text(
         f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
@@ -391,7 +398,9 @@ def test_the_same_chats_on_the_in_process_gateway_and_on_plain_proxy_mode(
     # The steps of a turn (who am I, a voice note, an approval): the later
     # ones would only wait out their time where nothing comes.
     chats = [{**c, "steps": c["steps"][:4]} for c in acceptance_chats(8)]
-    config = IN_PROCESS_CONFIG.format(url=model.url) + TTS_CONFIG.format(url=model.url)
+    config = IN_PROCESS_CONFIG.format(url=model.url) + TTS_CONFIG.format(
+        url=model.url, tts_url=model.url
+    )
     os.environ["VOICE_TOOLS_OPENAI_KEY"] = "sk-fake-voice"
     try:
         in_process = run_gateway(None, workdir / "in-process-home", chats, False, config)

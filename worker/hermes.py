@@ -52,6 +52,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from hermes_sup.local.addresses import SESSION_MODEL_PATH, SESSION_PROXY_HOST, SESSION_PROXY_PORT
+
 from .hermes_context import HermesTurnError, TurnContext
 from .hermes_warnings import quiet_own_terminal_cwd
 from .media import media_event
@@ -108,6 +110,37 @@ def _with_peers(instructions: str | None, workspace: Path) -> str | None:
     return f"{instructions}\n\n{note}" if instructions else note
 
 
+# The model endpoint a sealed session with a network of its own is given
+# (supervisor/model_gate.py): the supervisor's, inside its namespace.
+GATE_URL = f"http://{SESSION_PROXY_HOST}:{SESSION_PROXY_PORT}{SESSION_MODEL_PATH}"
+
+
+def name_the_model_endpoint(config_yaml: Path, cfg: dict[str, Any]) -> None:
+    """Where the agent's model calls go to the supervisor's model endpoint,
+    the session's config.yaml names it (and the placeholder key) too: what
+    Hermes runs besides the agent's turns (a cron job) builds its agent from
+    config.yaml, and would call the model directly, which the session's
+    network cannot, with whatever key the template held."""
+    url = cfg.get("base_url")
+    if not isinstance(url, str) or not url.startswith(GATE_URL):
+        return
+    import yaml
+
+    try:
+        data = yaml.safe_load(config_yaml.read_text()) or {}
+    except FileNotFoundError:
+        data = {}
+    if not isinstance(data, dict):
+        return  # not a config Hermes could read either: left to say so itself
+    found = data.get("model")
+    model: dict[str, Any] = found if isinstance(found, dict) else {}
+    wanted = {"provider": "custom", "base_url": url, "api_key": cfg.get("api_key")}
+    if all(model.get(k) == v for k, v in wanted.items()):
+        return
+    data["model"] = {**model, **wanted}
+    config_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 class HermesRuntime:
     """One hermes AIAgent serving one session, in that session's own process."""
 
@@ -123,6 +156,7 @@ class HermesRuntime:
             # A new session starts from the shared template (config, skills,
             # SOUL.md); from then on its home is its own.
             shutil.copytree(template, home, dirs_exist_ok=True, symlinks=True)
+        name_the_model_endpoint(home / "config.yaml", self.config)
         # Import now: the environment is the session's own, so whatever hermes
         # captures at import is this session's (gateway.run: its HERMES_HOME).
         quiet_own_terminal_cwd()
