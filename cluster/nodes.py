@@ -86,12 +86,19 @@ def data_id(data_dir: Path) -> str:
         pass
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     made = os.urandom(16).hex()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()  # another node made it first
+    # Written whole under a name of our own, then linked into place: a node
+    # starting beside us never reads the file between its creation and its
+    # write (it read "", and refused the registry entry it made of it).
+    own = data_dir / f".{DATA_ID_FILE}.{made}"
+    fd = os.open(own, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(made + "\n")
+    try:
+        os.link(own, path)
+    except FileExistsError:
+        return path.read_text().strip()  # another node made it first
+    finally:
+        own.unlink()
     return made
 
 
