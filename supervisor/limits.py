@@ -26,11 +26,16 @@ from dataclasses import dataclass
 
 # File descriptors the supervisor holds per live session: its ipc connection
 # to the worker, the worker's pidfd, its output pipe and its lease file
-# (leases.py) (measured: 4,018 fds at 1,000 sessions before the lease), and
-# headroom for libzmq's own use.
-FDS_PER_SESSION = 6
+# (leases.py) (measured: 4,018 fds at 1,000 sessions before the lease), a
+# sealed session's proxy listener (proxy.py; its connections have a budget
+# of their own there), and headroom for libzmq's own use.
+FDS_PER_SESSION = 7
 # Descriptors kept back for clients, logs, the zygote and the interpreter.
 FD_RESERVE = 256
+# The share of the descriptor limit the sealed sessions' egress proxy may
+# hold for their connections (two a tunnel: proxy.py caps them at half of
+# it), kept out of what live sessions may take.
+PROXY_FD_SHARE = 8
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ def _process_table() -> Iterator[tuple[int, int, int, int]]:
 def safe_max_sessions(fd_limit: int) -> int:
     """The most live sessions this supervisor can hold without running out of
     descriptors (libzmq aborts the whole process when it cannot get one)."""
-    return max(1, (fd_limit - FD_RESERVE) // FDS_PER_SESSION)
+    return max(1, (fd_limit - FD_RESERVE - fd_limit // PROXY_FD_SHARE) // FDS_PER_SESSION)
 
 
 def allowed_sessions(fd_limit: int, spare_workers: int, wanted: int | None) -> int:

@@ -48,6 +48,7 @@ from hermes_sup.local.logfmt import kv
 
 from . import model_gate
 from .egress import IPAddress, Policy, Verdict, parse_target
+from .limits import PROXY_FD_SHARE
 from .metrics import Metrics
 
 log = logging.getLogger("hermes_sup.supervisor")
@@ -64,11 +65,11 @@ HANDOFF_TIMEOUT = 5.0
 # Handovers being read at once (each is a worker at its start).
 MAX_PENDING_HANDOFFS = 64
 # Connections one session may have through its proxy at once, and all
-# sessions together as a share of our descriptors (a tunnel holds two): a
-# session that opens connections without end must not take the
-# descriptors every other session and client needs. Over either, a 503.
+# sessions together: half the descriptors kept for the proxy (limits.py's
+# PROXY_FD_SHARE; a tunnel holds two). A session that opens connections
+# without end must not take the descriptors every other session and
+# client needs. Over either, a 503.
 MAX_SESSION_CONNECTIONS = 32
-FD_SHARE = 8
 CHUNK = 64 * 1024
 # Headers meant for the proxy, never forwarded (hop by hop).
 HOP_HEADERS = frozenset(
@@ -108,7 +109,7 @@ class EgressProxy:
         self.metrics = metrics
         self.listeners: dict[int, Listener] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.max_connections = max(MAX_SESSION_CONNECTIONS, soft // FD_SHARE)
+        self.max_connections = max(MAX_SESSION_CONNECTIONS, soft // PROXY_FD_SHARE // 2)
         self.connections = 0  # through every listener, now
         self._sock: socket.socket | None = None
         self._pending: dict[int, socket.socket] = {}

@@ -254,11 +254,11 @@ def test_max_sessions_is_capped_by_the_fd_limit(supervisor_factory) -> None:
     def low_fds() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (340, 340))
 
-    from hermes_sup.supervisor.limits import FD_RESERVE, FDS_PER_SESSION
+    from hermes_sup.supervisor.limits import safe_max_sessions
 
     # Spare workers hold a session's descriptors each: fewer sessions fit.
     spares = 2
-    allowed = (340 - FD_RESERVE) // FDS_PER_SESSION - spares
+    allowed = safe_max_sessions(340) - spares
     sup = supervisor_factory("--max-sessions", "1000", "--spare-workers", str(spares), start=False)
     sup.start(preexec_fn=low_fds)
     assert f"max_sessions_lowered wanted=1000 allowed={allowed}" in sup.log()

@@ -11,7 +11,12 @@ import pytest
 
 from hermes_sup.supervisor import configfile
 from hermes_sup.supervisor.config import Settings
-from hermes_sup.supervisor.limits import FD_RESERVE, FDS_PER_SESSION, allowed_sessions
+from hermes_sup.supervisor.limits import (
+    FD_RESERVE,
+    FDS_PER_SESSION,
+    PROXY_FD_SHARE,
+    allowed_sessions,
+)
 
 
 def started_from(tmp_path: Path, text: str, **overrides: object) -> Settings:
@@ -91,22 +96,34 @@ def test_an_invalid_file_is_refused_as_a_whole(tmp_path) -> None:
 
 # ------------------------------------------------------------ fd limit
 
-SAFE_AT_1024 = (1024 - FD_RESERVE) // FDS_PER_SESSION  # 153
+SAFE_AT_1024 = (1024 - FD_RESERVE - 1024 // PROXY_FD_SHARE) // FDS_PER_SESSION  # 91
 
 
 @pytest.mark.parametrize(
     "fd_limit, spares, wanted, allowed",
     [
         pytest.param(1024, 0, None, SAFE_AT_1024, id="derived"),
-        pytest.param(1024, 0, 100, 100, id="wanted-fits"),
+        pytest.param(1024, 0, 80, 80, id="wanted-fits"),
         pytest.param(1024, 0, 1000, SAFE_AT_1024, id="wanted-lowered"),
         pytest.param(1024, 3, None, SAFE_AT_1024 - 3, id="spares-hold-fds"),
         pytest.param(1024, 3, SAFE_AT_1024 - 3, SAFE_AT_1024 - 3, id="wanted-just-fits"),
         pytest.param(1024, 3, SAFE_AT_1024 - 2, SAFE_AT_1024 - 3, id="one-too-many"),
-        pytest.param(340, 0, 1000, (340 - FD_RESERVE) // FDS_PER_SESSION, id="as-in-test-faults"),
+        pytest.param(
+            340,
+            0,
+            1000,
+            (340 - FD_RESERVE - 340 // PROXY_FD_SHARE) // FDS_PER_SESSION,
+            id="as-in-test-faults",
+        ),
         pytest.param(100, 0, None, 1, id="tiny-limit-still-one"),
         pytest.param(300, 50, 10, 1, id="spares-eat-everything"),
-        pytest.param(1 << 20, 0, None, ((1 << 20) - FD_RESERVE) // FDS_PER_SESSION, id="huge"),
+        pytest.param(
+            1 << 20,
+            0,
+            None,
+            ((1 << 20) - FD_RESERVE - (1 << 20) // PROXY_FD_SHARE) // FDS_PER_SESSION,
+            id="huge",
+        ),
     ],
 )
 def test_the_sessions_allowed_fit_in_the_open_file_limit(
