@@ -100,6 +100,10 @@ def from_client_error(exc: ClientError) -> ApiError:
         return ApiError(504, message, "turn_timeout", SERVER)
     if isinstance(exc, (WorkerDied, SessionKilled)):
         return ApiError(502, message, exc.code, SERVER)
+    if isinstance(exc, SupervisorError) and exc.code == "replayed":
+        # The turn id of an Idempotency-Key already used for a request the
+        # supervisor saw differently: the client's reuse, not our failure.
+        return ApiError(422, message, "replayed")
     if isinstance(exc, SupervisorError) and exc.code == "disk_full":
         # Not run, its id unspent: safe to retry once the disk has room.
         return unavailable(message, "disk_full", 30)

@@ -25,7 +25,7 @@ from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import DEFAULT_MAX_FRAME_SIZE, Limits, LocalProtocolError, Message, encode
 
 from .config import Settings
-from .limits import FDS_PER_SESSION, allowed_sessions
+from .limits import FDS_PER_SESSION, PROXY_FD_SHARE, allowed_sessions
 from .session import Session
 
 log = logging.getLogger("hermes_sup.supervisor")
@@ -51,7 +51,8 @@ def client_caps(
     """The gate's client_caps for a supervisor: sessions (and spare
     workers) are budgeted first, with the descriptors each holds."""
     sessions = allowed_sessions(fd_limit, spare_workers, max_sessions)
-    held = FDS_PER_SESSION * (sessions + spare_workers)
+    # And the sealed sessions' proxy, its share of the limit (limits.py).
+    held = FDS_PER_SESSION * (sessions + spare_workers) + fd_limit // PROXY_FD_SHARE
     return gate.client_caps(fd_limit, held, wanted, tcp)
 
 

@@ -221,3 +221,14 @@ def test_a_turn_whose_endpoint_died_and_no_retry_came_is_cancelled(endpoint_fact
     log = endpoint.sup.log()
     assert "turn_orphaned" in log, log[-4000:]
     assert runs_of(endpoint, "gone") == 1
+
+
+def test_a_reused_turn_id_the_supervisor_refuses_is_the_clients_error_not_ours() -> None:
+    """`replayed` (an Idempotency-Key's turn id already used for a send the
+    supervisor saw differently, as a fuzzed body that changes only what the
+    fingerprint leaves out): 422, never a 500."""
+    from hermes_sup.client import SupervisorError
+    from hermes_sup.httpapi.errors import from_client_error
+
+    err = from_client_error(SupervisorError("replayed", "a resend must repeat the send"))
+    assert (err.status, err.code) == (422, "replayed")
