@@ -30,10 +30,12 @@ killed and the group removed; a group still busy is retried every tick
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hermes_sup.local import cgroupfs
@@ -50,6 +52,27 @@ MAX_WEIGHT = 10000
 # Seconds the supervisor waits at start and stop for killed processes to
 # leave their groups (never while serving: then the tick retries).
 SETTLE_PATIENCE = 3.0
+
+
+def data_dir_tag(data_dir: Path) -> str:
+    """What names a data directory's subtree (v1): stable for it, so the
+    next supervisor on it finds what a killed one left."""
+    return hashlib.sha256(str(data_dir.absolute()).encode()).hexdigest()[:12]
+
+
+def clear_left_groups(data_dir: Path) -> int:
+    """Remove what a supervisor on `data_dir` killed outright (its zygote
+    with it) left of its groups, empty ones only, as the next start on it
+    would; the number of session groups removed."""
+    found = cgroupfs.detect(data_dir_tag(data_dir))
+    if isinstance(found, str):
+        return 0
+    removed = 0
+    for name in found.names():
+        with contextlib.suppress(CgroupError, OSError):
+            removed += found.remove(name)
+    found.teardown()
+    return removed
 
 
 def group_name(worker_id: bytes) -> str:
@@ -89,9 +112,8 @@ class SessionGroups:
         if settings.cgroups == "off":
             self.hierarchy, self.reason = None, "cgroups = off"
             return
-        tag = hashlib.sha256(str(settings.data_dir.absolute()).encode()).hexdigest()[:12]
         try:
-            found = cgroupfs.detect(tag)
+            found = cgroupfs.detect(data_dir_tag(settings.data_dir))
             if isinstance(found, str):
                 raise CgroupError(found)
             found.setup()
