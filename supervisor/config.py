@@ -124,10 +124,12 @@ def _tcp_address(value: str) -> str | None:
 
 def _budgets_fault(value: dict[str, str]) -> str | None:
     """Why `value` cannot be model_budgets (naming the entry), or None."""
-    for name, tokens in value.items():
-        text = str(tokens).strip().replace("_", "")
-        if not text.isdigit() or int(text) <= 0:
-            return f"model budget for {name!r}: {tokens!r} is not a positive number of tokens"
+    from .model_meter import parse_budgets
+
+    try:
+        parse_budgets(value)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

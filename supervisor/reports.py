@@ -15,7 +15,7 @@ import psutil
 from hermes_sup.local.version import version
 from hermes_sup.protocol import PROTOCOL_VERSION
 
-from . import model_gate
+from . import model_gate, model_meter
 from .cgroups import amend_limits
 from .configfile import hermes_agent_version
 from .context import Context
@@ -228,4 +228,4 @@ def _model_use(session: str) -> dict[str, Any] | None:
     meter = model_gate.current().meter(session)
     if meter is None:
         return None
-    return {**meter.describe(), "http_key": model_gate.tenant_of(session)}
+    return {**meter.describe(), "http_key": model_meter.tenant_of(session)}

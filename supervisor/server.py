@@ -50,7 +50,7 @@ from hermes_sup.local.logfmt import kv
 from hermes_sup.local.version import version
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
-from . import cgroups, configfile, model_gate, sealing
+from . import cgroups, configfile, model_gate, model_meter, sealing
 from .back import Back
 from .cgroups import lower_oom_score
 from .config import DEFAULT_PASS_ENV, Settings
@@ -223,10 +223,10 @@ class Supervisor:
 
     def _model_budgets(self) -> dict[str, int]:
         # Checked when the settings were read: parsing cannot fail here.
-        return model_gate.parse_budgets(self.ctx.settings.model_budgets)
+        return model_meter.parse_budgets(self.ctx.settings.model_budgets)
 
     def _count_model_call(
-        self, key: str | None, outcome: str, usage: model_gate.Usage, sent: int, received: int
+        self, key: str | None, outcome: str, usage: model_meter.Usage, sent: int, received: int
     ) -> None:
         metrics = self.ctx.metrics
         if metrics is not None:

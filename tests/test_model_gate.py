@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hermes_sup.supervisor import configfile, model_gate
+from hermes_sup.supervisor import configfile, model_gate, model_meter
 from hermes_sup.supervisor.model_gate import Gate, Upstream, worker_agent_config
 
 from .fake_model import FakeModel
@@ -164,7 +164,7 @@ def gate_for(loop: Loop) -> Iterator[Make]:
         server.close()
 
 
-def _metered(gate: Gate, session: str, requests: int) -> model_gate.Meter:
+def _metered(gate: Gate, session: str, requests: int) -> model_meter.Meter:
     """The session's meter once `requests` calls are counted in it whole
     (the client may read a response's last byte before the gate counts it)."""
     deadline = time.monotonic() + 30
@@ -462,7 +462,7 @@ def test_budgets_are_checked_when_the_settings_are_read(tmp_path: Any) -> None:
     path = tmp_path / "c.toml"
     path.write_text("[model_budgets]\nwebui = 1_000_000\n")
     assert configfile.load(path) == {"model_budgets": {"webui": "1000000"}}
-    assert model_gate.parse_budgets({"webui": "1000000"}) == {"webui": 1000000}
+    assert model_meter.parse_budgets({"webui": "1000000"}) == {"webui": 1000000}
     path.write_text('[model_budgets]\nwebui = "lots"\n')
     with pytest.raises(configfile.ConfigError, match="'lots' is not a positive number of tokens"):
         configfile.load(path)
@@ -540,7 +540,7 @@ def test_model_calls_are_counted_in_metrics_by_key_and_shown_by_inspect() -> Non
     assert value("hermes_sup_model_requests_total", {"key": "webui", "outcome": "ok"}) == 1
     assert value("hermes_sup_model_tokens_total", {"key": "webui", "direction": "output"}) == 3
     assert value("hermes_sup_model_bytes_total", {"key": "", "direction": "in"}) == 50
-    use = {**model_gate.Meter(2, 1, 10, 20, 7, 3).describe(), "http_key": "webui"}
+    use = {**model_meter.Meter(2, 1, 10, 20, 7, 3).describe(), "http_key": "webui"}
     assert model_line(use) == (
         "2 call(s), 7 tokens in, 3 out, 10 bytes sent, 20 received, 1 refused (budget); "
         "HTTP key webui"
