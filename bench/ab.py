@@ -91,12 +91,7 @@ def paired(
                 c.run(f"idle{i}", "x")
 
         def round_trip(name: str) -> float:
-            c = clients[name]
-            started = time.perf_counter()
-            c.submit(Kind.SEND, {"text": "x"}, session="k")
-            while c.next().kind is Kind.EVENT:
-                pass
-            return time.perf_counter() - started
+            return timed_round_trip(clients[name])
 
         def spawn(name: str, i: int) -> float:
             time.sleep(0.01)  # spares (if any) refill between spawns
@@ -120,6 +115,15 @@ def paired(
             c.close()
         for sup in sides.values():
             sup.close()
+
+
+def timed_round_trip(client: Client, session: str = "k") -> float:
+    """One turn of `session` (running), from its send until its answer."""
+    started = time.perf_counter()
+    client.submit(Kind.SEND, {"text": "x"}, session=session)
+    while client.next().kind is Kind.EVENT:
+        pass
+    return time.perf_counter() - started
 
 
 def alternate(measure: Callable[[str, int], float], n: int) -> dict[str, list[float]]:

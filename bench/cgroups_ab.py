@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.ab import alternate, report
+from bench.ab import alternate, report, timed_round_trip
 from bench.common import Sup
 from hermes_sup.client import Client
-from hermes_sup.protocol import Kind
 
 
 def run(spawns: int, round_trips: int, sup_args: list[str], keep: bool = False) -> None:
@@ -44,12 +43,7 @@ def run(spawns: int, round_trips: int, sup_args: list[str], keep: bool = False) 
             c.run("k", "x")
 
         def round_trip(name: str, i: int) -> float:
-            c = clients[name]
-            started = time.perf_counter()
-            c.submit(Kind.SEND, {"text": "x"}, session="k")
-            while c.next().kind is Kind.EVENT:
-                pass
-            return time.perf_counter() - started
+            return timed_round_trip(clients[name])
 
         def spawn(name: str, i: int) -> float:
             time.sleep(0.05)  # spares (if any) refill between spawns, as between sessions

@@ -326,12 +326,7 @@ class EgressProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        try:
-            host, port = parse_target(target)
-        except ValueError as exc:
-            await _answer(writer, 400, str(exc))
-            return
-        upstream = await self._dial(session, host, port, writer)
+        upstream = await self._open(session, target, None, writer)  # CONNECT names its port
         if upstream is None:
             return
         writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -349,12 +344,7 @@ class EgressProxy:
     ) -> None:
         authority, slash, rest = url[len("http://") :].partition("/")
         authority = authority.rpartition("@")[2]  # user:pass@ is the server's, not ours
-        try:
-            host, port = parse_target(authority, default_port=80)
-        except ValueError as exc:
-            await _answer(writer, 400, str(exc))
-            return
-        upstream = await self._dial(session, host, port, writer)
+        upstream = await self._open(session, authority, 80, writer)
         if upstream is None:
             return
         kept = [
@@ -370,6 +360,18 @@ class EgressProxy:
             + b"Connection: close\r\n\r\n"
         )
         await _relay(reader, writer, up_reader, up_writer)
+
+    async def _open(
+        self, session: str, target: str, default_port: int | None, writer: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """`host[:port]` parsed, vetted and connected to; None after
+        answering the session why not (400 unparsable, or as `_dial`)."""
+        try:
+            host, port = parse_target(target, default_port=default_port)
+        except ValueError as exc:
+            await _answer(writer, 400, str(exc))
+            return None
+        return await self._dial(session, host, port, writer)
 
     async def _dial(
         self, session: str, host: str, port: int, writer: asyncio.StreamWriter
