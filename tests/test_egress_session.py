@@ -132,17 +132,25 @@ def test_the_hosts_loopback_and_a_neighbours_listener_are_unreachable(net: Net) 
     port = free_port()
     with net.lab.client() as client:
         # The neighbour: a listener of its own on its loopback, left running.
-        serve_once = (
-            f"import socket; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); "
-            "exec('while True: c = s.accept()[0]; c.sendall(b\\'neighbour-secret\\'); c.close()')"
+        # Listening before the shell's command ends (the socket is bound
+        # here, then handed to the child that serves it): no wait needed.
+        serve = (
+            "import socket, sys\n"
+            "s = socket.socket(fileno=int(sys.argv[1]))\n"
+            "while True:\n"
+            "    c = s.accept()[0]; c.sendall(b'neighbour-secret'); c.close()\n"
         )
         listener = python(f"""
-            import subprocess, sys
-            subprocess.Popen([sys.executable, "-c", {serve_once!r}], start_new_session=True,
+            import socket, subprocess, sys
+            s = socket.socket()
+            s.bind(("127.0.0.1", {port}))
+            s.listen()
+            subprocess.Popen([sys.executable, "-c", {serve!r}, str(s.fileno())],
+                             pass_fds=[s.fileno()], start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
             """)
-        own = tries(client, "neighbour", {"listen": listener, "sleep": "sleep 1"})
+        own = tries(client, "neighbour", {"listen": listener})
         assert not refused(own["listen"]), own
         ours = tries(client, "neighbour", {"own": connect("127.0.0.1", port)})
         assert "neighbour-secret" in str(ours["own"]), ours  # it listens, in its own namespace
