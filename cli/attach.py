@@ -25,6 +25,7 @@ import zmq
 from hermes_sup.client import Client, NotRunning, Timeout
 from hermes_sup.protocol import Kind, Message
 
+from . import tool_lines
 from .terminal import Screen
 
 # How often to check that the supervisor still holds its lock.
@@ -219,7 +220,9 @@ class Attached:
             self._approval_done(data.get("approval"))
             self.say(f"· approval answered: {data.get('choice')}", dim=True)
         elif kind in ("tool_start", "tool_complete", "tool_progress"):
-            self.say(f"· {kind}: {str(raw)[:200]}", dim=True)
+            line = _tool_line(kind, data)
+            if line is not None:
+                self.say(line, dim=True)
         else:
             self.say(f"· {kind}: {raw}", dim=True)
 
@@ -244,3 +247,13 @@ class Attached:
             self.say(f"· worker {state}{why}", fg="yellow", dim=dim)
         elif state == "stopping":
             self.say(f"· stopping: {reason}", fg="yellow", dim=dim)
+
+
+def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
+    """One readable line per tool call, as `send` shows it (tool_lines.py)."""
+    name = str(data.get("name") or data.get("tool") or "")
+    if kind == "tool_start":
+        return tool_lines.started(name, data.get("args"), data)
+    if kind == "tool_complete":
+        return tool_lines.completed(name, data)
+    return tool_lines.progress(data)

@@ -12,6 +12,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,24 @@ if TYPE_CHECKING:
 from .serve import parse_pairs
 from .terminal import is_terminal, neutralize
 
-EXIT_NOT_RUNNING = 3
-EXIT_INTERRUPTED = 130
+
+class Exit(IntEnum):
+    """Every command's exit codes, one table (docs/cli.md shows it; a test
+    holds the two alike). `send` is the one exception, and only by choice of
+    the turn: where the runtime reports the turn's own exit status (the
+    probe's `sh`), send exits with it, as ssh does with the remote command's."""
+
+    OK = 0  # done
+    ERROR = 1  # failed; one line on stderr says why
+    USAGE = 2  # a bad option, argument or file name (click's own)
+    NOT_RUNNING = 3  # no supervisor answers at the state dir; the line says how to start one
+    UNKNOWN = 4  # turn status: no such turn (it never started; sending it again runs it once)
+    PENDING = 5  # turn status: the turn is queued or running
+    INTERRUPTED = 130  # a turn cancelled with Ctrl-C (128 + SIGINT, as shells say)
+
+
+EXIT_NOT_RUNNING = Exit.NOT_RUNNING
+EXIT_INTERRUPTED = Exit.INTERRUPTED
 
 
 class NotRunningError(click.ClickException):

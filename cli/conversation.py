@@ -15,6 +15,7 @@ import click
 from .common import (
     RAW,
     SESSION,
+    Exit,
     complete_sessions,
     connect,
     new_session_options,
@@ -124,7 +125,7 @@ def turn_status(ctx: click.Context, session: str, turn_id: str, as_json: bool) -
     and its supervisor stopped before it ended: it will not run again), or
     unknown (it never started: sending it again runs it once).
 
-    Exits 0 if the turn ended with a reply, 3 while it is queued or running,
+    Exits 0 if the turn ended with a reply, 5 while it is queued or running,
     4 if it is unknown, 1 otherwise.
 
     \b
@@ -139,8 +140,12 @@ def turn_status(ctx: click.Context, session: str, turn_id: str, as_json: bool) -
         click.echo(turn_line(session, state))
     outcome = state.get("outcome") or {}
     if state["state"] == "ended" and outcome.get("kind") == "reply":
-        sys.exit(0)
-    sys.exit({"queued": 3, "running": 3, "unknown": 4}.get(state["state"], 1))
+        sys.exit(Exit.OK)
+    sys.exit(
+        {"queued": Exit.PENDING, "running": Exit.PENDING, "unknown": Exit.UNKNOWN}.get(
+            state["state"], Exit.ERROR
+        )
+    )
 
 
 def turn_line(session: str, state: dict[str, Any]) -> str:

@@ -8,7 +8,8 @@ An approval request is never silent. With a terminal on stdin, send asks
 for the choice (once, session, always where allowed, deny) and answers that
 very request by its id, while it keeps showing what arrives. Without one,
 it says how to answer from elsewhere (`hermes-sup approve`), and a turn
-whose approval nobody answered in time ends with exit status 1.
+whose approval nobody answered in time ends with exit status 1. A turn that
+reports its own exit status (the probe's `sh`) ends send with that status.
 
 Ctrl-C cancels the turn (never the session), waits briefly for the turn to
 end, and exits 130; a second Ctrl-C leaves at once.
@@ -47,21 +48,16 @@ from hermes_sup.client.core import check
 from hermes_sup.client.events import to_event
 from hermes_sup.protocol import Kind, Message
 
+from . import tool_lines
+from .common import EXIT_INTERRUPTED
 from .terminal import Screen
+from .tool_lines import one_line as short
 
-EXIT_INTERRUPTED = 130
 # Silence on a terminal longer than this gets a line saying we still wait.
 QUIET_NOTICE = 5.0
 # After Ctrl-C: how long to wait for the cancelled turn's final answer.
 CANCEL_WAIT = 10.0
 SLICE = 0.2
-
-
-def short(value: Any, limit: int = 160) -> str:
-    """A value on one line, cut to `limit` characters."""
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def event_json(event: Event) -> dict[str, Any]:
@@ -119,6 +115,10 @@ class Sender:
         if self.screen.clean_err and not os.environ.get("NO_COLOR"):
             styled = click.style(styled, fg=fg, dim=fg is None)
         click.echo(styled, err=True, color=True)
+
+    def _note_if(self, text: str | None) -> None:
+        if text is not None:
+            self.note(text)
 
     def _end_stream(self) -> None:
         if self.mid_line:
@@ -238,10 +238,11 @@ class Sender:
                 fg="yellow",
             )
         elif isinstance(event, ToolStart):
-            args = f" {short(event.args, 120)}" if event.args not in (None, {}, "") else ""
-            self.note(f"· tool {event.name or '?'}{args}")
+            self.note(tool_lines.started(event.name, event.args, event.data))
         elif isinstance(event, ToolComplete):
-            self.note(f"· tool {event.name or '?'} done")
+            self._note_if(tool_lines.completed(event.name, event.data))
+        elif event.type == "tool_progress":
+            self._note_if(tool_lines.progress(event.data))
         elif isinstance(event, ApprovalRequest):
             self._approval(event)
         elif isinstance(event, ApprovalTimeout):
@@ -389,4 +390,15 @@ class Sender:
                 err=True,
             )
             return 1
-        return 0
+        return turn_status(reply)
+
+
+def turn_status(reply: Reply) -> int:
+    """send's exit status for a turn that ended: the turn's own where its
+    runtime reports one (the probe's `sh` gives its command's status, as ssh
+    passes on the remote command's), 1 for a reply that says it failed, else 0."""
+    data = reply.data if isinstance(reply.data, dict) else {}
+    status = data.get("exit")
+    if isinstance(status, int) and not isinstance(status, bool) and 0 <= status <= 255:
+        return status
+    return 0 if reply.ok else 1

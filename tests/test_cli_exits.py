@@ -1,0 +1,81 @@
+"""Exit codes every command keeps, and one readable line per tool call.
+
+The table of exit codes is the CLI's contract with scripts: docs/cli.md shows
+it and cli/common.py's `Exit` holds it; a test holds the two alike, and real
+commands against a real supervisor exit as the table says."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hermes_sup.cli import tool_lines
+from hermes_sup.cli.common import Exit
+
+from .test_cli_turns import hs, hs_cmd
+from .test_faults import until
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+
+
+def documented_codes() -> dict[int, str]:
+    """The exit-code table of docs/cli.md: code -> meaning."""
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|$", DOCS.read_text(), re.MULTILINE)
+    return {int(code): meaning for code, meaning in rows}
+
+
+def test_the_documented_exit_codes_are_the_ones_the_commands_use() -> None:
+    assert documented_codes().keys() == {int(code) for code in Exit}
+
+
+def test_send_exits_with_the_turns_own_status(supervisor) -> None:
+    assert hs(supervisor, "send", "bob", "sh exit 7").returncode == 7
+    assert hs(supervisor, "send", "bob", "sh true").returncode == 0
+    # A turn with no status of its own: 0 for a reply.
+    assert hs(supervisor, "send", "bob", "echo hi").returncode == 0
+
+
+def test_turn_status_tells_pending_from_not_running_and_unknown(supervisor, tmp_path) -> None:
+    assert hs(supervisor, "turn", "status", "carol", "t-1").returncode == Exit.UNKNOWN
+    sender = subprocess.Popen(
+        hs_cmd(supervisor, "send", "carol", "--turn-id", "t-1", "sleep 60"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        pending = lambda: hs(supervisor, "turn", "status", "carol", "t-1").returncode  # noqa: E731
+        assert until(lambda: pending() == Exit.PENDING, timeout=300)
+        assert hs(supervisor, "cancel", "carol").returncode == 0
+        sender.wait(timeout=120)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
+    nowhere = [sys.executable, "-m", "hermes_sup.cli", "--state-dir", str(tmp_path)]
+    done = subprocess.run([*nowhere, "turn", "status", "carol", "t-1"], capture_output=True)
+    assert done.returncode == Exit.NOT_RUNNING
+
+
+def test_a_tool_call_is_one_line() -> None:
+    hermes_start = {"name": "terminal", "args": {"command": "ls -la"}, "preview": "ls -la"}
+    assert (
+        tool_lines.started("terminal", hermes_start["args"], hermes_start) == "· terminal: ls -la"
+    )
+    # Without a preview, the argument that says most; a lone argument itself.
+    assert tool_lines.started("read_file", {"path": "/a", "limit": 3}, {}) == "· read_file: /a"
+    assert tool_lines.started("x", {"only": [1, 2]}, None) == "· x: [1, 2]"
+    assert tool_lines.started("noop", {}, {}) == "· noop"
+    # Hermes's own progress events repeat the start and end: not shown.
+    for event in ("tool.started", "tool.completed", "reasoning.available", "_thinking"):
+        assert tool_lines.progress({"event": event, "tool": "terminal"}) is None
+    assert tool_lines.progress({"event": "subagent_progress", "preview": "step 2"}) == (
+        "· subagent_progress: step 2"
+    )
+    assert tool_lines.completed("terminal", {"result": "ok", "is_error": False}) is None
+    assert tool_lines.completed("terminal", {"result": "no such file", "is_error": True}) == (
+        "· terminal failed: no such file"
+    )
+    long = tool_lines.started("terminal", {"command": "x" * 500}, {})
+    assert len(long) < 140 and long.endswith("…")
