@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
@@ -21,7 +22,7 @@ import click
 # The errors only: the client itself (zmq, its protocol core) is imported
 # by `connect`, when a command talks to the supervisor, not for --help or Tab.
 from hermes_sup.client.connection import session_options
-from hermes_sup.client.errors import ClientError, NotRunning, SupervisorError
+from hermes_sup.client.errors import ClientError, NotRunning, Starting, SupervisorError
 
 if TYPE_CHECKING:
     from hermes_sup.client.blocking import Client
@@ -42,6 +43,7 @@ class Exit(IntEnum):
     NOT_RUNNING = 3  # no supervisor answers at the state dir; the line says how to start one
     UNKNOWN = 4  # turn status: no such turn (it never started; sending it again runs it once)
     PENDING = 5  # turn status: the turn is queued or running
+    STARTING = 6  # the supervisor is starting (the sealed Hermes preload); the line says how far
     INTERRUPTED = 130  # a turn cancelled with Ctrl-C (128 + SIGINT, as shells say)
 
 
@@ -53,6 +55,16 @@ class NotRunningError(click.ClickException):
     """The supervisor is not running: exit 3 with how to start it."""
 
     exit_code = EXIT_NOT_RUNNING
+
+
+class StartingError(click.ClickException):
+    """The supervisor is starting: exit 6, saying how far it is."""
+
+    exit_code = Exit.STARTING
+
+
+# While a start is under way, how often `send` looks again.
+STARTING_POLL = 0.5
 
 
 def one_line(exc: BaseException) -> str:
@@ -72,19 +84,28 @@ def start_hint(ctx: click.Context) -> str:
 
 
 @contextmanager
-def connect(ctx: click.Context, when_down: str = "") -> Iterator[Client]:
+def connect(
+    ctx: click.Context, when_down: str = "", wait_start: float | None = 0.0
+) -> Iterator[Client]:
     """A client for the command, with errors turned into one-line messages;
     `when_down`, if given, is added to the one saying the supervisor is not
-    running (what the command can do without it)."""
+    running (what the command can do without it). A supervisor that is
+    starting is waited for up to `wait_start` seconds (None: until its start
+    ends, either way), saying so on stderr; past that the command exits 6."""
     from hermes_sup.client.blocking import Client
 
     state_dir: Path = ctx.obj["state_dir"]
     connection: Path | None = ctx.obj.get("connection")
-    try:
+
+    def make() -> Client:
         if connection is not None:
-            client = Client.from_connection_file(connection, timeout=ctx.obj["timeout"])
-        else:
-            client = Client(state_dir, timeout=ctx.obj["timeout"])
+            return Client.from_connection_file(connection, timeout=ctx.obj["timeout"])
+        return Client(state_dir, timeout=ctx.obj["timeout"])
+
+    try:
+        client = _when_started(make, wait_start)
+    except Starting as exc:
+        raise StartingError(one_line(exc) + "; it answers once that is done") from None
     except NotRunning as exc:
         raise NotRunningError(
             f"{exc}. Start it with: hermes-sup --state-dir {shlex.quote(str(state_dir))} serve"
@@ -102,6 +123,25 @@ def connect(ctx: click.Context, when_down: str = "") -> Iterator[Client]:
         raise click.ClickException(one_line(exc)) from None
     finally:
         client.close()
+
+
+def _when_started(make: Callable[[], Client], wait: float | None) -> Client:
+    """`make()`, tried again while the supervisor says it is starting, for up
+    to `wait` seconds (None: as long as the start goes on; a start that fails
+    lets its lock go, and `make` then raises NotRunning)."""
+    deadline = None if wait is None else time.monotonic() + wait
+    said = ""
+    while True:
+        try:
+            return make()
+        except Starting as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            stage = str(exc.report.get("stage"))
+            if stage != said:  # one line a stage, not one a poll
+                click.echo(f"· {one_line(exc)}; waiting for it", err=True)
+                said = stage
+            time.sleep(STARTING_POLL)
 
 
 def complete_sessions(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:

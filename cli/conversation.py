@@ -93,7 +93,8 @@ def send(
     body: dict[str, Any] = {"text": text}
     if options:
         body["options"] = options
-    with connect(ctx) as client:
+    # Sent while the supervisor starts, a turn waits for it (within its timeout).
+    with connect(ctx, wait_start=turn_timeout) as client:
         code = Sender(
             client=client,
             key=session,

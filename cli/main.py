@@ -174,26 +174,11 @@ def status(ctx: click.Context, as_json: bool) -> None:
     Example:
       hermes-sup status
     """
-    from .common import NotRunningError, connect, one_line
+    from .common import connect
 
-    try:
-        with connect(ctx) as client:
-            info = client.status()
-    except NotRunningError:
-        # Not answering yet may be a start still under way (the sealed
-        # Hermes preload): say how far it is.
-        from hermes_sup.local.statedir import read_starting
-
-        starting = read_starting(ctx.obj["state_dir"])
-        if starting is None or ctx.obj.get("connection") is not None:
-            raise
-        seconds = starting.get("seconds")
-        so_far = f", {seconds:.0f}s so far" if isinstance(seconds, int | float) else ""
-        # A file, so shown as a session's text would be (escapes made visible).
-        said = f"the supervisor (pid {starting.get('pid')}) is starting: {starting.get('stage')}"
-        raise NotRunningError(
-            one_line(Exception(f"{said}{so_far}; it answers once that is done"))
-        ) from None
+    # A start under way (the sealed Hermes preload) is said, with how far it is.
+    with connect(ctx) as client:
+        info = client.status()
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return

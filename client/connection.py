@@ -16,7 +16,7 @@ from typing import Any
 
 from hermes_sup.local import statedir
 
-from .errors import AccessDenied, NotRunning
+from .errors import AccessDenied, NotRunning, Starting
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class Connection:
         except FileNotFoundError:
             pass
         if not sock_path.exists() or not statedir.is_locked(path):
+            starting = statedir.read_starting(path)
+            if starting is not None:  # its lock is held and it says how far it is
+                raise Starting(statedir.starting_line(starting), starting)
             raise NotRunning(f"no hermes-sup supervisor is running on {path}")
         try:
             key = statedir.read_key(path)

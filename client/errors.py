@@ -14,6 +14,15 @@ class NotRunning(ClientError):
     """No supervisor answers at this address, or it went away mid-request."""
 
 
+class Starting(NotRunning):
+    """The supervisor is starting (the sealed Hermes preload: seconds to
+    minutes) and answers once that is done; `report` says how far it is."""
+
+    def __init__(self, message: str, report: dict[str, object]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class AccessDenied(ClientError):
     """This user may not use the state directory, or the supervisor refused
     this client's CURVE key."""

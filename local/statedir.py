@@ -132,6 +132,13 @@ def clear_starting(state_dir: Path) -> None:
         pass
 
 
+def starting_line(report: dict[str, object]) -> str:
+    """A starting supervisor's report as one line: who, doing what, how long."""
+    seconds = report.get("seconds")
+    so_far = f", {seconds:.0f}s so far" if isinstance(seconds, int | float) else ""
+    return f"the supervisor (pid {report.get('pid')}) is starting: {report.get('stage')}{so_far}"
+
+
 def read_starting(state_dir: Path) -> dict[str, object] | None:
     """How far the start of the supervisor on `state_dir` is, if one is
     starting: it holds the lock and has said so. None otherwise (a file

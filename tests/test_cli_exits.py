@@ -6,6 +6,7 @@ commands against a real supervisor exit as the table says."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from hermes_sup.cli import tool_lines
 from hermes_sup.cli.common import Exit
 
 from .test_cli_turns import hs, hs_cmd
-from .test_faults import until
+from .test_faults import RUNTIMES, until
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -79,3 +80,46 @@ def test_a_tool_call_is_one_line() -> None:
     )
     long = tool_lines.started("terminal", {"command": "x" * 500}, {})
     assert len(long) < 140 and long.endswith("…")
+
+
+def test_every_client_says_starting_and_send_waits_for_the_start(supervisor_factory, tmp_path):
+    release = tmp_path / "release"
+    env = dict(os.environ, PYTHONPATH=RUNTIMES, HS_RELEASE=str(release))
+    sup = supervisor_factory(
+        "--preload", "hs_slow_preload", "--pass-env", "HS_RELEASE", env=env, start=False
+    )
+    sup.start(wait=False)
+    sender = None
+    try:
+        status = lambda: hs(sup, "status")  # noqa: E731
+        assert until(lambda: status().returncode == Exit.STARTING, timeout=300)
+        for command in (
+            ["list"],
+            ["ping"],
+            ["kill", "a"],
+            ["logs", "a"],
+            ["turn", "status", "a", "t"],
+        ):
+            said = hs(sup, *command)
+            assert said.returncode == Exit.STARTING, (command, said)
+            assert "is starting: starting the zygote" in said.stderr, (command, said.stderr)
+            assert "Start it with" not in said.stderr
+        sender = subprocess.Popen(
+            hs_cmd(sup, "send", "alice", "echo sent during the start"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        # It waits (saying so) rather than failing; then the start ends.
+        assert until(lambda: sender.poll() is None and status().returncode == Exit.STARTING)
+        release.touch()
+        out, err = sender.communicate(timeout=300)
+        assert sender.returncode == 0, err
+        assert "sent during the start" in out
+        assert "is starting: starting the zygote" in err and "waiting for it" in err
+        assert hs(sup, "status").returncode == Exit.OK
+    finally:
+        release.touch()
+        if sender is not None and sender.poll() is None:
+            sender.kill()
+            sender.wait()
