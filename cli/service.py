@@ -21,6 +21,7 @@ import grp
 import os
 import pwd
 import re
+import shlex
 import stat
 import subprocess
 import sys
@@ -54,7 +55,7 @@ Environment=HERMES_SUP_STATE_DIR=/run/hermes-sup
 Environment=HERMES_SUP_DATA_DIR=/var/lib/hermes-sup
 # `systemctl reload hermes-sup` re-reads it (hermes-sup config check FILE first).
 Environment=HERMES_SUP_CONFIG={config}
-ExecStart={exec_start} serve
+{secrets}ExecStart={exec_start} serve{serve_args}
 # Every worker and everything it started is in the service's cgroup: stopping
 # the service leaves nothing behind, whatever a session did.
 KillMode=control-group
@@ -64,8 +65,7 @@ KillSignal=SIGTERM
 # <unit>/supervisor (DelegateSubgroup=, systemd 254 or newer: an older one
 # ignores the line and the supervisor moves itself there).
 Delegate=yes
-DelegateSubgroup=supervisor
-# One session's OOM kill ends that session, never the service.
+{delegate_subgroup}# One session's OOM kill ends that session, never the service.
 OOMPolicy=continue
 # The OOM killer's last choice (set by systemd before it drops to User=);
 # every worker raises its own to 500.
@@ -117,6 +117,18 @@ RELOAD_NOTIFY = (
     "# systemd sends SIGHUP and waits for RELOADING=1, then READY=1.\nType=notify-reload"
 )
 RELOAD_KILL = "Type=notify\nExecReload=/bin/kill -HUP $MAINPID"
+# The first systemd that knows DelegateSubgroup= (an older one warns and ignores it).
+DELEGATE_SUBGROUP_SINCE = 254
+DELEGATE_SUBGROUP = "DelegateSubgroup=supervisor\n"
+# Secrets the supervisor reads (the model key, as api_key_env names it):
+# systemd reads the file as root before it drops to User=, so it stays
+# root's and 0600, and only the supervisor's environment holds the key
+# (never a worker's: DEFAULT_PASS_ENV does not pass it on).
+SECRETS = """\
+# The model key and any other secret of the supervisor's: NAME=value lines,
+# read by systemd as root (keep the file root's, 0600).
+EnvironmentFile={env_file}
+"""
 
 CONFIG_TEMPLATE = """\
 # hermes-sup settings (docs/configuration.md): every key may be set here;
@@ -139,16 +151,24 @@ def render(
     notify_reload: bool = False,
     protect_home: str = "yes",
     config: Path = DEFAULT_CONFIG,
+    serve_args: tuple[str, ...] = (),
+    env_file: Path | None = None,
+    delegate_subgroup: bool = True,
 ) -> str:
     """The unit file text for an install whose entry point is `exec_start`.
     `notify_reload` for systemd 253 and newer; `protect_home` read-only for
-    an install under a home directory."""
+    an install under a home directory; `serve_args` after `serve` (the
+    runtime, its agent config, the HTTP endpoint); `env_file` the secrets
+    the supervisor reads; `delegate_subgroup` for systemd 254 and newer."""
     return UNIT.format(
         exec_start=exec_start,
         user=user,
         reload=RELOAD_NOTIFY if notify_reload else RELOAD_KILL,
         protect_home=protect_home,
         config=config,
+        serve_args="".join(f" {shlex.quote(arg)}" for arg in serve_args),
+        secrets=SECRETS.format(env_file=env_file) if env_file is not None else "",
+        delegate_subgroup=DELEGATE_SUBGROUP if delegate_subgroup else "",
     )
 
 
@@ -249,6 +269,111 @@ def unreachable(paths: list[Path], user: str, protect_home: str) -> list[str]:
     return problems
 
 
+# ------------------------------------------------------------------ Hermes behind HTTP
+
+
+def under(root: Path, path: Path) -> Path:
+    """`path` (absolute) as it lies under `root`: itself when root is /."""
+    path = path.absolute()
+    return path if root == Path("/") else root / path.relative_to("/")
+
+
+def env_file_names(path: Path) -> set[str]:
+    """The variable names an EnvironmentFile= sets (NAME=value lines; # and ;
+    start comments, as systemd reads it); the values are never kept."""
+    names = set()
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;" or "=" not in line:
+            continue
+        name = line.split("=", 1)[0].strip()
+        names.add(name.removeprefix("export ").strip())
+    return names
+
+
+def serve_arguments(
+    agent: str | None,
+    agent_config: Path | None,
+    http_listen: str | None,
+    env_file: Path | None,
+    http_key: str | None,
+) -> tuple[str, ...]:
+    """What the unit adds after `serve`, each checked now as serve would at
+    start, so a mistake shows here and not as a service that will not start."""
+    import importlib.util
+
+    from hermes_sup.local.addresses import parse_listen
+    from hermes_sup.local.version import install_hint
+    from hermes_sup.supervisor.configfile import ConfigError, load_agent_config
+
+    from .configcheck import check_runtime
+
+    args: list[str] = []
+    if agent is not None:
+        problem = check_runtime(agent)
+        if problem is not None:
+            raise click.ClickException(f"--agent {agent}: {problem}")
+        args += ["--agent", agent]
+    if env_file is not None:
+        if not env_file.is_file():
+            raise click.BadParameter(
+                f"{env_file} does not exist: write the model key into it as NAME=value "
+                "(root's, chmod 600) first",
+                param_hint="--env-file",
+            )
+        if env_file.stat().st_mode & 0o077:
+            click.echo(f"warning: {env_file} is readable by others; chmod 600 it", err=True)
+    if agent_config is not None:
+        # api_key_env names a variable of the env file: the service has it, we may not.
+        names = env_file_names(env_file) if env_file is not None else set()
+        try:
+            load_agent_config(agent_config, {**os.environ, **dict.fromkeys(names, "set")})
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--agent-config") from None
+        args += ["--agent-config", str(agent_config.absolute())]
+    if http_listen is not None:
+        try:
+            parse_listen(http_listen, "--http")
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--http") from None
+        if importlib.util.find_spec("uvicorn") is None:
+            raise click.ClickException(
+                "--http needs starlette and uvicorn (the http extra): " + install_hint("http")
+            )
+        args += ["--http", http_listen]
+    elif http_key is not None:
+        raise click.BadParameter("an HTTP key is for --http: give it too", param_hint="--http-key")
+    return tuple(args)
+
+
+def make_http_key(root: Path, name: str, user: str) -> str:
+    """Make the HTTP key `name` in the service's data directory, owned by
+    the service user where that user exists (else systemd's StateDirectory=
+    gives it over at the first start), and write the key itself where only
+    root reads it. What was done, as a line for the operator."""
+    from hermes_sup.httpapi.keys import KeyFileError, KeyStore
+
+    data_dir = under(root, Path("/var/lib/hermes-sup"))
+    secret = under(root, Path(f"/etc/hermes-sup/http-key-{name}"))
+    try:
+        key = KeyStore(data_dir).generate(name)
+    except KeyFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        owner = f"user {user} does not exist yet: systemd gives it the data directory at start"
+    else:
+        for path in [data_dir, *data_dir.rglob("*")]:
+            os.chown(path, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
+        owner = f"owned by {user}"
+    return f"made the HTTP key {name} in {data_dir} ({owner}); the key is in {secret} (0600)"
+
+
 # ------------------------------------------------------------------ the command
 
 
@@ -275,7 +400,60 @@ def unreachable(paths: list[Path], user: str, protect_home: str) -> list[str]:
     help="The settings file the service reads (and reloads); written, all commented out, "
     "if missing (when the unit goes to its default place, or this is given).",
 )
-def install_service(output: Path, user: str, config_file: Path) -> None:
+@click.option(
+    "--agent",
+    type=click.Choice(["probe", "hermes"]),
+    default=None,
+    help="The agent runtime the service runs (default: the config file's, else probe).",
+)
+@click.option(
+    "--agent-config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The agent's settings (agent.toml: model, base_url, api_key_env, ...), passed to "
+    "serve; checked now, and it must be readable by the service user.",
+)
+@click.option(
+    "--http",
+    "http_listen",
+    metavar="ADDR",
+    default=None,
+    help="Also serve Hermes's HTTP API (OpenAI chat completions, Responses, runs) on ADDR "
+    "(PORT or HOST:PORT); needs the http extra.",
+)
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Secrets the supervisor reads, as NAME=value lines (the model key that the agent "
+    "config's api_key_env names): the unit's EnvironmentFile=, read by systemd as root.",
+)
+@click.option(
+    "--http-key",
+    "http_key",
+    metavar="NAME",
+    default=None,
+    help="With --http: make the HTTP key NAME in the service's data directory, owned by the "
+    "service user, and write the key itself to /etc/hermes-sup/http-key-NAME (0600).",
+)
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/"),
+    show_default=True,
+    help="Write every file under this directory instead of / (an image being built, a test).",
+)
+def install_service(
+    output: Path,
+    user: str,
+    config_file: Path,
+    agent: str | None,
+    agent_config: Path | None,
+    http_listen: str | None,
+    env_file: Path | None,
+    http_key: str | None,
+    root: Path,
+) -> None:
     """Write a systemd unit (Type=notify, reloadable, hardened) for this install.
 
     It runs `hermes-sup serve` as a dedicated user, with sockets in
@@ -284,13 +462,20 @@ def install_service(output: Path, user: str, config_file: Path) -> None:
     settings in --config, which `systemctl reload hermes-sup` re-reads.
     It warns about any path of this install the service could not reach.
 
+    Hermes behind HTTP: --agent hermes --agent-config FILE --http ADDR, the
+    model key in --env-file (root's, 0600; the agent config names it with
+    api_key_env), and --http-key NAME for the first front end's key.
+
     \b
     Example:
       sudo hermes-sup install-service
       sudo useradd --system --no-create-home hermes-sup
       sudo systemctl daemon-reload && sudo systemctl enable --now hermes-sup
       hermes-sup install-service --output - | less    # only look at it
+      sudo hermes-sup install-service --agent hermes --agent-config /etc/hermes-sup/agent.toml \\
+          --env-file /etc/hermes-sup/secrets.env --http 127.0.0.1:8642 --http-key webui
     """
+    serve_args = serve_arguments(agent, agent_config, http_listen, env_file, http_key)
     # Run as `python -m hermes_sup.cli`, argv[0] is a module file systemd cannot
     # exec. The interpreter is named as it was run, not resolved: a venv's
     # python finds the venv's packages, the interpreter it links to does not.
@@ -306,6 +491,9 @@ def install_service(output: Path, user: str, config_file: Path) -> None:
         notify_reload=version is not None and version >= NOTIFY_RELOAD_SINCE,
         protect_home=protect_home,
         config=config_file.absolute(),
+        serve_args=serve_args,
+        env_file=env_file.absolute() if env_file is not None else None,
+        delegate_subgroup=version is None or version >= DELEGATE_SUBGROUP_SINCE,
     )
     for problem in unreachable(paths, user, protect_home):
         click.echo(
@@ -313,19 +501,30 @@ def install_service(output: Path, user: str, config_file: Path) -> None:
             f"{user} can read it, e.g. python3 -m venv /opt/hermes-sup/.venv",
             err=True,
         )
+    if agent_config is not None:
+        for problem in unreachable([agent_config.absolute()], user, protect_home):
+            click.echo(
+                f"warning: the service cannot read {problem}; put the agent config where user "
+                f"{user} can read it, e.g. /etc/hermes-sup/agent.toml (mode 644: it names the "
+                "model key's variable, never the key)",
+                err=True,
+            )
     if str(output) == "-":
         click.echo(text, nl=False)
         return
-    try:
-        output.write_text(text)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {output}: {exc}") from None
-    wrote = [f"wrote {output}"]
     # The settings file goes with a unit installed in the system, or when named.
     ctx = click.get_current_context()
     installing = output == DEFAULT_UNIT or (
         ctx.get_parameter_source("config_file") is not click.core.ParameterSource.DEFAULT
     )
+    output, config_file = under(root, output), under(root, config_file)
+    try:
+        if root != Path("/"):
+            output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc}") from None
+    wrote = [f"wrote {output}"]
     if installing and not config_file.exists():
         try:
             config_file.parent.mkdir(parents=True, exist_ok=True)
@@ -336,6 +535,8 @@ def install_service(output: Path, user: str, config_file: Path) -> None:
             raise click.ClickException(
                 f"cannot write {config_file}: {exc}; the service needs it (may be empty)"
             ) from None
+    if http_key is not None:
+        wrote.append(make_http_key(root, http_key, user))
     click.echo(
         "\n".join(wrote) + "\nnext:\n"
         f"  useradd --system --no-create-home --shell /usr/sbin/nologin {user}\n"

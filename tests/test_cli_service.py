@@ -172,3 +172,62 @@ def test_systemd_analyze_rates_the_unit_ok(tmp_path: Path) -> None:
     # The same unit under a home directory (ProtectHome=read-only) stays OK.
     unit.write_text(render("/home/ops/hermes-sup/.venv/bin/hermes-sup", protect_home="read-only"))
     assert exposure(unit) <= MAX_EXPOSURE + 0.2
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="no systemd-analyze")
+def test_hermes_behind_http_from_the_unit_file(tmp_path: Path) -> None:
+    """install-service for Hermes behind HTTP: the unit runs serve with the
+    agent, its config and the endpoint, loads the model key from a root-only
+    file, the first front end's key works against the service's data dir, and
+    systemd-analyze finds the unit clean and as hardened as the plain one."""
+    from hermes_sup.httpapi.keys import KeyStore
+
+    etc = tmp_path / "etc-src"
+    etc.mkdir()
+    agent = etc / "agent.toml"
+    agent.write_text('model = "m"\nbase_url = "http://127.0.0.1:9/v1"\napi_key_env = "MODEL_KEY"\n')
+    secrets = etc / "secrets.env"
+    secrets.write_text("# the model key\nMODEL_KEY=sk-not-in-the-unit\n")
+    secrets.chmod(0o600)
+    root = tmp_path / "root"
+    done = install_service(
+        "--root", str(root), "--agent", "hermes", "--agent-config", str(agent),
+        "--env-file", str(secrets), "--http", "127.0.0.1:8642", "--http-key", "webui",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    unit = root / "etc/systemd/system/hermes-sup.service"
+    text = unit.read_text()
+    serve = re.search(r"^ExecStart=(.*)$", text, re.MULTILINE)
+    assert serve is not None and serve.group(1).endswith(
+        f"serve --agent hermes --agent-config {agent} --http 127.0.0.1:8642"
+    )
+    assert f"EnvironmentFile={secrets}" in text
+    assert "sk-not-in-the-unit" not in text  # the key stays in the root-only file
+    key_file = root / "etc/hermes-sup/http-key-webui"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    tenant = KeyStore(root / "var/lib/hermes-sup").check(key_file.read_text().strip())
+    assert tenant is not None and tenant.name == "webui"
+    verify = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=120
+    )
+    assert verify.returncode == 0 and str(unit.name) not in verify.stderr, verify.stderr
+    assert exposure(unit) <= MAX_EXPOSURE
+
+
+def test_install_service_checks_hermes_behind_http_before_writing(tmp_path: Path) -> None:
+    agent = tmp_path / "agent.toml"
+    agent.write_text('model = "m"\napi_key_env = "NOT_IN_THE_ENV_FILE"\n')
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("MODEL_KEY=x\n")
+    root = tmp_path / "root"
+    said = install_service(
+        "--root", str(root), "--agent-config", str(agent), "--env-file", str(secrets),
+    )  # fmt: skip
+    assert said.returncode == 2 and "NOT_IN_THE_ENV_FILE, which is not set" in said.stderr
+    said = install_service("--root", str(root), "--http", "*:80")
+    assert said.returncode == 2 and "write 0.0.0.0" in said.stderr
+    said = install_service("--root", str(root), "--http-key", "web")
+    assert said.returncode == 2 and "give it too" in said.stderr
+    said = install_service("--root", str(root), "--env-file", str(tmp_path / "missing.env"))
+    assert said.returncode == 2 and "does not exist" in said.stderr
+    assert not root.exists()  # nothing written on a refusal
