@@ -62,6 +62,7 @@ COMMANDS = {
     "restart": "sessions:restart",
     "signal": "sessions:signal_",
     "list": "sessions:list_",
+    "top": "top:top",
     "inspect": "sessions:inspect",
     "kill": "sessions:kill",
     "logs": "logs:logs",

@@ -236,7 +236,8 @@ def list_(
     JSON fields: key, state, pid (or null), started and last_activity (epoch
     seconds), turns, queued, exits, last_exit, fast_failures, runtime,
     label, repo and branch (or null), rss (bytes), procs, cpu_percent,
-    node (the supervisor's node; a NODE column when there are several).
+    node (the supervisor's node; a NODE column when there are several),
+    tokens (model tokens through the model endpoint, or null).
 
     \b
     Examples:

@@ -77,6 +77,9 @@ class Reports:
                 s.cpu_sample = (use.cpu, now)
             # The kernel's count against its limits, where it has a cgroup.
             row["cgroup"] = self.pool.cgroups.usage_dict(s.worker_id)
+            # Model tokens through the model endpoint (None: not known here).
+            meter = model_gate.current().meter(s.key)
+            row["tokens"] = meter.tokens if meter is not None else None
             rows.append(row)
         default_runtime = self.ctx.settings.runtime
         for stored_session in stored:
@@ -88,6 +91,7 @@ class Reports:
                 cpu_percent=None,
                 procs=None,
                 cgroup=None,
+                tokens=None,
             )
             rows.append(row)
         rows.sort(key=lambda row: row["key"])
