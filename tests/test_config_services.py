@@ -207,3 +207,29 @@ def test_the_router_takes_its_table_from_the_file(tmp_path: Path, monkeypatch) -
     assert done.exit_code == 0, done.output
     assert seen["poll_interval"] == 3.0 and seen["client_queue"] == 5
     assert seen["state"] == tmp_path / "s"
+
+
+def test_ray_up_takes_its_table_from_the_file(tmp_path: Path, monkeypatch) -> None:
+    """`ray up --config FILE` reads [ray]; `address` and `base_dir` must be
+    given, by a flag or the file."""
+    from types import SimpleNamespace
+
+    from hermes_sup.cli import ray
+
+    calls: list[tuple[Any, ...]] = []
+    agents = SimpleNamespace(
+        connect=lambda address: calls.append(("connect", address)),
+        up=lambda *a, **kw: calls.append(("up", a, kw)) or [],
+        wait_registered=lambda n: [],
+        skipped=lambda: [],
+    )
+    monkeypatch.setattr(ray, "_agents", lambda: agents)
+    path = tmp_path / "c.toml"
+    path.write_text(f'[ray]\naddress = "10.0.0.1:6379"\nbase_dir = "{tmp_path}"\nping_misses = 5\n')
+    done = CliRunner().invoke(cli, ["ray", "up", "--config", str(path), "--capacity", "2"])
+    assert done.exit_code == 0, done.output
+    assert calls[0] == ("connect", "10.0.0.1:6379")
+    _, args, kw = calls[1]
+    assert args[:2] == (tmp_path, 2.0) and kw["watchdog"].misses == 5 and kw["host"] is None
+    missing = CliRunner().invoke(cli, ["ray", "up", "--address", "auto"])
+    assert missing.exit_code == 2 and "--base-dir" in missing.output
