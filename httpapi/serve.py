@@ -48,7 +48,7 @@ from typing import Any
 
 from hermes_sup.client import AsyncClient
 from hermes_sup.local import addresses
-from hermes_sup.local.settings import SettingError, from_text, plain
+from hermes_sup.local.settings import SettingError, from_text
 
 from .app import create_app
 from .guard import guarded_protocol
@@ -278,7 +278,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             dest=s.name,
             action="append" if s.repeatable else "store",
             metavar=s.metavar or s.base.__name__.upper(),
-            help=plain(s.option_help()),
+            help=s.option_help().replace("%", "%%"),  # argparse formats help with %
         )
     args = parser.parse_args(argv)
     if args.keep and (args.fd is None or args.watch_fd is None):

@@ -233,3 +233,16 @@ def test_ray_up_takes_its_table_from_the_file(tmp_path: Path, monkeypatch) -> No
     assert args[:2] == (tmp_path, 2.0) and kw["watchdog"].misses == 5 and kw["host"] is None
     missing = CliRunner().invoke(cli, ["ray", "up", "--address", "auto"])
     assert missing.exit_code == 2 and "--base-dir" in missing.output
+
+
+def test_the_tables_load_no_service_and_no_http_stack() -> None:
+    """The table machinery is local/'s (standard library only) and the
+    endpoint's table needs no http extra: `config check`, the docs and the
+    router read them without the supervisor, starlette or zmq."""
+    from tests.test_layout import modules_loaded_by, package
+
+    loaded = modules_loaded_by("hermes_sup.local.settings", "hermes_sup.httpapi.settings")
+    assert "hermes_sup.httpapi.settings" in loaded
+    server = {"hermes_sup.supervisor", "hermes_sup.worker", "hermes_sup.cli", "hermes_sup.cluster"}
+    assert [m for m in loaded if package(m) in server] == []
+    assert [m for m in loaded if m.split(".")[0] in ("starlette", "uvicorn", "zmq")] == []
