@@ -7,7 +7,9 @@ tried: the runtime (and every runtime front ends may choose) is imported as
 a worker would import it, hermes-agent is looked for when the runtime is
 hermes, preload modules are looked up, workspace and repository roots must
 be directories, the repository a git repository, and the metrics address
-must parse.
+must parse, and the HTTP endpoint's extra must be installed when `http`
+is set. The other services' tables (`[http_api]`, `[route]`, `[ray]`) are
+checked with their own settings, each key on its own too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hermes_sup.local.settings import Setting, read_table
 from hermes_sup.local.version import install_hint
 from hermes_sup.supervisor import configfile
 from hermes_sup.supervisor.worktrees import repository_problem
@@ -28,14 +31,31 @@ from hermes_sup.supervisor.worktrees import repository_problem
 HERMES_MODULES = ("run_agent", "gateway", "hermes_state", "tools")
 
 
+def section_tables() -> dict[str, Mapping[str, Setting]]:
+    """The settings of each service's table of the file (local/settings.py's
+    SECTIONS), by the table's name."""
+    from hermes_sup.httpapi.settings import API_SETTINGS
+
+    from .ray import RAY_SETTINGS
+    from .route import ROUTER_SETTINGS
+
+    return {"http_api": API_SETTINGS, "route": ROUTER_SETTINGS, "ray": RAY_SETTINGS}
+
+
 def check_keys(
     path: Path, raw: dict[str, Any], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], list[str]]:
-    """Each key of the file checked on its own: the values that are good
-    and one error line per bad one."""
+    """Each key of the file checked on its own, serve's and those of each
+    service's table: the values that are good (a service's under its
+    table's name) and one error line per bad one."""
     values: dict[str, Any] = {}
     errors: list[str] = []
+    tables = section_tables()
     for key, value in raw.items():
+        if key in tables:
+            values[key], bad = read_table(tables[key], value, f"{path}: [{key}]")
+            errors += bad
+            continue
         try:
             name, checked = configfile.read_key(path, key, value, environ)
         except configfile.ConfigError as exc:
@@ -61,6 +81,23 @@ def check_runtime(spec: str) -> str | None:
                 f"extra: {install_hint('hermes')}"
             )
     return None
+
+
+def check_http(path: Path, values: Mapping[str, Any]) -> list[str]:
+    """What `serve` with `http` set would refuse: no http extra, a page
+    directory without its index.html."""
+    if not values.get("http"):
+        return []
+    errors = []
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        errors.append(
+            f"{path}: http needs {' and '.join(missing)} (the http extra): " + install_hint("http")
+        )
+    web = values.get("http_web")
+    if web and not (Path(web) / "index.html").is_file():
+        errors.append(f"{path}: http_web: {web} is not a directory with an index.html")
+    return errors
 
 
 def check_file(
@@ -100,6 +137,7 @@ def check_file(
     for root in values.get("repo_roots", ()):
         if not Path(root).is_dir():
             errors.append(f"{path}: repo_roots: {root} is not a directory")
+    errors += check_http(path, values)
     if values.get("metrics"):
         from hermes_sup.supervisor.metrics import parse_address
 

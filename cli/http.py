@@ -1,21 +1,37 @@
 """`hermes-sup http` (the HTTP endpoint as a process of its own), `hermes-sup
 keys http` (its bearer keys), and what `serve --http` calls to start the
 endpoint beside the supervisor. The endpoint itself is hermes_sup.httpapi;
-serve.py in that package says how each way of running it works."""
+serve.py in that package says how each way of running it works. The
+endpoint's settings are its table (httpapi/settings.py): this command's
+flags, and the `[http_api]` table of the configuration file, which both
+this command (`--config`) and `serve` (with `http` set) read."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import click
 
+from hermes_sup.httpapi.settings import API_SETTINGS
+from hermes_sup.local.settings import SettingError, from_text, to_argv
 from hermes_sup.local.version import install_hint
-from hermes_sup.supervisor.config import DATA_DIR_ENV, default_data_dir
+from hermes_sup.supervisor.config import DATA_DIR_ENV, SETTINGS, default_data_dir
 
-from .options import LOG_LEVEL, web_dir_option
+from .options import (
+    config_option,
+    given_settings,
+    section_values,
+    setting_option,
+    setting_options,
+    web_dir_option,
+)
+
+# Hermes's API server's port: front ends default to it (httpapi/serve.py's).
+DEFAULT_PORT = 8642
 
 DATA_DIR = click.option(
     "--data-dir",
@@ -35,12 +51,28 @@ def _need_http_extra() -> None:
         )
 
 
-def start_http_beside(settings: Any, listen: str, web_dir: Path | None = None) -> None:
-    """`serve --http`: start the endpoint for the supervisor this process is
-    about to become (before it starts: this forks); with `web_dir`, it also
-    serves that directory's static files at /."""
+def endpoint_settings(config: Path | None, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The endpoint's settings this command sets: the file's [http_api]
+    table, then the environment's, then the flags'; the endpoint's process
+    takes them as flags, so what is set here wins over its environment."""
+    values = section_values(config, "http_api", API_SETTINGS)
+    for name, s in API_SETTINGS.items():
+        text = os.environ.get(s.envvar, "").strip() if s.envvar else ""
+        if text and name != "cors_origins":  # origins: the endpoint reads them, with Hermes's
+            try:
+                values[name] = from_text(s, text)
+            except SettingError as exc:
+                raise click.ClickException(f"{s.envvar}: {exc}") from None
+    return {**values, **given}
+
+
+def start_http_beside(settings: Any, config: Path | None) -> None:
+    """`serve` with `http` set: start the endpoint for the supervisor this
+    process is about to become (before it starts: this forks), with the
+    [http_api] table of serve's configuration file; with `http_web`, it
+    also serves that directory's static files at /."""
     _need_http_extra()
-    from hermes_sup.httpapi.serve import HttpSetupError, parse_listen, start_beside_supervisor
+    from hermes_sup.httpapi.serve import HttpSetupError, start_beside_supervisor
     from hermes_sup.local import statedir
 
     try:
@@ -49,14 +81,11 @@ def start_http_beside(settings: Any, listen: str, web_dir: Path | None = None) -
             statedir.endpoint(settings.state_dir, name)
     except statedir.StateDirError as exc:
         raise click.ClickException(str(exc)) from None
-
-    try:
-        parse_listen(listen)
-    except HttpSetupError as exc:
-        raise click.BadParameter(str(exc), param_hint="--http") from None
+    web_dir = Path(settings.http_web) if settings.http_web else None
+    argv = to_argv(API_SETTINGS, endpoint_settings(config, {}))
     try:
         start_beside_supervisor(
-            settings.state_dir, settings.data_dir, listen, settings.log_level, web_dir
+            settings.state_dir, settings.data_dir, settings.http, settings.log_level, web_dir, argv
         )
     except HttpSetupError as exc:
         raise click.ClickException(str(exc)) from None
@@ -72,64 +101,26 @@ def start_http_beside(settings: Any, listen: str, web_dir: Path | None = None) -
 )
 @click.option(
     "--listen",
-    default="8642",
+    default=str(DEFAULT_PORT),
     show_default=True,
     metavar="[HOST:]PORT",
     help="Where to serve: PORT on 127.0.0.1, or HOST:PORT (0.0.0.0:PORT for every interface).",
 )
 @DATA_DIR
-@click.option(
-    "--model",
-    default="hermes-agent",
-    show_default=True,
-    help="The model id clients see in /v1/models and answers.",
-)
-@click.option(
-    "--max-body",
-    type=click.IntRange(1024),
-    default=10_000_000,
-    show_default=True,
-    help="Largest request body in bytes (413 above).",
-)
-@click.option(
-    "--stall-timeout",
-    type=click.FloatRange(0.1),
-    default=30.0,
-    show_default=True,
-    help="Seconds a stream may go unread before its turn is cancelled.",
-)
-@click.option(
-    "--retry-grace",
-    type=click.FloatRange(0, 3600, min_open=True),
-    default=None,
-    help="Seconds a turn whose client hung up, or whose endpoint died, waits for a retry "
-    "(the same Idempotency-Key) before it is cancelled "
-    "[default: env HERMES_SUP_HTTP_RETRY_GRACE, else 30].",
-)
-@click.option(
-    "--cors-origin",
-    "cors_origins",
-    multiple=True,
-    metavar="ORIGIN",
-    help="A browser origin (https://app.example.com) whose pages may call the API; repeat "
-    "for more, * for any. Other origins get 403; the page of --web needs none "
-    "[default: env HERMES_SUP_HTTP_CORS_ORIGINS, else API_SERVER_CORS_ORIGINS, comma-separated].",
-)
+@config_option("http_api")
+@setting_options(API_SETTINGS)
 @web_dir_option("--web", "web_dir", "Also")
-@LOG_LEVEL
-@click.pass_context
+@setting_option(SETTINGS["log_level"])
+@click.pass_context  # type: ignore[arg-type]
 def http(
     ctx: click.Context,
     connection: Path | None,
     listen: str,
     data_dir: Path | None,
-    model: str,
-    max_body: int,
-    stall_timeout: float,
-    retry_grace: float | None,
-    cors_origins: tuple[str, ...],
+    config: Path | None,
     web_dir: Path | None,
-    log_level: str,
+    log_level: str | None,
+    **given: Any,
 ) -> None:
     """Serve Hermes's HTTP API (chat completions, runs) in front of a
     supervisor, each conversation in its own session. Runs until SIGTERM or
@@ -145,6 +136,7 @@ def http(
       hermes-sup http --connection web-eu.json --listen 0.0.0.0:8642 --data-dir /etc/hs-http
       hermes-sup http --listen 8642 --web examples/web   # the chat page at http://127.0.0.1:8642/
       hermes-sup http --listen 8642 --cors-origin https://chat.example.com
+      hermes-sup http --config /etc/hermes-sup/config.toml   # its [http_api] table
     """
     _need_http_extra()
     argv = ["--data-dir", str(data_dir or default_data_dir()), "--listen", listen]
@@ -152,11 +144,9 @@ def http(
         argv += ["--connection", str(connection)]
     else:
         argv += ["--state-dir", str(ctx.obj["state_dir"])]
-    argv += ["--model", model, "--max-body", str(max_body), "--stall-timeout", str(stall_timeout)]
-    if retry_grace is not None:
-        argv += ["--retry-grace", str(retry_grace)]
-    for origin in cors_origins:  # none given: the endpoint reads the environment's
-        argv += ["--cors-origin", origin]
+    argv += to_argv(
+        API_SETTINGS, endpoint_settings(config, given_settings(ctx, API_SETTINGS, given))
+    )
     from hermes_sup.httpapi.serve import HttpSetupError, check_web_dir, parse_listen, require_keys
     from hermes_sup.httpapi.serve import main as serve_main
 
@@ -167,7 +157,7 @@ def http(
             argv += ["--web", str(check_web_dir(web_dir))]
     except HttpSetupError as exc:
         raise click.ClickException(str(exc)) from None
-    serve_main([*argv, "--log-level", log_level])
+    serve_main([*argv, "--log-level", log_level or SETTINGS["log_level"].default])
 
 
 # ---------------------------------------------------------------- keys

@@ -2,23 +2,133 @@
 
 hermes-sup ray up --address HEAD:6379 --base-dir /var/lib/hermes-sup-ray
 hermes-sup route --ray HEAD:6379
+
+`ray up`'s settings are declared once, in `RayUpSettings`: its flags, and
+the `[ray]` table of the configuration file (`--config`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import click
 
+from hermes_sup.local.settings import Setting, declare, setting
 from hermes_sup.local.version import install_hint
 
+from .options import config_option, given_settings, section_values, setting_options
+
+
+def _ip_address(value: str) -> str | None:
+    """Why `value` cannot be the nodes' one address, or None."""
+    if value:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            return f"{value!r} is not an IP address"
+    return None
+
+
+@dataclass
+class RayUpSettings:
+    """Everything `hermes-sup ray up` can be told: its flags, the `[ray]`
+    table of the configuration file (local/settings.py). `address` is every
+    `ray` command's; `address` and `base_dir` must be given, here or there."""
+
+    address: str = field(
+        default="",
+        metadata=setting(
+            "--address",
+            "the Ray cluster, as for ray.init (`HOST:PORT` of the head, or `auto`)",
+            shown="none: give it",
+            metavar="ADDRESS",
+        ),
+    )
+    base_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            "--base-dir",
+            "a node-local directory on every node: each supervisor's state and data under "
+            "`BASE/<node>` (keep it short: unix socket paths are limited to 107 bytes)",
+            path=True,
+            shown="none: give it",
+        ),
+    )
+    data_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            "--data-dir",
+            "a shared data directory (the same path on every node, e.g. NFSv4) instead of a "
+            "node-local one under `base_dir`",
+            path=True,
+            shown="none",
+        ),
+    )
+    capacity: float = field(
+        default=1.0,
+        metadata=setting(
+            "--capacity", "each node's weight for new sessions", exclusive=True, duration=False
+        ),
+    )
+    serve_args: tuple[str, ...] = field(
+        default=(),
+        metadata=setting("--serve-arg", "arguments for every node's `serve`", metavar="ARG"),
+    )
+    ping_every: float = field(
+        default=1.0,
+        metadata=setting(
+            "--ping-every",
+            "seconds between two pings of a node's supervisor by its agent",
+            exclusive=True,
+        ),
+    )
+    ping_timeout: float = field(
+        default=2.0,
+        metadata=setting("--ping-timeout", "seconds a ping waits for its answer", exclusive=True),
+    )
+    ping_misses: int = field(
+        default=3,
+        metadata=setting(
+            "--ping-misses",
+            "unanswered pings in a row after which the agent kills its supervisor (its locks "
+            "are released, its sessions served elsewhere) and starts another",
+            minimum=1,
+        ),
+    )
+    resource: str = field(
+        default="",
+        metadata=setting(
+            "--resource",
+            "start agents only on nodes that declare this Ray resource, each reserving all "
+            "of it (its amount is the node's weight), so an autoscaler keeps those nodes "
+            "while their agents live",
+            zero="every node",
+            metavar="NAME",
+        ),
+    )
+    host: str = field(
+        default="",
+        metadata=setting(
+            "--host",
+            "the address every node's supervisor listens on and is reached at; one address "
+            "for all nodes: for a cluster on one machine (`127.0.0.1`)",
+            zero="the address Ray knows for its node",
+            metavar="ADDRESS",
+            check=_ip_address,
+        ),
+    )
+
+
+RAY_SETTINGS: dict[str, Setting] = declare(RayUpSettings)
+
+# `ray down` and `ray nodes` take the same --address, required there.
 ADDRESS = click.option(
-    "--address",
-    required=True,
-    help="The Ray cluster, as for ray.init (HOST:PORT of the head, or auto).",
+    "--address", required=True, metavar="ADDRESS", help=RAY_SETTINGS["address"].option_help()
 )
 
 
@@ -38,77 +148,41 @@ def _agents() -> ModuleType:
 
 
 @ray_group.command()
-@ADDRESS
-@click.option(
-    "--base-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="A node-local directory on every node: each supervisor's state and data "
-    "under BASE/<node> (keep it short: unix socket paths are limited to 107 bytes).",
-)
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="A shared data directory (the same path on every node, e.g. NFSv4) instead "
-    "of a node-local one under --base-dir.",
-)
-@click.option("--capacity", type=click.FloatRange(min=0, min_open=True), default=1.0,
-              show_default=True, help="Each node's weight for new sessions.")  # fmt: skip
-@click.option("--serve-arg", "serve_args", multiple=True,
-              help="An argument for every node's `serve` (repeat it).")  # fmt: skip
-@click.option("--ping-every", type=click.FloatRange(min=0, min_open=True), default=1.0,
-              show_default=True,
-              help="Seconds between two pings of a node's supervisor by its agent.")  # fmt: skip
-@click.option("--ping-timeout", type=click.FloatRange(min=0, min_open=True), default=2.0,
-              show_default=True, help="Seconds a ping waits for its answer.")  # fmt: skip
-@click.option("--ping-misses", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Unanswered pings in a row after which the agent kills its supervisor "
-              "(its locks are released, its sessions served elsewhere) and starts another.")  # fmt: skip
-@click.option("--resource", default=None, metavar="NAME",
-              help="Start agents only on nodes that declare this Ray resource, each "
-              "reserving all of it (its amount is the node's weight), so an autoscaler "
-              "keeps those nodes while their agents live.")  # fmt: skip
-@click.option("--host", default=None, metavar="ADDRESS",
-              help="The address every node's supervisor listens on and is reached at "
-              "[default: the address Ray knows for its node]. One address for all "
-              "nodes: for a cluster on one machine (127.0.0.1).")  # fmt: skip
-def up(
-    address: str,
-    base_dir: Path,
-    data_dir: Path | None,
-    capacity: float,
-    serve_args: tuple[str, ...],
-    ping_every: float,
-    ping_timeout: float,
-    ping_misses: int,
-    resource: str | None,
-    host: str | None,
-) -> None:
+@config_option("ray")
+@setting_options(RAY_SETTINGS)
+@click.pass_context  # type: ignore[arg-type]
+def up(ctx: click.Context, config: Path | None, **given: Any) -> None:
     """Start one node agent (and its supervisor) on every alive Ray node,
     and on every node that joins later.
 
     A node is named by its label hermes-sup-node (ray start --labels
     hermes-sup-node=NAME), else by its host; hermes-sup-capacity=N sets its
     weight. Agents already running are kept; run it again to change settings."""
+    values = section_values(config, "ray", RAY_SETTINGS)
+    settings = RayUpSettings(**{**values, **given_settings(ctx, RAY_SETTINGS, given)})
+    for name in ("address", "base_dir"):
+        if not getattr(settings, name):
+            flag = RAY_SETTINGS[name].flag
+            raise click.UsageError(f"give {flag} (or `{name}` in the [ray] table of --config)")
+    assert settings.base_dir is not None
     agents = _agents()
     from hermes_sup.cluster.nodes import NodeConfigError
     from hermes_sup.cluster.watchdog import WatchdogSettings
 
-    if host is not None:
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            raise click.BadParameter(
-                f"{host!r} is not an IP address", param_hint="--host"
-            ) from None
-    agents.connect(address)
-    watchdog = WatchdogSettings(every=ping_every, timeout=ping_timeout, misses=ping_misses)
+    agents.connect(settings.address)
+    watchdog = WatchdogSettings(
+        every=settings.ping_every, timeout=settings.ping_timeout, misses=settings.ping_misses
+    )
     try:
         infos = agents.up(
-            base_dir, capacity, data_dir, list(serve_args),
-            watchdog=watchdog, resource=resource, host=host,
-        )  # fmt: skip
+            settings.base_dir,
+            settings.capacity,
+            settings.data_dir,
+            list(settings.serve_args),
+            watchdog=watchdog,
+            resource=settings.resource or None,
+            host=settings.host or None,
+        )
     except NodeConfigError as exc:
         raise click.ClickException(str(exc)) from None
     specs = agents.wait_registered(len(infos))

@@ -2,7 +2,9 @@
 
 Front ends connect to it as to one supervisor: its state directory (ipc
 socket and key) for local ones, `--tcp` with CURVE for remote ones (keys in
-its `--data-dir`, made with `hermes-sup keys generate --data-dir`).
+its `--data-dir`, made with `hermes-sup keys generate --data-dir`). Its
+settings are declared once, in `RouterSettings`: its flags, and the `[route]`
+table of the configuration file (`--config`).
 
 `hermes-sup route drain NODE` asks a running router (its state directory)
 to drain one of its nodes: the node takes it from the router's key.
@@ -12,96 +14,141 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
+from hermes_sup.local.addresses import parse_listen
+from hermes_sup.local.settings import Setting, declare, either, setting
 from hermes_sup.local.statedir import STATE_DIR_ENV, default_state_dir
+from hermes_sup.supervisor.config import LOG_LEVELS
 
 from .common import connect
-from .options import client_options
+from .options import client_options, config_option, given_settings, section_values, setting_options
+
+
+def _tcp_address(value: str) -> str | None:
+    """Why `value` cannot be the router's TCP endpoint, or None."""
+    if value:
+        try:
+            parse_listen(value, "tcp")
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+@dataclass
+class RouterSettings:
+    """Everything `hermes-sup route` can be told: its flags, the `[route]`
+    table of the configuration file (local/settings.py)."""
+
+    nodes_file: str = field(
+        default="",
+        metadata=setting(
+            "--nodes",
+            "a TOML file of `[[node]]` tables (name, connection or endpoint and keys, "
+            "capacity); re-read when it changes. Give this or `ray`",
+            key="nodes",
+            zero="none",
+            path=True,
+            metavar="FILE",
+        ),
+    )
+    ray_address: str = field(
+        default="",
+        metadata=setting(
+            "--ray",
+            "follow the nodes that `hermes-sup ray up` registered in this Ray cluster (an "
+            "address as for ray.init, e.g. `10.0.0.1:6379` or `auto`). Give this or `nodes`",
+            key="ray",
+            zero="none",
+            metavar="ADDRESS",
+        ),
+    )
+    # As every command's, read by the group from HERMES_SUP_STATE_DIR.
+    state_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            "--state-dir",
+            "the router's own state directory (socket, key, lock)",
+            path=True,
+            shown=f"as for serve (env `{STATE_DIR_ENV}`)",
+        ),
+    )
+    tcp: str = field(
+        default="",
+        metadata=setting(
+            "--tcp",
+            "also listen for remote front ends on TCP with CURVE, `PORT` (127.0.0.1) or "
+            "`HOST:PORT` (needs `data_dir`)",
+            zero="off",
+            metavar="[HOST:]PORT",
+            check=_tcp_address,
+        ),
+    )
+    data_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            "--data-dir",
+            "where the router keeps its CURVE keys and allowlist (for `tcp`)",
+            path=True,
+            shown="none",
+        ),
+    )
+    poll: float = field(
+        default=1.0,
+        metadata=setting("--poll", "seconds between reads of the node list", minimum=0.05),
+    )
+    max_clients: int | None = field(
+        default=None,
+        metadata=setting(
+            "--max-clients",
+            "front-end connections at once, local and TCP together; one over it is refused "
+            "with `overloaded`",
+            zero="what the open-file limit allows",
+            minimum=1,
+        ),
+    )
+    # cluster/router.py's CLIENT_QUEUE (a test holds them equal: the router
+    # imports zmq, which `hermes-sup --help` must not pay for).
+    client_queue: int = field(
+        default=100_000,
+        metadata=setting(
+            "--client-queue",
+            "messages queued for one front end before it lags: its events are then dropped "
+            "and counted (it is told), its answers kept",
+            zero="no limit",
+        ),
+    )
+    metrics: str = field(
+        default="",
+        metadata=setting(
+            "--metrics",
+            "serve Prometheus metrics at /metrics and a health check at /healthz (200 while "
+            "the router runs and a node is linked, else 503) on `PORT` (127.0.0.1) or "
+            "`HOST:PORT`",
+            zero="off",
+            metavar="[HOST:]PORT",
+        ),
+    )
+    log_level: str = field(
+        default="info",
+        metadata=setting(
+            "--log-level", f"what the router logs: {either(LOG_LEVELS)}", choices=LOG_LEVELS
+        ),
+    )
+
+
+ROUTER_SETTINGS: dict[str, Setting] = declare(RouterSettings)
 
 
 @click.group(invoke_without_command=True)
-@click.option(
-    "--nodes",
-    "nodes_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="A TOML file of [[node]] tables (name, connection or endpoint and keys, "
-    "capacity); re-read when it changes.",
-)
-@click.option(
-    "--ray",
-    "ray_address",
-    default=None,
-    metavar="ADDRESS",
-    help="Follow the nodes that `hermes-sup ray up` registered in this Ray cluster "
-    "(an address as for ray.init, e.g. 10.0.0.1:6379 or auto).",
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help=f"The router's own state directory (socket, key, lock) [env {STATE_DIR_ENV}].",
-)
-@click.option(
-    "--tcp",
-    default=None,
-    metavar="[HOST:]PORT",
-    help="Also listen for remote front ends on TCP with CURVE (needs --data-dir).",
-)
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where the router keeps its CURVE keys and allowlist (for --tcp).",
-)
-@click.option(
-    "--poll",
-    type=click.FloatRange(min=0.05),
-    default=1.0,
-    show_default=True,
-    help="Seconds between reads of the node list.",
-)
-@click.option(
-    "--max-clients",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Front-end connections at once, local and TCP together [default: what the "
-    "open-file limit allows]; one over it is refused with `overloaded`.",
-)
-@click.option(
-    "--client-queue",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Messages queued for one front end before it lags: its events are then dropped "
-    "and counted (it is told), its answers kept [default: 100000; 0: no limit].",
-)
-@click.option(
-    "--metrics",
-    default=None,
-    metavar="[HOST:]PORT",
-    help="Serve Prometheus metrics at /metrics and a health check at /healthz "
-    "(200 while the router runs and a node is linked, else 503) on this address "
-    "(a bare port binds 127.0.0.1).",
-)
-@click.option("--log-level", default="INFO", show_default=True)
-@click.pass_context
-def route(
-    ctx: click.Context,
-    nodes_file: Path | None,
-    ray_address: str | None,
-    state_dir: Path | None,
-    tcp: str | None,
-    data_dir: Path | None,
-    poll: float,
-    max_clients: int | None,
-    client_queue: int | None,
-    metrics: str | None,
-    log_level: str,
-) -> None:
+@config_option("route")
+@setting_options(ROUTER_SETTINGS)
+@click.pass_context  # type: ignore[arg-type]
+def route(ctx: click.Context, config: Path | None, **given: Any) -> None:
     """Route every session's requests to the node that owns its key.
 
     \b
@@ -113,35 +160,38 @@ def route(
     With a subcommand, a client of a running router:
       hermes-sup route --state-dir /run/hsr drain b --wait
     """
+    state_dir = given.get("state_dir")
     if ctx.invoked_subcommand is not None:
         if state_dir is not None:  # the router's state directory, to connect to
             obj = ctx.ensure_object(dict)
             obj["state_dir"], obj["state_dir_given"] = state_dir, True
         return
     from hermes_sup.cluster.nodes import NodeConfigError
-    from hermes_sup.cluster.router import CLIENT_QUEUE, serve_router, static_source
+    from hermes_sup.cluster.router import serve_router, static_source
     from hermes_sup.door.remote import RemoteError
     from hermes_sup.local.statedir import StateDirError
 
-    if (nodes_file is None) == (ray_address is None):
+    values = section_values(config, "route", ROUTER_SETTINGS)
+    settings = RouterSettings(**{**values, **given_settings(ctx, ROUTER_SETTINGS, given)})
+    if bool(settings.nodes_file) == bool(settings.ray_address):
         raise click.UsageError("give exactly one of --nodes FILE and --ray ADDRESS")
     metrics_at = None
-    if metrics is not None:
+    if settings.metrics:
         from hermes_sup.supervisor.metrics import parse_address
 
         try:
-            metrics_at = parse_address(metrics)
+            metrics_at = parse_address(settings.metrics)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--metrics") from None
     logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    if state_dir is None:
+    if settings.state_dir is None:
         obj = ctx.obj if isinstance(ctx.obj, dict) else {}
-        state_dir = obj.get("state_dir") or default_state_dir()
-    assert state_dir is not None
-    if nodes_file is not None:
-        source = static_source(nodes_file)
+        settings.state_dir = obj.get("state_dir") or default_state_dir()
+    assert settings.state_dir is not None
+    if settings.nodes_file:
+        source = static_source(Path(settings.nodes_file))
         try:
             source()  # refuse a bad file now, not in the loop (it is read once: cached)
         except (NodeConfigError, OSError) as exc:
@@ -149,17 +199,16 @@ def route(
     else:
         from hermes_sup.cluster.ray_agents import registry_source
 
-        assert ray_address is not None
-        source = registry_source(ray_address)
+        source = registry_source(settings.ray_address)
     try:
         serve_router(
-            state_dir,
+            settings.state_dir,
             source,
-            tcp=tcp,
-            data_dir=data_dir,
-            poll_interval=poll,
-            max_clients=max_clients,
-            client_queue=CLIENT_QUEUE if client_queue is None else client_queue,
+            tcp=settings.tcp or None,
+            data_dir=settings.data_dir,
+            poll_interval=settings.poll,
+            max_clients=settings.max_clients,
+            client_queue=settings.client_queue,
             metrics=metrics_at,
         )
     except OSError as exc:

@@ -15,7 +15,6 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ from . import chat, origins
 from .bodies import parse_body
 from .continuity import Continuations
 from .errors import ApiError, from_client_error
-from .guard import HEADER_TIMEOUT
 from .idempotency import IdempotencyCache
 from .keys import KeyStore, Tenant
 from .logsafe import kv
@@ -44,6 +42,7 @@ from .responses import Responses
 from .retries import Retries
 from .runs import Runs
 from .sessions import TENANT, SessionRef, header_id, label_of, ref_for
+from .settings import ApiSettings as ApiSettings  # httpapi.ApiSettings is read from here
 from .turns import OpenTurn, open_turn
 
 log = logging.getLogger("hermes_sup.httpapi")
@@ -51,30 +50,6 @@ log = logging.getLogger("hermes_sup.httpapi")
 Handler = Callable[[Request], Awaitable[Response]]
 
 AGENT_INFO_TTL = 60.0  # seconds /health trusts what it last heard the workers run
-
-
-@dataclass
-class ApiSettings:
-    """What an operator may tune (hermes-sup http --help)."""
-
-    model: str = "hermes-agent"  # the model id clients see (/v1/models)
-    max_body: int = 10_000_000  # bytes of a request body, as Hermes's API server
-    body_timeout: float = 60.0  # seconds a request body may take to arrive
-    header_timeout: float = HEADER_TIMEOUT  # seconds a request's head may take (guard.py)
-    max_connections: int | None = None  # open at once; None: guard.py's default
-    stall_timeout: float = 30.0  # a stream whose reader took nothing this long is cut
-    keepalive: float = 30.0  # seconds of silence before an SSE comment line
-    # The same on chat completions streams: hermes-webui notices its Stop
-    # only when a line arrives, so a silent turn must still send one often.
-    chat_keepalive: float = 1.0
-    stream_queue: int = 1024  # events waiting for one slow stream reader
-    run_events: int = 10_000  # events a run keeps for late subscribers
-    run_ttl: float = 3600.0  # seconds an ended run stays readable
-    max_runs: int = 1000  # ended runs kept at most, of each key's
-    max_responses: int = 1000  # stored responses kept at most (in memory), of each key's
-    retry_grace: float = 30.0  # seconds a turn with an Idempotency-Key waits for a retry
-    web_dir: Path | None = None  # static files served at / (no key needed for them)
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed besides our own; "*" for any
 
 
 class Api:

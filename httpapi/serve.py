@@ -26,10 +26,12 @@ Two ways, one code path (`run`):
 
 Either way the bearer keys are read from a data directory's
 `http/keys/` (`hermes-sup keys http generate NAME`), and with none there
-the endpoint does not start. The browser origins it allows are its
-`--cors-origin` flags, else read from the environment here, in the
-endpoint's own process (origins.py), which `serve --http` starts with
-serve's environment: the setting reaches it without a flag of serve's.
+the endpoint does not start. Its settings (settings.py) reach it as flags
+(the `[http_api]` table of serve's configuration file, or `hermes-sup
+http`'s own flags); one not given is read from its environment variable
+here, in the endpoint's own process, which `serve --http` starts with
+serve's environment, then is its default. The browser origins fall back
+on Hermes's own variable too (origins.py).
 """
 
 from __future__ import annotations
@@ -40,18 +42,30 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hermes_sup.client import AsyncClient
 from hermes_sup.local import addresses
+from hermes_sup.local.settings import SettingError, from_text
 
-from .app import ApiSettings, create_app
+from .app import create_app
 from .guard import guarded_protocol
 from .keys import KeyStore
 from .logsafe import kv
 from .origins import origins_from_env, parse_origins
+from .settings import API_SETTINGS, RETRY_GRACE_ENV, ApiSettings
+
+__all__ = [
+    "RETRY_GRACE_ENV",
+    "HttpSetupError",
+    "main",
+    "parse_listen",
+    "require_keys",
+    "run",
+    "start_beside_supervisor",
+]
 
 log = logging.getLogger("hermes_sup.httpapi")
 
@@ -192,11 +206,12 @@ def start_beside_supervisor(
     listen: str,
     log_level: str = "info",
     web_dir: Path | None = None,
+    settings_argv: Sequence[str] = (),
 ) -> str:
     """Start the endpoint for the supervisor about to run in this process
-    (see the module docstring). Call before the supervisor starts: it forks,
-    so this process must have no threads and no zmq context yet. Returns
-    the URL it listens on."""
+    (see the module docstring), with its settings as flags (`to_argv`).
+    Call before the supervisor starts: it forks, so this process must have
+    no threads and no zmq context yet. Returns the URL it listens on."""
     host, port = parse_listen(listen)
     require_keys(data_dir)
     web = [] if web_dir is None else ["--web", str(check_web_dir(web_dir))]
@@ -219,6 +234,7 @@ def start_beside_supervisor(
         "--log-level",
         log_level,
         *web,
+        *settings_argv,
     ]
     middle = os.fork()
     if middle == 0:  # the intermediate: spawn the endpoint, then leave it to init
@@ -241,29 +257,9 @@ def start_beside_supervisor(
     return url
 
 
-RETRY_GRACE_ENV = "HERMES_SUP_HTTP_RETRY_GRACE"
-
-
-def retry_grace_of(given: float | None, environ: Mapping[str, str]) -> float:
-    """The retry grace: given, else from the environment, else the default
-    (more than 0, at most an hour: the supervisor's orphan_grace limit)."""
-    value: float = ApiSettings.retry_grace if given is None else given
-    if given is None and environ.get(RETRY_GRACE_ENV, "").strip():
-        try:
-            value = float(environ[RETRY_GRACE_ENV])
-        except ValueError:
-            raise HttpSetupError(
-                f"{RETRY_GRACE_ENV}={environ[RETRY_GRACE_ENV]!r} is not a number of seconds"
-            ) from None
-    if not 0 < value <= 3600:
-        raise HttpSetupError(
-            f"the retry grace must be more than 0 and at most 3600 s, not {value:g}"
-        )
-    return value
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m hermes_sup.httpapi`: the process `serve --http` starts."""
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The endpoint process's arguments: where it runs, then one flag per
+    setting of the endpoint (settings.py), each read as text (`from_text`)."""
     parser = argparse.ArgumentParser(prog="python -m hermes_sup.httpapi")
     parser.add_argument("--state-dir", type=Path, help="the local supervisor's state directory")
     parser.add_argument("--connection", type=Path, help="a remote supervisor's connection file")
@@ -271,33 +267,64 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, help="an inherited listening socket")
     parser.add_argument("--listen", default=str(DEFAULT_PORT), help="[HOST:]PORT without --fd")
     parser.add_argument("--watch-fd", type=int, help="stop when this pipe reads EOF")
-    parser.add_argument("--model", default=ApiSettings.model)
-    parser.add_argument("--max-body", type=int, default=ApiSettings.max_body)
-    parser.add_argument("--stall-timeout", type=float, default=ApiSettings.stall_timeout)
-    parser.add_argument("--header-timeout", type=float, default=ApiSettings.header_timeout)
-    parser.add_argument("--body-timeout", type=float, default=ApiSettings.body_timeout)
-    parser.add_argument("--max-connections", type=int, default=None)
-    parser.add_argument(
-        "--retry-grace",
-        type=float,
-        default=None,
-        help=f"seconds a turn whose client hung up (or whose endpoint died) waits for a retry "
-        f"before it is cancelled [default: env {RETRY_GRACE_ENV}, else "
-        f"{ApiSettings.retry_grace:g}]",
-    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--web", type=Path, help="a directory of static files to serve at /")
     parser.add_argument(
-        "--cors-origin",
-        action="append",
-        help="a browser origin allowed to call the API (repeat; * for any); "
-        "default: HERMES_SUP_HTTP_CORS_ORIGINS, else API_SERVER_CORS_ORIGINS",
-    )
-    parser.add_argument(
         "--keep", action="store_true", help="run the endpoint as a child, restarted if it dies"
     )
+    for s in API_SETTINGS.values():
+        parser.add_argument(
+            s.flag,
+            dest=s.name,
+            action="append" if s.repeatable else "store",
+            metavar=s.metavar or s.base.__name__.upper(),
+            help=s.option_help().replace("%", "%%"),  # argparse formats help with %
+        )
+    args = parser.parse_args(argv)
+    if args.keep and (args.fd is None or args.watch_fd is None):
+        parser.error("--keep needs --fd and --watch-fd")
+    return args
+
+
+def api_settings(
+    args: argparse.Namespace, environ: Mapping[str, str], web_dir: Path | None
+) -> ApiSettings:
+    """The endpoint's settings: each its flag if given, else its environment
+    variable if set, else its default. HttpSetupError naming a bad one."""
+    values: dict[str, Any] = {}
+    for name, s in API_SETTINGS.items():
+        given = getattr(args, name)
+        if name == "cors_origins":
+            # Comma-separated or repeated; else ours, else Hermes's variable.
+            values[name] = parse_origins(given) if given else origins_from_env(environ)
+            continue
+        if given is not None:
+            where, text = s.flag, given
+        elif s.envvar and environ.get(s.envvar, "").strip():
+            where, text = f"{s.envvar}={environ[s.envvar]!r}", environ[s.envvar]
+        else:
+            continue
+        try:
+            values[name] = from_text(s, text)
+        except SettingError as exc:
+            raise HttpSetupError(f"{where}: {exc}") from None
+    return ApiSettings(**values, web_dir=web_dir)
+
+
+def connector(args: argparse.Namespace) -> Callable[[], AsyncClient]:
+    """How the endpoint reaches its supervisor: a connection file's remote
+    one, else the local one of the state directory."""
+    if args.connection is not None:
+        path = args.connection
+        return lambda: AsyncClient.from_connection_file(path)
+    state_dir = args.state_dir
+    return lambda: AsyncClient(state_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hermes_sup.httpapi`: the process `serve --http` starts."""
     given = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(given)
+    args = parse_args(given)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
@@ -309,8 +336,6 @@ def main(argv: list[str] | None = None) -> None:
 
     lower_oom_score()
     if args.keep:
-        if args.fd is None or args.watch_fd is None:
-            parser.error("--keep needs --fd and --watch-fd")
         from .keeper import keep
 
         endpoint = [sys.executable, "-m", "hermes_sup.httpapi"]
@@ -323,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         keys = require_keys(args.data_dir)
         web_dir = None if args.web is None else check_web_dir(args.web)
+        settings = api_settings(args, os.environ, web_dir)
         if args.fd is not None:
             sock = socket.socket(fileno=args.fd)
         else:
@@ -330,34 +356,4 @@ def main(argv: list[str] | None = None) -> None:
     except HttpSetupError as exc:
         log.error(kv("http_failed", error=exc))
         sys.exit(1)
-    if args.connection is not None:
-        path = args.connection
-
-        def connect() -> AsyncClient:
-            return AsyncClient.from_connection_file(path)
-    else:
-        state_dir = args.state_dir
-
-        def connect() -> AsyncClient:
-            return AsyncClient(state_dir)
-
-    cors_origins = (
-        parse_origins(args.cors_origin) if args.cors_origin else origins_from_env(os.environ)
-    )
-    try:
-        retry_grace = retry_grace_of(args.retry_grace, os.environ)
-    except HttpSetupError as exc:
-        log.error(kv("http_failed", error=exc))
-        sys.exit(1)
-    settings = ApiSettings(
-        retry_grace=retry_grace,
-        model=args.model,
-        max_body=args.max_body,
-        stall_timeout=args.stall_timeout,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        max_connections=args.max_connections,
-        web_dir=web_dir,
-        cors_origins=cors_origins,
-    )
-    run(sock, keys, connect, settings, args.watch_fd, args.log_level)
+    run(sock, keys, connector(args), settings, args.watch_fd, args.log_level)

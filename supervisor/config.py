@@ -4,22 +4,23 @@ data live by default.
 Every setting of `hermes-sup serve` is a field of `Settings`, the object the
 supervisor reads. Its type and default are the field's; everything else
 about it (its flag and environment variable, bounds, help, whether a reload
-may change it) is a `Setting` in the field's metadata, as gunicorn declares
-each of its settings once in a `Setting`. From that one declaration come:
+may change it) is a `Setting` in the field's metadata (local/settings.py,
+which the other services' tables use too). From that one declaration come:
 
 - the flags of `serve` (cli/serve.py, `setting_options`),
 - the checks of the TOML file (configfile.py),
 - the configuration reference of the documentation site (`reference_table`,
   put into docs/configuration.md while the site builds).
+
+The fields are grouped by what they are about, a dataclass each, and
+`Settings` is all of them: what a session runs and may choose, the
+supervisor's clock over its workers, what a session may take of the
+machine, what it is sealed from, and how the supervisor faces the world.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import sys
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 # Where state and data live by default is the client's business too (it
 # finds the supervisor by it): hermes_sup.local holds it, re-exported here.
 from hermes_sup.local.addresses import parse_listen
+from hermes_sup.local.settings import Setting, declare, either, setting
+from hermes_sup.local.settings import reference_table as markdown_table
 from hermes_sup.local.statedir import (
     DATA_DIR_ENV,
     STATE_DIR_ENV,
@@ -43,6 +46,7 @@ __all__ = [
     "AGENT_KEYS",
     "DATA_DIR_ENV",
     "DEFAULT_PASS_ENV",
+    "LOG_FORMATS",
     "LOG_LEVELS",
     "SEALED_CHOICES",
     "SETTINGS",
@@ -74,6 +78,7 @@ DEFAULT_PASS_ENV: tuple[str, ...] = (
     "TERM",
 )
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 SEALED_CHOICES = ("off", "auto", "on")
 NETWORK_CHOICES = ("egress", "none", "host")
 # The keys of the [agent] table (and of an --agent-config file), with the
@@ -122,6 +127,16 @@ def _tcp_address(value: str) -> str | None:
     return None
 
 
+def _http_address(value: str) -> str | None:
+    """Why `value` cannot be the HTTP endpoint's address (naming it), or None."""
+    if value:
+        try:
+            parse_listen(value, "http", any_port=True)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def _budgets_fault(value: dict[str, str]) -> str | None:
     """Why `value` cannot be model_budgets (naming the entry), or None."""
     from .model_meter import parse_budgets
@@ -133,154 +148,10 @@ def _budgets_fault(value: dict[str, str]) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One setting of `hermes-sup serve`, all that is said about it.
-
-    `name`, `type` and `default` are those of its `Settings` field; the rest
-    is declared in the field's metadata with `setting()`. A setting whose
-    type admits None reads 0 (in the file, or on the command line, where
-    "none" means it too) as None: `zero` says what that means ("off", "from
-    the fd limit"); for any other setting `zero` says what its 0 or "" does.
-    """
-
-    name: str
-    type: Any
-    default: Any
-    help: str
-    # "--memory-limit"; "" for a setting only the file can set.
-    flag: str
-    # More flags for the same setting, kept working for compatibility.
-    aliases: tuple[str, ...] = ()
-    envvar: str | None = None
-    zero: str | None = None
-    # Numbers: the least value allowed (0: not negative).
-    minimum: float = 0
-    choices: tuple[str, ...] = ()
-    # False: only a restart changes it (sockets, directories, the zygote's
-    # imports); a reload keeps the old value and says so.
-    reload: bool = True
-    # A filesystem path (or a list of them): made absolute on the command
-    # line, since the zygote and workers run in other directories; a list of
-    # them in the file must be absolute already.
-    path: bool = False
-    # The file's (or the flag's) list adds to the default instead of replacing it.
-    extends: bool = False
-    # Its key in the file when not its name (the [agent] table).
-    key: str = ""
-    metavar: str | None = None
-    # The reference's default column, when the value itself would not say it.
-    shown: str | None = None
-    # Further check of a value from the file or the command line: why it
-    # cannot be used, or None.
-    check: Callable[[Any], str | None] | None = None
-
-    @property
-    def file_key(self) -> str:
-        """Its key in the configuration file."""
-        return self.key or self.name
-
-    @property
-    def optional(self) -> bool:
-        """Its value may be None, written 0 in the file and on the command line."""
-        return type(None) in typing.get_args(self.type)
-
-    @property
-    def base(self) -> Any:
-        """Its type without None: int, float, str, Path, tuple[str, ...], dict[...]."""
-        if self.optional:
-            return next(a for a in typing.get_args(self.type) if a is not type(None))
-        return self.type
-
-    @property
-    def seconds(self) -> bool:
-        """A time in seconds (every float setting but the `_ms` ones): also
-        written as a duration, "30m" or "1h30m", in the file and on the
-        command line, as `kill --idle-for` takes it."""
-        return self.base is float and not self.name.endswith("_ms")
-
-    @property
-    def table(self) -> bool:
-        """A TOML table of its own ([agent], [session_defaults])."""
-        return self.base == dict[str, Any]
-
-    @property
-    def repeatable(self) -> bool:
-        """Given once per value on the command line (--pass-env A --pass-env B)."""
-        return self.base in (tuple[str, ...], dict[str, str])
-
-    def default_text(self, markdown: bool = True) -> str:
-        """The default as the reference shows it (Markdown), or as --help does
-        ("" when there is nothing to say)."""
-        if self.shown is not None:
-            return self.shown if markdown else plain(self.shown)
-        value, zero = self.default, self.zero
-        if value is None:
-            text = f"`0` ({zero})"
-        elif isinstance(value, str):
-            if not markdown:
-                return value or zero or ""
-            text = f'`"{value}"`' + (f" ({zero})" if zero and not value else "")
-        elif isinstance(value, (tuple, dict)):
-            if value:
-                text = f"`{' '.join(value)}`"
-            elif not markdown:
-                return ""
-            else:
-                text = "`[]`" if isinstance(value, tuple) else "`{}`"
-        elif zero:
-            text = f"`{value}` (0 = {zero})" if value else f"`{value}` ({zero})"
-        else:
-            text = f"`{value}`"
-        return text if markdown else plain(text)
-
-    def flag_text(self) -> str:
-        """Its flags and environment variable, in Markdown."""
-        if not self.flag:
-            return ""
-        shape = f" {self.metavar}" if self.metavar else ""
-        text = f"`{self.flag}{shape}`" + "".join(f" (or `{a}`)" for a in self.aliases)
-        return text + (f", env `{self.envvar}`" if self.envvar else "")
-
-    def meaning(self) -> str:
-        """What it means, with its bounds (Markdown)."""
-        return self.help + (f"; at least {self.minimum:g}" if self.minimum else "")
-
-    def reference_help(self) -> str:
-        """What the reference says it means."""
-        return self.meaning() + ("" if self.reload else ". Needs a restart")
-
-    def option_help(self) -> str:
-        """Its --help text: the reference's, as a sentence, without Markdown,
-        then its environment variable and default."""
-        text = plain(self.meaning()).removesuffix(".")
-        text = text[:1].upper() + text[1:] + (" (repeat)." if self.repeatable else ".")
-        if self.seconds:
-            text += " Also a duration: 90s, 30m, 2h."
-        extra = [f"env {self.envvar}"] if self.envvar else []
-        if self.default_text(markdown=False):
-            extra.append(f"default: {self.default_text(markdown=False)}")
-        return text + (f" [{'; '.join(extra)}]" if extra else "")
-
-
-def plain(markdown: str) -> str:
-    """Text without the reference's code quotes."""
-    return markdown.replace("`", "")
-
-
-def setting(flag: str, help: str, **more: Any) -> dict[str, Any]:
-    """A field's metadata declaring it a setting (see `Setting`)."""
-    return {"setting": {"flag": flag, "help": help, **more}}
-
-
-def _either(names: typing.Iterable[str]) -> str:
-    quoted = [f"`{n}`" for n in names]
-    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
-
-
 @dataclass
-class Settings:
-    """Everything `hermes-sup serve` can be told (see `Setting`)."""
+class SessionSettings:
+    """What a session runs, where its files live, and what its front end may
+    choose for it (the `open` options the supervisor allows)."""
 
     state_dir: Path = field(
         metadata=setting(
@@ -317,7 +188,7 @@ class Settings:
         default_factory=dict,
         metadata=setting(
             "--agent-config",
-            f"runtime settings: {_either(AGENT_KEYS)}; `--agent-config` names a TOML or JSON "
+            f"runtime settings: {either(AGENT_KEYS)}; `--agent-config` names a TOML or JSON "
             "file of them",
             key="agent",
             metavar="FILE",
@@ -361,16 +232,87 @@ class Settings:
             "model tokens an HTTP key's sessions may use (`NAME=TOKENS`; `*` for every key "
             "not named); sealed sessions only",
             metavar="NAME=TOKENS",
+            counts=True,
             check=_budgets_fault,
         ),
     )
-    max_frame_size: int = field(
-        default=DEFAULT_MAX_FRAME_SIZE,
+    workspace_roots: tuple[str, ...] = field(
+        default=(),
         metadata=setting(
-            "--max-frame-size",
-            "largest frame a peer may send, bytes",
-            minimum=1024,
-            reload=False,
+            "--workspace-root",
+            "directories under which a front end may choose a session's workspace "
+            "(`workspace` option)",
+            path=True,
+            metavar="DIR",
+        ),
+    )
+    runtimes: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--allow-runtime",
+            "runtimes a front end may choose per session (`runtime` option) besides `runtime`",
+            metavar="RUNTIME",
+        ),
+    )
+    # environment.APPROVAL_ENV.
+    allow_env: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--allow-env",
+            "variables that decide whether the agent asks before a dangerous command "
+            "(`HERMES_EXEC_ASK`, `HERMES_GATEWAY_SESSION`, `HERMES_YOLO_MODE`) that front "
+            "ends may set all the same through the `env` option; others are refused "
+            "(`bad_field`), so a front end cannot switch approvals off for its own session",
+            metavar="NAME",
+        ),
+    )
+    # supervisor/worktrees.py.
+    repo: str = field(
+        default="",
+        metadata=setting(
+            "--repo",
+            "a git repository: each session's workspace is its own worktree of it, on its "
+            "own branch",
+            zero="off",
+            path=True,
+            metavar="PATH",
+        ),
+    )
+    repo_roots: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--repo-root",
+            "directories under which a front end may name a session's repository (`repo` option)",
+            path=True,
+            metavar="DIR",
+        ),
+    )
+    # In wire form.
+    session_defaults: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=setting(
+            "",
+            "options a new session gets when its front end passes none: `session_env`, "
+            "`env`, `agent`",
+            shown="",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class LifecycleSettings:
+    """When a worker is started, judged hung, stopped or started again, and
+    when a session sleeps: the supervisor's clock over its workers."""
+
+    # A new session takes one instead of waiting for a fork (see
+    # supervisor/spare_workers.py).
+    spare_workers: int = field(
+        default_factory=default_spare_workers,
+        metadata=setting(
+            "--spare-workers",
+            "workers forked ahead of need, connected and waiting for a new session (see "
+            '"Starting fast")',
+            shown=f"one per CPU, at most {MAX_DEFAULT_SPARES} (0 = none)",
         ),
     )
     # Graceful kill: ask the worker to stop, then SIGTERM its group, then SIGKILL.
@@ -388,19 +330,6 @@ class Settings:
     shutdown_grace: float = field(
         default=10.0,
         metadata=setting("--shutdown-grace", "seconds running turns get at shutdown"),
-    )
-    # Over either queue limit, a `busy` error: nothing is dropped silently.
-    max_queue: int = field(
-        default=256,
-        metadata=setting(
-            "--max-queue",
-            "turns one session may have waiting; more get a `busy` error",
-            minimum=1,
-        ),
-    )
-    max_queued_total: int = field(
-        default=10_000,
-        metadata=setting("--max-queued-total", "turns waiting across all sessions"),
     )
     # Workers heartbeat from their main loop (never from the turn thread), so
     # a long turn is busy, not hung. Silent too long: SIGABRT (a traceback
@@ -471,6 +400,67 @@ class Settings:
         default=300.0,
         metadata=setting("--failed-cooldown", "seconds a failed session refuses turns"),
     )
+    # When full, the least recently used idle session is stopped to make room.
+    max_sessions: int | None = field(
+        default=None,
+        metadata=setting("--max-sessions", "live workers at most", zero="from the fd limit"),
+    )
+    # Busy sessions never are stopped for it, nor those with a process of
+    # their own still running (health.py).
+    idle_timeout: float | None = field(
+        default=600.0,
+        metadata=setting(
+            "--idle-timeout",
+            "hibernate sessions idle this many seconds: their worker stops, their files and "
+            "history stay, the next turn wakes them",
+            zero="off",
+        ),
+    )
+    # A session with processes of its own running never is idle (health.py):
+    # past this while awake, with no turn, they are ended and it hibernates.
+    max_awake_seconds: float | None = field(
+        default=3600.0,
+        metadata=setting(
+            "--max-awake",
+            "seconds a session with background processes may stay awake without a turn "
+            "before they get SIGTERM, then SIGKILL after `awake_grace`, and it hibernates",
+            zero="off",
+        ),
+    )
+    awake_grace: float = field(
+        default=10.0,
+        metadata=setting(
+            "--awake-grace",
+            "seconds a session's background processes have to end after SIGTERM at "
+            "`max_awake`, before SIGKILL",
+        ),
+    )
+    awake_exempt: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "--awake-exempt",
+            "session keys (or `PREFIX*`) never stopped by `max_awake`",
+            metavar="KEY",
+        ),
+    )
+    # Told to each worker in its spawn request (`coalesce_ms`; worker/coalesce.py).
+    stream_coalesce_ms: float = field(
+        default=10.0,
+        metadata=setting(
+            "--stream-coalesce-ms",
+            "a worker merges a turn's `token` and `output` events made within this many "
+            "milliseconds into one, in order and byte for byte; the first, and tools, "
+            "approvals and replies, go at once",
+            zero="off",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class LimitSettings:
+    """What one session may take of the machine: memory, processes, CPU, IO,
+    files, disk and log volume, and how often each is sampled."""
+
     # Per-session limits. Memory and processes are counted over the worker
     # and all its descendants (see limits.py), sampled every limits_interval;
     # over either, the session is recycled. max_open_files and cpu_seconds
@@ -591,71 +581,6 @@ class Settings:
             "round is read a slice per tick, so a large tree takes longer)",
         ),
     )
-    # A session with processes of its own running never is idle (health.py):
-    # past this while awake, with no turn, they are ended and it hibernates.
-    max_awake_seconds: float | None = field(
-        default=3600.0,
-        metadata=setting(
-            "--max-awake",
-            "seconds a session with background processes may stay awake without a turn "
-            "before they get SIGTERM, then SIGKILL after `awake_grace`, and it hibernates",
-            zero="off",
-        ),
-    )
-    awake_grace: float = field(
-        default=10.0,
-        metadata=setting(
-            "--awake-grace",
-            "seconds a session's background processes have to end after SIGTERM at "
-            "`max_awake`, before SIGKILL",
-        ),
-    )
-    awake_exempt: tuple[str, ...] = field(
-        default=(),
-        metadata=setting(
-            "--awake-exempt",
-            "session keys (or `PREFIX*`) never stopped by `max_awake`",
-            metavar="KEY",
-        ),
-    )
-    # When full, the least recently used idle session is stopped to make room.
-    max_sessions: int | None = field(
-        default=None,
-        metadata=setting("--max-sessions", "live workers at most", zero="from the fd limit"),
-    )
-    # See door/gate.py.
-    max_clients: int | None = field(
-        default=None,
-        metadata=setting(
-            "--max-clients",
-            "client connections at once, local and TCP together (with `tcp`, half each); "
-            "more are refused with `overloaded`",
-            zero="from the fd limit",
-            reload=False,
-        ),
-    )
-    # A new session takes one instead of waiting for a fork (see
-    # supervisor/spare_workers.py).
-    spare_workers: int = field(
-        default_factory=default_spare_workers,
-        metadata=setting(
-            "--spare-workers",
-            "workers forked ahead of need, connected and waiting for a new session (see "
-            '"Starting fast")',
-            shown=f"one per CPU, at most {MAX_DEFAULT_SPARES} (0 = none)",
-        ),
-    )
-    # Busy sessions never are stopped for it, nor those with a process of
-    # their own still running (health.py).
-    idle_timeout: float | None = field(
-        default=600.0,
-        metadata=setting(
-            "--idle-timeout",
-            "hibernate sessions idle this many seconds: their worker stops, their files and "
-            "history stay, the next turn wakes them",
-            zero="off",
-        ),
-    )
     log_max_bytes: int = field(
         default=10 * 1024 * 1024,
         metadata=setting("--log-max-bytes", "rotate a session log at this size, bytes"),
@@ -681,92 +606,13 @@ class Settings:
             "bytes a session may log at once before `log_rate_limit` applies (at least 65536)",
         ),
     )
-    history: int = field(
-        default=200,
-        metadata=setting("--history", "recent events per session replayed to `attach`"),
-    )
-    # See door/fronts.py, "Slow consumers".
-    client_queue: int = field(
-        default=10_000,
-        metadata=setting(
-            "--client-queue",
-            "messages queued for one client connection; a client that does not read them "
-            "lags: its events are dropped and counted (a `dropped` event tells it how many "
-            "when it reads again), its answers kept for it; 0: no limit, so such a client can "
-            "hold any amount of the supervisor's memory",
-            reload=False,
-        ),
-    )
-    # Told to each worker in its spawn request (`coalesce_ms`; worker/coalesce.py).
-    stream_coalesce_ms: float = field(
-        default=10.0,
-        metadata=setting(
-            "--stream-coalesce-ms",
-            "a worker merges a turn's `token` and `output` events made within this many "
-            "milliseconds into one, in order and byte for byte; the first, and tools, "
-            "approvals and replies, go at once",
-            zero="off",
-        ),
-    )
-    tcp: str = field(
-        default="",
-        metadata=setting(
-            "--tcp",
-            "CURVE TCP endpoint for remote front ends, `PORT` (127.0.0.1) or `HOST:PORT` "
-            "(`0.0.0.0:PORT` listens on every interface); clients need "
-            "`hermes-sup keys generate`",
-            zero="off",
-            reload=False,
-            metavar="[HOST:]PORT",
-            check=_tcp_address,
-        ),
-    )
-    metrics: str = field(
-        default="",
-        metadata=setting(
-            "--metrics",
-            "Prometheus endpoint, `PORT` (127.0.0.1) or `HOST:PORT` (needs the `metrics` extra)",
-            zero="off",
-            reload=False,
-            metavar="[HOST:]PORT",
-        ),
-    )
-    log_level: str = field(
-        default="info",
-        metadata=setting(
-            "--log-level", f"what the supervisor logs: {_either(LOG_LEVELS)}", choices=LOG_LEVELS
-        ),
-    )
-    workspace_roots: tuple[str, ...] = field(
-        default=(),
-        metadata=setting(
-            "--workspace-root",
-            "directories under which a front end may choose a session's workspace "
-            "(`workspace` option)",
-            path=True,
-            metavar="DIR",
-        ),
-    )
-    runtimes: tuple[str, ...] = field(
-        default=(),
-        metadata=setting(
-            "--allow-runtime",
-            "runtimes a front end may choose per session (`runtime` option) besides `runtime`",
-            metavar="RUNTIME",
-        ),
-    )
-    # environment.APPROVAL_ENV.
-    allow_env: tuple[str, ...] = field(
-        default=(),
-        metadata=setting(
-            "--allow-env",
-            "variables that decide whether the agent asks before a dangerous command "
-            "(`HERMES_EXEC_ASK`, `HERMES_GATEWAY_SESSION`, `HERMES_YOLO_MODE`) that front "
-            "ends may set all the same through the `env` option; others are refused "
-            "(`bad_field`), so a front end cannot switch approvals off for its own session",
-            metavar="NAME",
-        ),
-    )
+
+
+@dataclass(kw_only=True)
+class IsolationSettings:
+    """What a session is sealed from: the host's files and processes, and the
+    network beyond what the egress policy lets through."""
+
     # worker/seal.py. "off" is the operator's choice: a session is then no
     # boundary (its shell can read the supervisor's key).
     sealed: str = field(
@@ -819,6 +665,85 @@ class Settings:
             check=check_rules,
         ),
     )
+
+
+@dataclass(kw_only=True)
+class ServiceSettings:
+    """How the supervisor faces its clients and operators: its sockets and
+    their bounds, the endpoints beside it, its logs and its name."""
+
+    max_frame_size: int = field(
+        default=DEFAULT_MAX_FRAME_SIZE,
+        metadata=setting(
+            "--max-frame-size",
+            "largest frame a peer may send, bytes",
+            minimum=1024,
+            reload=False,
+        ),
+    )
+    # Over either queue limit, a `busy` error: nothing is dropped silently.
+    max_queue: int = field(
+        default=256,
+        metadata=setting(
+            "--max-queue",
+            "turns one session may have waiting; more get a `busy` error",
+            minimum=1,
+        ),
+    )
+    max_queued_total: int = field(
+        default=10_000,
+        metadata=setting("--max-queued-total", "turns waiting across all sessions"),
+    )
+    # See door/gate.py.
+    max_clients: int | None = field(
+        default=None,
+        metadata=setting(
+            "--max-clients",
+            "client connections at once, local and TCP together (with `tcp`, half each); "
+            "more are refused with `overloaded`",
+            zero="from the fd limit",
+            reload=False,
+        ),
+    )
+    # See door/fronts.py, "Slow consumers".
+    client_queue: int = field(
+        default=10_000,
+        metadata=setting(
+            "--client-queue",
+            "messages queued for one client connection; a client that does not read them "
+            "lags: its events are dropped and counted (a `dropped` event tells it how many "
+            "when it reads again), its answers kept for it; 0: no limit, so such a client can "
+            "hold any amount of the supervisor's memory",
+            reload=False,
+        ),
+    )
+    history: int = field(
+        default=200,
+        metadata=setting("--history", "recent events per session replayed to `attach`"),
+    )
+    tcp: str = field(
+        default="",
+        metadata=setting(
+            "--tcp",
+            "CURVE TCP endpoint for remote front ends, `PORT` (127.0.0.1) or `HOST:PORT` "
+            "(`0.0.0.0:PORT` listens on every interface); clients need "
+            "`hermes-sup keys generate`",
+            zero="off",
+            reload=False,
+            metavar="[HOST:]PORT",
+            check=_tcp_address,
+        ),
+    )
+    metrics: str = field(
+        default="",
+        metadata=setting(
+            "--metrics",
+            "Prometheus endpoint, `PORT` (127.0.0.1) or `HOST:PORT` (needs the `metrics` extra)",
+            zero="off",
+            reload=False,
+            metavar="[HOST:]PORT",
+        ),
+    )
     metrics_token_file: str = field(
         default="",
         metadata=setting(
@@ -832,25 +757,50 @@ class Settings:
             metavar="FILE",
         ),
     )
-    # supervisor/worktrees.py.
-    repo: str = field(
+    # Started by the serve command before the supervisor (cli/http.py), in a
+    # process of its own; the endpoint's own settings are the [http_api]
+    # table (httpapi/settings.py).
+    http: str = field(
         default="",
         metadata=setting(
-            "--repo",
-            "a git repository: each session's workspace is its own worktree of it, on its "
-            "own branch",
+            "--http",
+            "also serve Hermes's HTTP API (chat completions, Responses, runs) on `PORT` "
+            "(127.0.0.1) or `HOST:PORT`, in a process of its own, with the settings of the "
+            "`[http_api]` table; needs `hermes-sup keys http generate` and the `http` extra",
             zero="off",
-            path=True,
-            metavar="PATH",
+            reload=False,
+            metavar="[HOST:]PORT",
+            check=_http_address,
         ),
     )
-    repo_roots: tuple[str, ...] = field(
-        default=(),
+    http_web: str = field(
+        default="",
         metadata=setting(
-            "--repo-root",
-            "directories under which a front end may name a session's repository (`repo` option)",
+            "--http-web",
+            "with `http`, also serve this directory's static files at / (a page such as "
+            "examples/web, with its `index.html`; they need no key, the API still does)",
+            zero="none",
+            reload=False,
             path=True,
             metavar="DIR",
+        ),
+    )
+    log_level: str = field(
+        default="info",
+        metadata=setting(
+            "--log-level", f"what the supervisor logs: {either(LOG_LEVELS)}", choices=LOG_LEVELS
+        ),
+    )
+    log_format: str = field(
+        default="text",
+        metadata=setting(
+            "--log-format",
+            "how the supervisor's log lines read: `text`, for a person, or `json`, one object "
+            "a line (`ts`, `level`, `event`, `session`, `pid`, ...) for journald and log "
+            "shippers",
+            envvar="HERMES_SUP_LOG_FORMAT",
+            choices=LOG_FORMATS,
+            reload=False,
         ),
     )
     # `hermes-sup route`, Ray.
@@ -863,50 +813,27 @@ class Settings:
             reload=False,
         ),
     )
-    # In wire form.
-    session_defaults: dict[str, Any] = field(
-        default_factory=dict,
-        metadata=setting(
-            "",
-            "options a new session gets when its front end passes none: `session_env`, "
-            "`env`, `agent`",
-            shown="",
-        ),
-    )
+
+
+@dataclass(kw_only=True)
+class Settings(
+    ServiceSettings, IsolationSettings, LimitSettings, LifecycleSettings, SessionSettings
+):
+    """Everything `hermes-sup serve` can be told (see `Setting`): the groups'
+    fields, in the order SessionSettings, LifecycleSettings, LimitSettings,
+    IsolationSettings, ServiceSettings (a dataclass lists its bases' fields
+    from the last base to the first)."""
+
     # Where these settings came from, for reload: the file and what the
     # command line set over it. Bookkeeping, not settings.
     config_file: Path | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def _declared() -> dict[str, Setting]:
-    # Evaluated here, once: the annotations are strings (PEP 563).
-    hints = typing.get_type_hints(Settings, vars(sys.modules[__name__]))
-    table: dict[str, Setting] = {}
-    for f in dataclasses.fields(Settings):
-        if "setting" not in f.metadata:
-            continue
-        if f.default is not dataclasses.MISSING:
-            default: Any = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = None  # required (the directories): `shown` says it
-        table[f.name] = Setting(f.name, hints[f.name], default, **f.metadata["setting"])
-    return table
-
-
 # Every setting by its Settings field name, in the order of the fields.
-SETTINGS: dict[str, Setting] = _declared()
-
-
-# ---------------------------------------------------------------- the reference
+SETTINGS: dict[str, Setting] = declare(Settings)
 
 
 def reference_table() -> str:
-    """The configuration reference: a Markdown table, a row a setting."""
-    rows = ["| key | flag | default | meaning |", "|---|---|---|---|"]
-    for s in SETTINGS.values():
-        key = f"`[{s.file_key}]`" if s.table else f"`{s.file_key}`"
-        rows.append(f"| {key} | {s.flag_text()} | {s.default_text()} | {s.reference_help()} |")
-    return "\n".join(rows) + "\n"
+    """The configuration reference of `serve`: a Markdown table, a row a setting."""
+    return markdown_table(SETTINGS)

@@ -1,7 +1,7 @@
 """The TOML configuration file: every setting of `hermes-sup serve`, checked.
 
 Top-level keys are the settings of config.py's table (`SETTINGS`: each
-one's type, bounds and meaning), plus two tables:
+one's type, bounds and meaning), plus two tables of serve's own:
 
     [agent]             settings for the agent runtime (model, base_url,
                         provider, toolsets, max_iterations, template_home,
@@ -12,19 +12,23 @@ one's type, bounds and meaning), plus two tables:
 A setting that may be off or derived (its type admits None: max_sessions,
 turn_timeout, memory_limit_mb, ...) reads 0 as None. `pass_env` adds to the
 built-in allowlist. Every error names the file, the key and what is wrong.
+
+The file's other tables (`[http_api]`, `[route]`, `[ray]`: local/settings.py's
+`SECTIONS`) are the other services' settings; the supervisor skips them, the
+commands that run those services read them (cli/), and `config check` checks
+them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any
 
-from hermes_sup.local.durations import parse_duration
+from hermes_sup.local.settings import SECTIONS, SettingError, did_you_mean, from_file
 from hermes_sup.protocol import RemoteProtocolError
 
 from .config import AGENT_KEYS, SETTINGS, Setting, Settings
@@ -133,62 +137,10 @@ def load_agent_config(path: Path, environ: typing.Mapping[str, str] = os.environ
 def check_value(path: Path, setting: Setting, value: Any) -> Any:
     """A top-level value of the file as Settings holds it; ConfigError
     naming the file, the key and what is wrong."""
-    kind = setting.base
-    where = f"{path}: {setting.file_key}"
-    if setting.seconds and isinstance(value, str):
-        try:
-            value = parse_duration(value)  # "30m", as `kill --idle-for` takes
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-    if kind in (int, float):
-        whole = kind is int
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or (whole and not isinstance(value, int))
-        ):
-            off = " (0 = off)" if setting.optional else ""
-            also = ' or a duration ("30m")' if setting.seconds else ""
-            raise ConfigError(f"{where} must be a {'whole ' if whole else ''}number{also}{off}")
-        if value < 0:
-            raise ConfigError(f"{where} must not be negative")
-        if value < setting.minimum:
-            raise ConfigError(f"{where} must be at least {setting.minimum:g}")
-        return None if setting.optional and value == 0 else kind(value)
-    if kind is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where} must be a path")
-        # Absolute (from our directory): the zygote and workers run elsewhere.
-        return Path(value).expanduser().absolute()
-    if kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string")
-        if setting.choices and value not in setting.choices:
-            raise ConfigError(f"{where} must be one of {', '.join(setting.choices)}")
-        why = setting.check(value) if setting.check else None
-        if why is not None:
-            raise ConfigError(f"{path}: {why}")
-        return value
-    if kind == tuple[str, ...]:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} must be a list of strings")
-        if setting.path:
-            # Relative to what? The supervisor's directory is not the file's.
-            relative = [v for v in value if not os.path.isabs(v)]
-            if relative:
-                raise ConfigError(f"{where}: {relative[0]!r} is not an absolute path")
-        return (setting.default if setting.extends else ()) + tuple(value)
-    if kind == dict[str, str]:
-        if isinstance(value, dict) and setting.name == "model_budgets":
-            # Token counts are numbers in TOML (`webui = 1_000_000`).
-            value = {k: str(v) if type(v) is int else v for k, v in value.items()}
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise ConfigError(f"{where} must be a table of strings")
-        why = setting.check(value) if setting.check else None
-        if why is not None:
-            raise ConfigError(f"{path}: {why}")
-        return dict(value)
-    raise ConfigError(f"{where} cannot be set in a file")
+    try:
+        return from_file(setting, value)
+    except SettingError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def read_key(
@@ -198,8 +150,7 @@ def read_key(
     ConfigError for an unknown key (with the nearest known one) or a bad value."""
     setting = FILE_SETTINGS.get(key)
     if setting is None:
-        close = difflib.get_close_matches(key, list(FILE_SETTINGS), 1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(key, [*FILE_SETTINGS, *SECTIONS])
         raise ConfigError(f"{path}: unknown key {key!r}{hint}")
     if setting.name == "runtime_config":
         return setting.name, check_agent_config(value, f"{path}: [agent]", environ)
@@ -219,7 +170,10 @@ def load(path: Path, environ: typing.Mapping[str, str] = os.environ) -> dict[str
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return dict(read_key(path, key, value, environ) for key, value in raw.items())
+    # The other services' tables are theirs to read (cli/): serve skips them.
+    return dict(
+        read_key(path, key, value, environ) for key, value in raw.items() if key not in SECTIONS
+    )
 
 
 def build(

@@ -3,9 +3,12 @@ builds from their one declaration each (mkdocs.yml names this file).
 
 A page holds a marker line and the hook puts the reference in its place:
 
-- `<!-- reference: settings -->`: the table of every setting, from the
-  `Settings` fields in supervisor/config.py (`reference_table`), the same
-  declarations the flags of `serve` and the TOML checks are made from;
+- `<!-- reference: settings -->`: the table of every setting of `serve`,
+  from the `Settings` fields in supervisor/config.py (`reference_table`),
+  the same declarations the flags of `serve` and the TOML checks are made
+  from; `<!-- reference: settings TABLE -->` the same for another service's
+  table of the file (`http_api`, `route`, `ray`: cli/configcheck.py's
+  `section_tables`);
 - `<!-- reference: cli -->`: every command of `hermes-sup`, walked from the
   click command tree: its usage, its help and each option's help.
 
@@ -28,18 +31,24 @@ from typing import Any
 
 import click
 
-SETTINGS_MARKER = "<!-- reference: settings -->"
+SETTINGS_MARKER = re.compile(r"^<!-- reference: settings(?: (?P<table>\w+))? -->$", re.MULTILINE)
 CLI_MARKER = "<!-- reference: cli -->"
 INCLUDE = re.compile(r"^<!-- include: (?P<path>[\w./-]+) -->$", re.MULTILINE)
 PROG = "hermes-sup"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def settings_reference() -> str:
-    """The Markdown table of every setting of `serve` and the TOML file."""
-    from hermes_sup.supervisor.config import reference_table
+def settings_reference(table: str | None = None) -> str:
+    """The Markdown table of every setting of `serve` (top-level keys of the
+    TOML file), or of another service's `table` of it."""
+    if table is None:
+        from hermes_sup.supervisor.config import reference_table
 
-    return reference_table()
+        return reference_table()
+    from hermes_sup.cli.configcheck import section_tables
+    from hermes_sup.local.settings import reference_table as markdown_table
+
+    return markdown_table(section_tables()[table])
 
 
 def walk(
@@ -119,8 +128,7 @@ def included(path: str) -> str:
 def on_page_markdown(markdown: str, **_: Any) -> str:
     """mkdocs' hook: each marker line replaced by its reference."""
     markdown = INCLUDE.sub(lambda m: included(m["path"]), markdown)
-    if SETTINGS_MARKER in markdown:
-        markdown = markdown.replace(SETTINGS_MARKER, settings_reference())
+    markdown = SETTINGS_MARKER.sub(lambda m: settings_reference(m["table"]), markdown)
     if CLI_MARKER in markdown:
         markdown = markdown.replace(CLI_MARKER, cli_reference())
     return markdown
