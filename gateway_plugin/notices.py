@@ -30,6 +30,8 @@ import httpx
 
 from hermes_sup.protocol.messages import PROCESS_NOTICE_FIELDS as FIELDS
 
+from .layouts import Layout
+
 log = logging.getLogger("hermes_sup.gateway_plugin")
 
 RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before reconnecting, backing off
@@ -44,8 +46,9 @@ ATTR = "_hermes_sup_notices"
 class Notices:
     """The gateway's one reader of its key's notices, and the session map."""
 
-    def __init__(self, runner: Any, url: str, headers: dict[str, str]) -> None:
+    def __init__(self, runner: Any, layout: Layout, url: str, headers: dict[str, str]) -> None:
         self.runner = runner
+        self.layout = layout
         self.url = url
         self.headers = headers
         # hermes-sup session key -> the gateway session (key, source) it serves
@@ -144,7 +147,7 @@ class Notices:
 
     async def _send(self, source: Any, text: str) -> None:
         """A message the agent sends on its own (a cron job's output), to the chat."""
-        adapter = self.runner._adapter_for_source(source)
+        adapter = getattr(self.runner, self.layout.adapter_method)(source)
         if adapter is None or not text.strip():
             return
         metadata = self.runner._thread_metadata_for_source(source)
@@ -154,10 +157,10 @@ class Notices:
             log.warning("hermes-sup message for %s not delivered: %s", source.chat_id, exc)
 
 
-def notices_of(runner: Any, url: str, headers: dict[str, str]) -> Notices:
+def notices_of(runner: Any, layout: Layout, url: str, headers: dict[str, str]) -> Notices:
     """The runner's notice reader (started at its first turn)."""
     reader: Notices | None = getattr(runner, ATTR, None)
     if reader is None or reader.task.done():
-        reader = Notices(runner, url, headers)
+        reader = Notices(runner, layout, url, headers)
         setattr(runner, ATTR, reader)
     return reader

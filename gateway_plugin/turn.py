@@ -11,6 +11,9 @@ into Hermes's own approval queue for the chat's session key, with the
 adapter's buttons or Hermes's text prompt in that chat; its answer there
 (button, /approve, /deny) is posted back with the request's id. A run the
 gateway gives up on (/stop, /new, a newer message's interrupt) is stopped.
+
+Hermes calls it in the layout of its release (layouts.py): `run_turn` takes
+the turn as a `TurnCall` and finds the chat's adapter by the layout's method.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from typing import Any
 
 import httpx
 
+from .layouts import Layout, TurnCall
 from .notices import notices_of
+from .resume import message_to_send
 
 log = logging.getLogger("hermes_sup.gateway_plugin")
 
@@ -85,14 +90,16 @@ def _failed(text: str) -> dict[str, Any]:
 class ChatTurn:
     """One turn of one chat: its run on the endpoint and what it shows in the chat."""
 
-    def __init__(self, runner: Any, source: Any, session_key: str | None, metadata: Any) -> None:
+    def __init__(self, runner: Any, layout: Layout, call: TurnCall, metadata: Any) -> None:
         import gateway.run as gateway_run
 
         self.runner = runner
-        self.source = source
-        self.session_key = session_key or ""
+        self.layout = layout
+        self.source = call.source
+        source = call.source
+        self.session_key = call.session_key or ""
         self.metadata = metadata
-        self.adapter = runner._adapter_for_source(source)
+        self.adapter = getattr(runner, layout.adapter_method)(source)
         self.gateway_run = gateway_run
         self.loop = asyncio.get_running_loop()
         self.url = runner._get_proxy_url()
@@ -106,6 +113,8 @@ class ChatTurn:
 
         mode = resolve_display_setting(config, platform_key, "tool_progress")
         self.progress = str(mode or os.getenv("HERMES_TOOL_PROGRESS_MODE") or "all")
+        if call.quiet:
+            self.progress = "off"  # a heartbeat shows only its answer, as in Hermes
         self.last_tool: str | None = None
         self.media: list[tuple[str, bool]] = []  # (local path, voice) of fetched files
         self.notes: list[str] = []  # what could not be delivered, said in the chat
@@ -113,14 +122,17 @@ class ChatTurn:
     # -------------------------------------------------------------- the run
 
     async def start(
-        self, http: httpx.AsyncClient, message: str, context_prompt: str, history: Any, sid: str
+        self,
+        http: httpx.AsyncClient,
+        message: str,
+        context_prompt: str,
+        history: Any,
+        sid: str | None,
     ) -> str:
         """Start the run; its id. Raises httpx.HTTPError or RuntimeError."""
-        body: dict[str, Any] = {
-            "input": message,
-            "session_id": sid,
-            "session_env": identity_of(self.source),
-        }
+        body: dict[str, Any] = {"input": message, "session_env": identity_of(self.source)}
+        if sid:
+            body["session_id"] = sid
         if context_prompt:
             body["instructions"] = context_prompt
         model = _model_override(self.runner, self.session_key)
@@ -135,7 +147,7 @@ class ChatTurn:
             body["conversation_history"] = past  # used only by a worker that has none
         # Notices are not stored: the gateway reads them from before its
         # first run on (a moment's wait, at most, for its first connection).
-        reader = notices_of(self.runner, self.url, self.headers)
+        reader = notices_of(self.runner, self.layout, self.url, self.headers)
         if not reader.connected.is_set():
             try:
                 await asyncio.wait_for(reader.connected.wait(), NOTICES_WAIT)
@@ -346,39 +358,37 @@ class ChatTurn:
         await adapter.send(chat_id, text, metadata=self.metadata)
 
 
-async def run_turn(
-    runner: Any,
-    message: str,
-    context_prompt: str,
-    history: list[dict[str, Any]],
-    source: Any,
-    session_id: str,
-    session_key: str | None,
-    run_generation: int | None,
-    event_message_id: str | None,
-) -> dict[str, Any]:
-    """GatewayRunner._run_agent_via_proxy, run in the chat's hermes-sup worker."""
+async def run_turn(runner: Any, layout: Layout, call: TurnCall) -> dict[str, Any]:
+    """The gateway's remote-turn method (in any known layout), run in the
+    chat's hermes-sup worker."""
     if not runner._get_proxy_url():
         return _failed("Proxy URL not configured (GATEWAY_PROXY_URL or gateway.proxy_url)")
-    metadata = runner._thread_metadata_for_source(source, event_message_id)
-    turn = ChatTurn(runner, source, session_key, metadata)
-    consumer = _stream_consumer(runner, source, metadata, event_message_id)
+    source, session_key, history = call.source, call.session_key, call.history
+    metadata = runner._thread_metadata_for_source(source, call.event_message_id)
+    turn = ChatTurn(runner, layout, call, metadata)
+    message = await message_to_send(runner, turn.adapter, call)
+    if message is None:
+        # Nothing to say and nothing Hermes would continue: no run (the
+        # endpoint, like Hermes's own API server, takes no empty turn).
+        log.info("hermes-sup: an empty message for %s; no run", session_key)
+        return _answered(call, "", previewed=False)
+    consumer = None if call.quiet else _stream_consumer(runner, layout, source, metadata, call)
     streaming = asyncio.get_running_loop().create_task(consumer.run()) if consumer else None
 
     def current() -> bool:
-        if run_generation is None or not session_key:
+        if call.run_generation is None or not session_key:
             return True
-        return bool(runner._is_session_run_current(session_key, run_generation))
+        return bool(runner._is_session_run_current(session_key, call.run_generation))
 
     began = time.monotonic()
     try:
-        if turn.adapter is not None:
+        if turn.adapter is not None and not call.quiet:
             try:
                 await turn.adapter.send_typing(source.chat_id, metadata=metadata)
             except Exception:
                 pass  # typing is a nicety
         async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT, read=None)) as http:
-            await turn.start(http, message, context_prompt, history, session_id)
+            await turn.start(http, message, call.context_prompt, history, call.session_id)
             result = await _unless_superseded(turn.follow(http, consumer), current)
     except asyncio.CancelledError:
         await turn.stop()
@@ -404,15 +414,9 @@ async def run_turn(
                 streaming.cancel()
     if result is None:  # superseded: /stop, /new or a newer message
         await turn.stop()
-        return {
-            "final_response": "",
-            "messages": [],
-            "api_calls": 0,
-            "tools": [],
-            "history_offset": len(history),
-            "session_id": session_id,
-            "response_previewed": False,
-        }
+        superseded = _answered(call, "", previewed=False)
+        superseded.update(messages=[], api_calls=0)
+        return superseded
     text = turn.with_media(result["text"])
     if result["ended"] == "failed" and not text:
         return _failed(f"hermes-sup: {result['error']}")
@@ -423,14 +427,26 @@ async def run_turn(
         time.monotonic() - began,
         len(text),
     )
+    answered = _answered(call, text, previewed=consumer is not None and bool(text))
+    answered["final_response"] = text or "(No response from remote agent)"
+    return answered
+
+
+def _answered(call: TurnCall, text: str, previewed: bool) -> dict[str, Any]:
+    """The result dict Hermes's own proxy path returns. The user's message is
+    the one the gateway gave (empty for its restart continuation, as Hermes
+    records it), not the note the worker's agent was given for it."""
     return {
-        "final_response": text or "(No response from remote agent)",
-        "messages": [{"role": "user", "content": message}, {"role": "assistant", "content": text}],
+        "final_response": text,
+        "messages": [
+            {"role": "user", "content": call.message},
+            {"role": "assistant", "content": text},
+        ],
         "api_calls": 1,
         "tools": [],
-        "history_offset": len(history),
-        "session_id": session_id,
-        "response_previewed": consumer is not None and bool(text),
+        "history_offset": len(call.history),
+        "session_id": call.session_id,
+        "response_previewed": previewed,
     }
 
 
@@ -477,20 +493,26 @@ async def _unless_superseded(work: Any, current: Any) -> dict[str, Any] | None:
             task.cancel()
 
 
-def _stream_consumer(runner: Any, source: Any, metadata: Any, reply_to: str | None) -> Any:
+def _stream_consumer(
+    runner: Any, layout: Layout, source: Any, metadata: Any, call: TurnCall
+) -> Any:
     """Hermes's own stream consumer for the chat, if streaming is on for its platform."""
     import gateway.run as gateway_run
     from gateway.config import StreamingConfig
     from gateway.display_config import resolve_display_setting
     from gateway.stream_consumer import GatewayStreamConsumer, StreamConsumerConfig
 
-    adapter = runner._adapter_for_source(source)
+    adapter = getattr(runner, layout.adapter_method)(source)
     if adapter is None:
         return None
     config = getattr(getattr(runner, "config", None), "streaming", None) or StreamingConfig()
     platform_key = gateway_run._platform_config_key(source.platform)
     chosen = resolve_display_setting(gateway_run._load_gateway_config(), platform_key, "streaming")
-    enabled = config.enabled and config.transport != "off" if chosen is None else bool(chosen)
+    if callable(getattr(config, "enabled_for", None)):
+        # 0.21: a global switch, then the platform's choice (StreamingConfig's own rule).
+        enabled = bool(getattr(config, "globally_enabled", True)) and config.enabled_for(chosen)
+    else:
+        enabled = config.enabled and config.transport != "off" if chosen is None else bool(chosen)
     if not enabled:
         return None
     editing = getattr(adapter, "SUPPORTS_MESSAGE_EDITING", True)
@@ -505,5 +527,5 @@ def _stream_consumer(runner: Any, source: Any, metadata: Any, reply_to: str | No
             chat_type=getattr(source, "chat_type", "") or "",
         ),
         metadata=metadata,
-        initial_reply_to_id=reply_to,
+        initial_reply_to_id=call.event_message_id,
     )

@@ -13,6 +13,13 @@ holding SUBSTRING; a step whose turn ends without it is recorded in
 come after the turn, from the agent on its own; waited for until the
 step's timeout; "wait": "busy": on once its turn runs). With "plugin", the hermes-sup plugin is loaded by
 Hermes's own plugin discovery (config.yaml's plugins.enabled).
+
+With "restart" (a run on the HERMES_HOME of one that ended without a clean
+shutdown), the gateway first does what GatewayRunner.start() does after a
+crash: marks the sessions active in the last 120 s `resume_pending`
+(`suspend_recently_active`) and continues each with Hermes's own textless
+turn (`_schedule_resume_pending_sessions`), waiting for those turns to end;
+what the chats were sent then is "resumed" in the report.
 """
 
 from __future__ import annotations
@@ -133,8 +140,22 @@ async def chat(runner: GatewayRunner, adapters: dict[str, FakeAdapter], plan: di
         TOOK.setdefault(key, []).append(round(time.monotonic() - began, 2))
 
 
+async def restart(runner: GatewayRunner, adapters: dict[str, FakeAdapter]) -> None:
+    """GatewayRunner.start()'s crash recovery: the sessions cut short are
+    marked and continued by Hermes itself; returns when those turns ended
+    and their answers were sent."""
+    runner.session_store.suspend_recently_active()
+    runner._schedule_resume_pending_sessions()
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while time.monotonic() < deadline and (
+        runner._running_agents or any(a._active_sessions for a in adapters.values())
+    ):
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # the answers' background sends
+
+
 async def main() -> None:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=os.environ.get("DRIVER_LOG_LEVEL", "WARNING"), stream=sys.stderr)
     plan = json.loads(sys.argv[1])
     if plan.get("plugin"):
         from hermes_cli.plugins import discover_plugins
@@ -149,10 +170,14 @@ async def main() -> None:
         adapter.set_busy_session_handler(runner._handle_active_session_busy_message)
         runner.adapters[Platform(name)] = adapter
         adapters[name] = adapter
+    resumed: dict[str, list[list[str]]] = {}
+    if plan.get("restart"):
+        await restart(runner, adapters)
+        resumed = {key: list(sent) for key, sent in SENT.items()}
     await asyncio.gather(*(chat(runner, adapters, c) for c in plan["chats"]))
     # Let the last answers' background sends finish before reporting.
     await asyncio.sleep(0.5)
-    print(json.dumps({"sent": SENT, "errors": ERRORS, "took": TOOK}))
+    print(json.dumps({"sent": SENT, "errors": ERRORS, "took": TOOK, "resumed": resumed}))
     os._exit(0)  # the gateway's background threads are not ours to join
 
 

@@ -122,10 +122,11 @@ model:
 
 
 def run_gateway(
-    ep, home: Path, chats: list[dict], plugin: bool = True, config: str | None = None
+    ep, home: Path, chats: list[dict], plugin: bool = True, config: str | None = None, **plan
 ) -> dict:
     """Hermes's GatewayRunner (tests/gateway_driver.py) in its own process,
-    in front of the endpoint `ep` (its proxy URL and key)."""
+    in front of the endpoint `ep` (its proxy URL and key); `plan`: more of
+    the driver's plan (its docstring)."""
     home.mkdir(exist_ok=True)
     (home / "config.yaml").write_text(config or (GATEWAY_CONFIG if plugin else ""))
     env = {
@@ -138,7 +139,7 @@ def run_gateway(
         env.update(GATEWAY_PROXY_URL=ep.url, GATEWAY_PROXY_KEY=ep.key)
     driver = Path(__file__).with_name("gateway_driver.py")
     done = subprocess.run(
-        [sys.executable, str(driver), json.dumps({"chats": chats, "plugin": plugin})],
+        [sys.executable, str(driver), json.dumps({**plan, "chats": chats, "plugin": plugin})],
         env=env,
         capture_output=True,
         text=True,

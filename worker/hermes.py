@@ -116,13 +116,17 @@ GATE_URL = f"http://{SESSION_PROXY_HOST}:{SESSION_PROXY_PORT}{SESSION_MODEL_PATH
 
 
 def name_the_model_endpoint(config_yaml: Path, cfg: dict[str, Any]) -> None:
-    """Where the agent's model calls go to the supervisor's model endpoint,
-    the session's config.yaml names it (and the placeholder key) too: what
-    Hermes runs besides the agent's turns (a cron job) builds its agent from
-    config.yaml, and would call the model directly, which the session's
-    network cannot, with whatever key the template held."""
+    """What Hermes runs besides the agent's turns (a cron job) builds its
+    agent from the session's config.yaml, not from the agent config: so
+    config.yaml names the agent config's model (`model.default`, else a
+    cron job made in a chat fails for want of one) and, where the agent's
+    model calls go to the supervisor's model endpoint, that endpoint and
+    the placeholder key too (it would call the model directly, which the
+    session's network cannot, with whatever key the template held)."""
     url = cfg.get("base_url")
-    if not isinstance(url, str) or not url.startswith(GATE_URL):
+    gated = isinstance(url, str) and url.startswith(GATE_URL)
+    name = cfg.get("model")
+    if not gated and not (isinstance(name, str) and name):
         return
     import yaml
 
@@ -134,7 +138,11 @@ def name_the_model_endpoint(config_yaml: Path, cfg: dict[str, Any]) -> None:
         return  # not a config Hermes could read either: left to say so itself
     found = data.get("model")
     model: dict[str, Any] = found if isinstance(found, dict) else {}
-    wanted = {"provider": "custom", "base_url": url, "api_key": cfg.get("api_key")}
+    wanted: dict[str, Any] = {}
+    if isinstance(name, str) and name:
+        wanted["default"] = name  # the agent config's model is the session's, cron's too
+    if gated:
+        wanted.update(provider="custom", base_url=url, api_key=cfg.get("api_key"))
     if all(model.get(k) == v for k, v in wanted.items()):
         return
     data["model"] = {**model, **wanted}
