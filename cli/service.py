@@ -18,14 +18,16 @@ contrib/hermes-sup.service is the same template rendered for /opt/hermes-sup.
 from __future__ import annotations
 
 import grp
+import json
 import os
 import pwd
 import re
-import shlex
 import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -55,7 +57,7 @@ Environment=HERMES_SUP_STATE_DIR=/run/hermes-sup
 Environment=HERMES_SUP_DATA_DIR=/var/lib/hermes-sup
 # `systemctl reload hermes-sup` re-reads it (hermes-sup config check FILE first).
 Environment=HERMES_SUP_CONFIG={config}
-{secrets}ExecStart={exec_start} serve{serve_args}
+{secrets}ExecStart={exec_start} serve
 # Every worker and everything it started is in the service's cgroup: stopping
 # the service leaves nothing behind, whatever a session did.
 KillMode=control-group
@@ -133,7 +135,7 @@ EnvironmentFile={env_file}
 CONFIG_TEMPLATE = """\
 # hermes-sup settings (docs/configuration.md): every key may be set here;
 # `systemctl reload hermes-sup` re-reads this file, `hermes-sup config check`
-# checks it. Everything is commented out: the defaults apply.
+# checks it. What is commented out is at its default.
 #
 # runtime = "probe"          # or "hermes" (needs the hermes extra)
 # spare_workers = 2
@@ -151,14 +153,12 @@ def render(
     notify_reload: bool = False,
     protect_home: str = "yes",
     config: Path = DEFAULT_CONFIG,
-    serve_args: tuple[str, ...] = (),
     env_file: Path | None = None,
     delegate_subgroup: bool = True,
 ) -> str:
     """The unit file text for an install whose entry point is `exec_start`.
     `notify_reload` for systemd 253 and newer; `protect_home` read-only for
-    an install under a home directory; `serve_args` after `serve` (the
-    runtime, its agent config, the HTTP endpoint); `env_file` the secrets
+    an install under a home directory; `env_file` the secrets
     the supervisor reads; `delegate_subgroup` for systemd 254 and newer."""
     return UNIT.format(
         exec_start=exec_start,
@@ -166,7 +166,6 @@ def render(
         reload=RELOAD_NOTIFY if notify_reload else RELOAD_KILL,
         protect_home=protect_home,
         config=config,
-        serve_args="".join(f" {shlex.quote(arg)}" for arg in serve_args),
         secrets=SECRETS.format(env_file=env_file) if env_file is not None else "",
         delegate_subgroup=DELEGATE_SUBGROUP if delegate_subgroup else "",
     )
@@ -291,15 +290,25 @@ def env_file_names(path: Path) -> set[str]:
     return names
 
 
-def serve_arguments(
+def _toml_value(value: Any) -> str:
+    """A scalar of the agent config as TOML (a JSON string is a TOML basic string)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, int | float) else json.dumps(str(value))
+
+
+def service_settings(
     agent: str | None,
     agent_config: Path | None,
     http_listen: str | None,
     env_file: Path | None,
     http_key: str | None,
-) -> tuple[str, ...]:
-    """What the unit adds after `serve`, each checked now as serve would at
-    start, so a mistake shows here and not as a service that will not start."""
+) -> list[str]:
+    """The settings file's lines for what was asked (the runtime, the
+    endpoint, the agent's table), each checked now as serve would check it
+    at start, so a mistake shows here and not as a service that will not
+    start. In the file, not on the unit's command line: there they would
+    beat the file, and an operator's later edit of it would do nothing."""
     import importlib.util
 
     from hermes_sup.local.addresses import parse_listen
@@ -308,12 +317,12 @@ def serve_arguments(
 
     from .configcheck import check_runtime
 
-    args: list[str] = []
+    lines: list[str] = []
     if agent is not None:
         problem = check_runtime(agent)
         if problem is not None:
             raise click.ClickException(f"--agent {agent}: {problem}")
-        args += ["--agent", agent]
+        lines.append(f"runtime = {_toml_value(agent)}")
     if env_file is not None:
         if not env_file.is_file():
             raise click.BadParameter(
@@ -330,7 +339,11 @@ def serve_arguments(
             load_agent_config(agent_config, {**os.environ, **dict.fromkeys(names, "set")})
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--agent-config") from None
-        args += ["--agent-config", str(agent_config.absolute())]
+        # The table as the operator wrote it (the key's variable, never the key):
+        # read as load_agent_config read it a line above, so it cannot fail.
+        text = agent_config.read_text()
+        raw = json.loads(text) if agent_config.suffix == ".json" else tomllib.loads(text)
+        agent_table = ["", "[agent]", *(f"{k} = {_toml_value(v)}" for k, v in raw.items())]
     if http_listen is not None:
         try:
             parse_listen(http_listen, "--http")
@@ -340,10 +353,10 @@ def serve_arguments(
             raise click.ClickException(
                 "--http needs starlette and uvicorn (the http extra): " + install_hint("http")
             )
-        args += ["--http", http_listen]
+        lines.append(f"http = {_toml_value(http_listen)}")
     elif http_key is not None:
         raise click.BadParameter("an HTTP key is for --http: give it too", param_hint="--http-key")
-    return tuple(args)
+    return lines + (agent_table if agent_config is not None else [])
 
 
 def make_http_key(root: Path, name: str, user: str) -> str:
@@ -475,7 +488,7 @@ def install_service(
       sudo hermes-sup install-service --agent hermes --agent-config /etc/hermes-sup/agent.toml \\
           --env-file /etc/hermes-sup/secrets.env --http 127.0.0.1:8642 --http-key webui
     """
-    serve_args = serve_arguments(agent, agent_config, http_listen, env_file, http_key)
+    settings = service_settings(agent, agent_config, http_listen, env_file, http_key)
     # Run as `python -m hermes_sup.cli`, argv[0] is a module file systemd cannot
     # exec. The interpreter is named as it was run, not resolved: a venv's
     # python finds the venv's packages, the interpreter it links to does not.
@@ -491,7 +504,6 @@ def install_service(
         notify_reload=version is not None and version >= NOTIFY_RELOAD_SINCE,
         protect_home=protect_home,
         config=config_file.absolute(),
-        serve_args=serve_args,
         env_file=env_file.absolute() if env_file is not None else None,
         delegate_subgroup=version is None or version >= DELEGATE_SUBGROUP_SINCE,
     )
@@ -511,6 +523,8 @@ def install_service(
             )
     if str(output) == "-":
         click.echo(text, nl=False)
+        if settings:
+            click.echo(f"# and in {config_file}:\n" + "\n".join(settings), err=True)
         return
     # The settings file goes with a unit installed in the system, or when named.
     ctx = click.get_current_context()
@@ -518,6 +532,12 @@ def install_service(
         ctx.get_parameter_source("config_file") is not click.core.ParameterSource.DEFAULT
     )
     output, config_file = under(root, output), under(root, config_file)
+    if settings and config_file.exists():
+        # Never an edit of the operator's own file behind their back.
+        raise click.ClickException(
+            f"{config_file} exists: add these lines to it (or move it away and run this again):\n"
+            + "\n".join(settings)
+        )
     try:
         if root != Path("/"):
             output.parent.mkdir(parents=True, exist_ok=True)
@@ -525,12 +545,16 @@ def install_service(
     except OSError as exc:
         raise click.ClickException(f"cannot write {output}: {exc}") from None
     wrote = [f"wrote {output}"]
-    if installing and not config_file.exists():
+    if (installing or settings) and not config_file.exists():
         try:
             config_file.parent.mkdir(parents=True, exist_ok=True)
-            config_file.write_text(CONFIG_TEMPLATE)
+            given = "".join(f"{line}\n" for line in settings)
+            config_file.write_text(
+                CONFIG_TEMPLATE + (f"\n# Given to install-service:\n{given}" if given else "")
+            )
             config_file.chmod(0o644)
-            wrote.append(f"wrote {config_file} (every setting commented out)")
+            what = "with the settings given" if settings else "every setting commented out"
+            wrote.append(f"wrote {config_file} ({what})")
         except OSError as exc:
             raise click.ClickException(
                 f"cannot write {config_file}: {exc}; the service needs it (may be empty)"

@@ -198,10 +198,20 @@ def test_hermes_behind_http_from_the_unit_file(tmp_path: Path) -> None:
     unit = root / "etc/systemd/system/hermes-sup.service"
     text = unit.read_text()
     serve = re.search(r"^ExecStart=(.*)$", text, re.MULTILINE)
-    assert serve is not None and serve.group(1).endswith(
-        f"serve --agent hermes --agent-config {agent} --http 127.0.0.1:8642"
-    )
+    assert serve is not None and serve.group(1).endswith(" serve")  # settings in the file
     assert f"EnvironmentFile={secrets}" in text
+    # The runtime, the endpoint and the agent's table are in the settings file,
+    # which the service's own check accepts with the env file's variable set.
+    config = root / "etc/hermes-sup/config.toml"
+    assert (
+        'runtime = "hermes"\nhttp = "127.0.0.1:8642"\n\n[agent]\nmodel = "m"' in config.read_text()
+    )
+    checked = hermes_sup("config", "check", str(config), env={"MODEL_KEY": "x"})
+    assert checked.returncode == 0, checked.stderr
+    # A second run never edits the operator's file: it says what to add.
+    again = install_service("--root", str(root), "--http", "127.0.0.1:8642")
+    assert again.returncode == 1 and "add these lines to it" in again.stderr
+    assert 'http = "127.0.0.1:8642"' in again.stderr
     assert "sk-not-in-the-unit" not in text  # the key stays in the root-only file
     key_file = root / "etc/hermes-sup/http-key-webui"
     assert key_file.stat().st_mode & 0o777 == 0o600
