@@ -95,6 +95,15 @@ def serve(ctx: click.Context, config: Path | None, **given: Any) -> None:
             raise click.ClickException(
                 "metrics need prometheus-client (the metrics extra): " + install_hint("metrics")
             )
+    if settings.runtime == "hermes":
+        from .configcheck import HERMES_MODULES
+
+        missing = [m for m in HERMES_MODULES if importlib.util.find_spec(m) is None]
+        if missing:  # else every session would fail to start, one by one
+            raise click.ClickException(
+                f"--agent hermes needs hermes-agent (the hermes extra; no {', '.join(missing)}): "
+                + install_hint("hermes")
+            )
     if settings.runtime == "hermes" and not settings.preload:
         from hermes_sup.worker.hermes import HERMES_SAFE_PRELOAD
 

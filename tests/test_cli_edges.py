@@ -113,3 +113,27 @@ def test_status_during_a_long_start_says_how_far_it_is(tmp_path: Path) -> None:
         "the supervisor (pid 4242) is starting: preloading Hermes: 640 of 1820 modules, "
         "35s so far" in out
     )
+
+
+def test_serve_hermes_without_the_hermes_extra_says_so_in_one_line(tmp_path: Path) -> None:
+    """Not a traceback, then "ready", then every session failing: one line
+    with the command that adds the extra, and nothing started."""
+    import subprocess
+    import sys
+
+    without = (
+        "import sys; sys.modules.update(run_agent=None, gateway=None, hermes_state=None, "
+        "tools=None); from hermes_sup.cli.main import main; sys.argv[0] = 'hermes-sup'; main()"
+    )
+    serve = subprocess.run(
+        [sys.executable, "-c", without, "--state-dir", str(tmp_path / "s"), "serve",
+         "--data-dir", str(tmp_path / "d"), "--agent", "hermes"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert serve.returncode == 1, serve.stderr
+    assert "needs hermes-agent (the hermes extra; no run_agent" in serve.stderr
+    assert "pip install" in serve.stderr and "Traceback" not in serve.stderr
+    assert len(serve.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "s" / "control.sock").exists()
