@@ -140,6 +140,14 @@ def run_view(top: Top) -> str | None:
     def _down(event: Any) -> None:
         top.table.move(1)
 
+    @keys.add("home", filter=normal)
+    def _first(event: Any) -> None:
+        top.table.move(-len(top.table.rows))
+
+    @keys.add("end", filter=normal)
+    def _last(event: Any) -> None:
+        top.table.move(len(top.table.rows))
+
     @keys.add("pageup", filter=normal)
     def _page_up(event: Any) -> None:
         top.table.move(-10)
@@ -255,7 +263,7 @@ def top(ctx: click.Context, prefix: str, interval: float) -> None:
 
     \b
     Keys:
-      ↑ ↓ PgUp PgDn   select a session
+      ↑ ↓ PgUp PgDn Home End   select a session
       P M T A N       sort by CPU, memory, tokens, age, key
       /               filter by a part of the key (Esc clears)
       k / r           kill / restart the selected session (asks first)
