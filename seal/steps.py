@@ -1,5 +1,6 @@
-"""Sealed sessions: each worker in its own mount and PID namespaces, seeing
-only its own session's files and processes, and the service's code.
+"""The steps a process takes to seal itself: its namespaces, its filters,
+its uid. A sealed worker takes them for its session; the supervisor's
+start-up check takes the same ones in a child of its own (`probe`).
 
 The zygote forks a sealed worker into a PID namespace of its own (and, not
 root, a user namespace: `namespaces_for`), so the worker is the init of its
@@ -22,23 +23,7 @@ the calling thread):
    hermes_sup.local.syscalls). All of these are per thread and inherited by
    threads created later, which is why they come before the zmq context
    starts its threads.
-2. `mount_session`: a tmpfs of its own (size-limited) over /tmp, /var/tmp
-   and /dev/shm; a read-only tmpfs over the data dir (every other session,
-   the zygote's home), over the state dir (the signing key, the sockets)
-   and over the workspace and repository roots; then bound back at their
-   own paths only what this worker needs: its own session directory
-   (read-only), the service's code if it lived under a hidden directory, a
-   git worktree's common directory; and the session's home, workspace and
-   HOME over the fixed paths P, W, U (`SealedPaths`) that the zygote
-   imported under. Every path captured at import is then the session's own.
-   The worker socket is not bound back: nothing in the session's view
-   leads to it. A worker forked for a session keeps an O_PATH descriptor
-   of it, connects through that (`/proc/self/fd/N`) and closes it once
-   connected, before any of the session's code runs; a spare connected
-   before its mounts. A session's shell (or code loaded into the worker
-   later) has no path to any socket of the supervisor's, so it cannot
-   open connections to exhaust its descriptors.
-3. `drop`: as root, setgroups([]), setresgid/setresuid to the session's
+2. `drop`: as root, setgroups([]), setresgid/setresuid to the session's
    own uid (glibc applies them to every thread: a spare's zmq threads
    too), capabilities cleared; not root, capabilities cleared. The
    parent-death signal is cleared by the kernel when credentials change:
@@ -47,23 +32,24 @@ the calling thread):
    the supervisor made the worker socket connectable by any uid
    (supervisor/sealing.py says why only sealed workers could reach it).
 
+Between the two, a worker mounts its session's view (worker/seal.py's
+`mount_session`: what it hides, what it binds back, its directories over
+the fixed paths of `paths.SealedPaths`).
+
 Any failing step raises SealError and the worker exits with
 WorkerExit.SEAL_FAILED before any runtime code runs: it never runs against
 the zygote's paths or with other sessions' files in view (fail closed).
 
 The system calls themselves (unshare, mount, capset, Landlock) and their
-constants are hermes_sup.local.syscalls; this module is the plan of what a
-sealed worker mounts, hides and drops.
+constants are hermes_sup.local.syscalls; this module is the order they are
+made in and what each step makes sure of.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import os
-import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +68,7 @@ from hermes_sup.local.syscalls import (
     MS_NOEXEC,
     MS_NOSUID,
     MS_PRIVATE,
-    MS_RDONLY,
     MS_REC,
-    MS_REMOUNT,
     PR_CAP_AMBIENT,
     PR_CAP_AMBIENT_CLEAR_ALL,
     PR_CAPBSET_DROP,
@@ -93,34 +77,23 @@ from hermes_sup.local.syscalls import (
     landlock_abi,
 )
 
-from .seal_calls import (
-    MOUNTPOINT_MODE,
+from .calls import (
     SealError,
     _capset_zero,
     _check_fault,
     _fail,
     _makedirs,
     _mount,
-    _open_path,
     _remount_readonly,
     _remount_writable,
-    _under,
     _unshare,
     _write,
 )
-from .seal_git import _protect_git, git_common_dir, own_worktree_admin
+from .paths import _closed_code_ancestors, code_paths
 
-# The tmpfs over what a session may not see: empty, tiny, read-only once
-# its mount points are made.
-TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
-TMPFS_DATA = f"mode={MOUNTPOINT_MODE:o},size=64k"
 MODES = ("root", "user")
 # A session's own /proc: of its PID namespace, nothing in it to execute.
 PROC_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
-# The session's /tmp when it is a tmpfs (plan["tmp_bytes"]): a /tmp as any
-# program expects it, in the session's view only.
-TMP_FLAGS = MS_NOSUID | MS_NODEV
-
 # The namespaces this worker was born into (set by the zygote in the child,
 # right after the clone: `born`), its pid as the supervisor sees it (in its
 # own PID namespace it is 1), and its uid and gid outside a user namespace
@@ -128,38 +101,6 @@ TMP_FLAGS = MS_NOSUID | MS_NODEV
 BORN_INTO = 0
 _OUTSIDE_PID: int | None = None
 _OUTSIDE_IDS: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class SealedPaths:
-    """The fixed paths the zygote imports under and every sealed worker
-    finds its own session's directories at: P (HERMES_HOME), W (the
-    workspace and cwd), U (HOME)."""
-
-    home: Path
-    workspace: Path
-    user: Path
-
-    @classmethod
-    def for_data_dir(cls, data_dir: str | os.PathLike[str]) -> SealedPaths:
-        base = Path(data_dir) / "sealed"
-        return cls(home=base / "home", workspace=base / "workspace", user=base / "user")
-
-    def make(self) -> None:
-        """Create the three (empty) directories, as the zygote does."""
-        for path in (self.home, self.workspace, self.user):
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-
-
-@dataclass(frozen=True)
-class SessionDirs:
-    """One session's own directories, at their real paths."""
-
-    dir: Path  # the session's directory under <data>/sessions
-    home: Path
-    workspace: Path
-    tmp: Path
-    user: Path  # its HOME
 
 
 # ------------------------------------------------------------------ syscalls
@@ -315,77 +256,6 @@ def enter(mode: str, fault: str | None = None, network: str = "egress") -> dict[
     return {"mode": mode, "signals_scoped": scoped, "network": network}
 
 
-# What no session may see of a temporary directory shared by the machine.
-COMMON_TMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
-
-
-@dataclass(frozen=True)
-class View:
-    """What every session of one supervisor's settings hides (tmpfs over
-    each, shallowest first) and which of the service's code comes back at
-    its own path (read-only): the same for all its sessions, so worked out
-    once (a spare, before it has a session)."""
-
-    hidden: tuple[Path, ...]
-    code: tuple[Path, ...]
-
-
-@functools.lru_cache(maxsize=4)
-def view_for(
-    mode: str, data_dir: str, state_dir: str, hide: tuple[str, ...], shared: tuple[str, ...]
-) -> View:
-    """The View of a plan's settings (`shared`: the directories every
-    session reads, such as an agent's template home, that exist)."""
-    shared_paths = [Path(p) for p in shared]
-    codes = (*code_paths(), *shared_paths)
-    own = [Path(data_dir), Path(state_dir)]
-    hide_set = {*own, *(Path(p) for p in hide)}
-    if mode == "root":
-        hide_set |= _closed_code_ancestors() | closed_ancestors(shared_paths)
-    hidden = tuple(sorted(hide_set, key=lambda p: len(p.parts)))
-    code = []
-    for path in codes:
-        if _under(path, own) or any(_under(p, [path]) for p in own):
-            continue  # nothing of the data or state dir comes back this way
-        # Hidden code comes back; not root, all of it comes back read-only:
-        # the session's uid may own it, and a worker must not change what
-        # the next supervisor or zygote will run.
-        if mode == "user" or _under(path, [*hidden, *COMMON_TMP]):
-            code.append(path)
-    return View(hidden=hidden, code=tuple(code))
-
-
-def plan_view(plan: dict[str, Any]) -> View:
-    """The View of a sealing plan (or of a spare's, which carries the same
-    settings: see supervisor/sealing.py)."""
-    shared = tuple(p for p in plan.get("read", ()) if os.path.isdir(p))
-    return view_for(
-        plan["mode"], plan["data_dir"], plan["state_dir"], tuple(plan.get("hide", ())), shared
-    )
-
-
-@functools.cache
-def code_paths() -> tuple[Path, ...]:
-    """Where this worker's code comes from: the interpreter's prefixes,
-    the directories on sys.path, and this package. Not sys.path[0]: under
-    `python -m` that is only the directory the service was started in."""
-    found: list[Path] = []
-    for raw in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path[1:]):
-        if raw and os.path.isdir(raw):
-            found.append(Path(os.path.realpath(raw)))
-    found.append(Path(os.path.realpath(__file__)).parent.parent)
-    unique: list[Path] = []
-    for path in sorted(set(found), key=lambda p: len(p.parts)):
-        if not _under(path, unique):
-            unique.append(path)
-    return tuple(unique)
-
-
-@functools.cache
-def _closed_code_ancestors() -> frozenset[Path]:
-    return frozenset(closed_ancestors(code_paths()))
-
-
 def prepare() -> None:
     """In the zygote, before it forks: what every sealed worker would
     work out the same way (where the code is, the kernel's last capability
@@ -403,43 +273,7 @@ def prepare() -> None:
             pass  # each worker tries for itself, and says why if it fails
 
 
-def closed_ancestors(paths: Iterable[Path]) -> set[Path]:
-    """The highest directory above each path that other users cannot pass
-    through (e.g. /root, when the interpreter is in /root/.pyenv). Hidden
-    under a tmpfs that others may pass through, with the path bound back,
-    the code becomes reachable by a session's own uid, and nothing else of
-    that directory does."""
-    closed: set[Path] = set()
-    for path in paths:
-        for parent in reversed(path.parents):
-            if parent == Path("/"):
-                continue
-            try:
-                if not os.stat(parent).st_mode & 0o001:
-                    closed.add(parent)
-                    break
-            except OSError:
-                break
-    return closed
-
-
-# The lock directories a session gets a tmpfs of its own over (/var/lock
-# is mostly a link to /run/lock): writable by every uid on the host, so
-# what a session leaves there would outlive it.
-LOCK_DIRS = ("/run/lock", "/var/lock")
-LOCK_TMPFS_DATA = "mode=1777,size=1m"
-
-
-def _lock_dirs() -> list[Path]:
-    found: list[Path] = []
-    for raw in LOCK_DIRS:
-        path = Path(os.path.realpath(raw))
-        if path.is_dir() and path not in found:
-            found.append(path)
-    return found
-
-
-def _read_only_root(step: str) -> None:
+def read_only_root(step: str) -> None:
     """Every mount of this (private) namespace read-only, in one call where
     the kernel has mount_setattr (5.12), else one remount each. Our own
     /proc stays writable: programs set their own oom_score_adj, comm, ..."""
@@ -464,169 +298,6 @@ def _mount_points() -> list[Path]:
                 # Octal escapes (\040 for a space) as the kernel writes them.
                 points.append(Path(fields[4].encode().decode("unicode_escape")))
     return points
-
-
-def mount_session(
-    plan: dict[str, Any], dirs: SessionDirs, paths: SealedPaths, keep_socket: bool = False
-) -> dict[str, Any]:
-    """Stage 2: hide what is shared, bind back what this session needs,
-    put its directories over the fixed paths, chdir to W. `keep_socket`:
-    return an O_PATH descriptor of the worker socket as "socket_fd" (for a
-    worker that has yet to connect; it must close it once connected)."""
-    fault = plan.get("fault")
-    data_dir = Path(plan["data_dir"])
-    state_dir = Path(plan["state_dir"])
-    tmp_bytes = int(plan.get("tmp_bytes") or 0)
-    # Taken before any mount: a path may be hidden by the time it is bound.
-    fds: dict[str, int] = {}
-    socket_fd: int | None = None
-    umask = os.umask(0)  # mount points get exactly MOUNTPOINT_MODE
-    try:
-        if keep_socket:
-            socket_fd = _open_path("session", Path(plan["socket"]))
-        for name, path in (
-            ("home", dirs.home),
-            ("workspace", dirs.workspace),
-            ("user", dirs.user),
-            ("dir", dirs.dir),
-        ):
-            fds[name] = _open_path("session", path)
-        if not tmp_bytes:
-            fds["tmp"] = _open_path("session", dirs.tmp)
-        view = plan_view(plan)
-        hidden = view.hidden
-        # Nothing of the host is writable from here on but what is mounted
-        # below for the session: its own directories, its tmp, its locks.
-        # (Files a session wrote to /run/lock or into a directory its uid
-        # owns would outlive it, or run as the service at its next start.)
-        _check_fault("readonly", fault)
-        _read_only_root("readonly")
-        # What must stay at its own path: (name, source, target, read-only).
-        keep: list[tuple[str, Path, bool]] = [("dir", dirs.dir, True)]
-        if not _under(dirs.workspace, [dirs.dir]):
-            keep.append(("workspace", dirs.workspace, False))
-        repos = [Path(r) for r in plan.get("repos", ()) if r]
-        common = git_common_dir(dirs.workspace, repos) if repos else None
-        if common is not None and (_under(common, [data_dir, state_dir]) or not common.is_dir()):
-            common = None
-        if common is not None:
-            fds["git"] = _open_path("session", common)
-            keep.append(("git", common, False))
-        # The service's code (and what every session reads) that is hidden.
-        for i, code in enumerate(view.code):
-            fds[f"code{i}"] = _open_path("session", code)
-            keep.append((f"code{i}", code, True))
-
-        # The session's tmp is every shared temporary directory: a tmpfs of
-        # its own, bounded and gone with the session's last process, or
-        # (tmp_bytes 0) its tmp/ on disk.
-        _check_fault("tmp", fault)
-        if tmp_bytes:
-            _mount("tmp", "tmpfs", "/tmp", "tmpfs", TMP_FLAGS, f"mode=1777,size={tmp_bytes}")
-            tmp_src = "/tmp"
-        else:
-            tmp_src = f"/proc/self/fd/{fds['tmp']}"
-        for common_tmp in ("/tmp", "/var/tmp", "/dev/shm"):
-            if os.path.isdir(common_tmp) and (common_tmp, tmp_src) != ("/tmp", "/tmp"):
-                _mount("tmp", tmp_src, common_tmp, None, MS_BIND)
-                if not tmp_bytes:  # a bind of the (now read-only) disk
-                    _remount_writable("tmp", Path(common_tmp))
-        # Lock directories every program may write: the session's own,
-        # small, gone with it. And its IPC namespace's message queues where
-        # the host shows them.
-        for lock_dir in _lock_dirs():
-            _mount("tmp", "tmpfs", str(lock_dir), "tmpfs", TMPFS_FLAGS, LOCK_TMPFS_DATA)
-        if os.path.isdir("/dev/mqueue"):
-            _mount("tmp", "mqueue", "/dev/mqueue", "mqueue", TMPFS_FLAGS)
-
-        # Read-only empty directories over what no session may see.
-        _check_fault("hide", fault)
-        tmpfs: list[Path] = []
-        for path in hidden:
-            _makedirs("hide", path)
-            _mount("hide", "tmpfs", str(path), "tmpfs", TMPFS_FLAGS, TMPFS_DATA)
-            tmpfs.append(path)
-
-        # The session's directories over the fixed paths.
-        _check_fault("session", fault)
-        for name, target in (
-            ("home", paths.home),
-            ("workspace", paths.workspace),
-            ("user", paths.user),
-        ):
-            _makedirs("session", target)
-            _mount("session", f"/proc/self/fd/{fds[name]}", str(target), None, MS_BIND | MS_REC)
-            _remount_writable("session", target)
-
-        # What stays visible at its own path, shallowest first.
-        _check_fault("bind", fault)
-        for name, path, readonly in sorted(keep, key=lambda k: len(k[1].parts)):
-            hidden_here = _under(path, [*hidden, *COMMON_TMP])
-            if not hidden_here and not name.startswith("code") and readonly:
-                continue  # never hidden, and read-only with the rest of /
-            _makedirs("bind", path)
-            _mount("bind", f"/proc/self/fd/{fds[name]}", str(path), None, MS_BIND | MS_REC)
-            if readonly:
-                _remount_readonly("bind", path)
-            else:
-                _remount_writable("bind", path)
-        for path in tmpfs:  # ours: no flags to keep but those we gave
-            _mount("hide", None, str(path), None, MS_REMOUNT | MS_BIND | MS_RDONLY | TMPFS_FLAGS)
-        if common is not None:
-            _protect_git(common, dirs.workspace)
-    except BaseException:
-        if socket_fd is not None:
-            os.close(socket_fd)
-        raise
-    finally:
-        os.umask(umask)
-        for fd in fds.values():
-            os.close(fd)
-    try:
-        os.chdir(paths.workspace)
-    except OSError as exc:
-        if socket_fd is not None:
-            os.close(socket_fd)
-        raise SealError("session", f"chdir {paths.workspace}: {exc.strerror}") from None
-    return {"hidden": [str(p) for p in hidden], "socket_fd": socket_fd}
-
-
-def chown_session(
-    dirs: SessionDirs,
-    uid: int,
-    gid: int,
-    repos: Iterable[str | os.PathLike[str]] = (),
-    tmp: bool = True,
-) -> None:
-    """Give the session's uid its own directories (as root, before `drop`).
-    Whole trees only when their top is not the uid's yet (the first sealed
-    start of a session): later starts touch four inodes. Its session
-    directory itself stays root's: session.json and the logs are the
-    supervisor's. A git worktree workspace's own directory in the
-    repository (`worktrees/<name>`) is the session's too: git refuses to
-    work in a worktree whose directories another user owns. `tmp`: its tmp/
-    on disk is its /tmp (not a tmpfs)."""
-    tops = [dirs.home, dirs.workspace, dirs.user, *([dirs.tmp] if tmp else [])]
-    repo_paths = [Path(r) for r in repos if r]
-    common = git_common_dir(dirs.workspace, repo_paths) if repo_paths else None
-    admin = own_worktree_admin(common, dirs.workspace) if common is not None else None
-    if admin is not None:
-        tops.append(admin)
-    for top in tops:
-        try:
-            st = os.lstat(top)
-            if st.st_uid == uid and st.st_gid == gid:
-                continue
-            os.lchown(top, uid, gid)
-            with os.scandir(top) as entries:
-                if next(entries, None) is None:
-                    continue  # a new session's: empty
-            for root, subdirs, files in os.walk(top):
-                os.lchown(root, uid, gid)
-                for name in subdirs + files:
-                    os.lchown(os.path.join(root, name), uid, gid)
-        except OSError as exc:
-            raise SealError("session", f"chown {top} to {uid}:{gid}: {exc.strerror}") from None
 
 
 def drop(
@@ -681,7 +352,7 @@ def probe(
     unreadable = [str(p) for p in code_paths() if os.stat(p).st_mode & 0o005 != 0o005]
     done = enter(mode, fault, network)
     _check_fault("readonly", fault)
-    _read_only_root("readonly")
+    read_only_root("readonly")
     _check_fault("hide", fault)
     _mount("hide", "tmpfs", str(scratch), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711,size=64k")
     inner = scratch / "bound"

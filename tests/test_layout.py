@@ -96,3 +96,22 @@ def test_the_routing_decisions_import_no_zmq() -> None:
     loaded = modules_loaded_by("hermes_sup.cluster.routing")
     assert "hermes_sup.cluster.routing" in loaded
     assert [m for m in loaded if m == "zmq" or m.startswith("zmq.")] == []
+
+
+def test_the_supervisor_imports_no_worker_module() -> None:
+    # The supervisor and the worker are different processes: what both
+    # need of sealing is seal/, so no line of the worker's is loaded (or
+    # run at import) in the supervisor.
+    modules = modules_of("supervisor")
+    loaded = modules_loaded_by(*modules)
+    assert set(modules) <= set(loaded)
+    assert [m for m in loaded if package(m) == "hermes_sup.worker"] == []
+
+
+def test_sealing_imports_neither_the_supervisor_nor_the_worker() -> None:
+    # Both sides import seal/; it stands on local/ and the standard library.
+    modules = modules_of("seal")
+    loaded = modules_loaded_by(*modules)
+    assert set(modules) <= set(loaded)
+    assert [m for m in loaded if package(m) in SERVER_SIDE] == []
+    assert [m for m in loaded if m == "zmq" or m.startswith("zmq.")] == []

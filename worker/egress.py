@@ -22,8 +22,7 @@ import socket
 from typing import Any
 
 from hermes_sup.local.addresses import SESSION_PROXY_HOST, SESSION_PROXY_PORT
-
-from .seal_calls import SealError
+from hermes_sup.seal.calls import SealError
 
 # The network modes whose workers hand a listener over.
 LISTENING = ("egress", "none")

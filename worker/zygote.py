@@ -159,9 +159,9 @@ def _fork_worker(sock: socket.socket, request: memoryview) -> tuple[int, int]:
         if pid == 0:
             try:
                 if _NAMESPACES:
-                    from hermes_sup.worker import seal
+                    from hermes_sup.seal import steps
 
-                    seal.born(_NAMESPACES, _IDS)
+                    steps.born(_NAMESPACES, _IDS)
                 os.close(out_r)
                 sock.close()
                 _boot(request, out_w)  # never returns
@@ -335,16 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = None
     if args.sealed:
-        from hermes_sup.worker import seal
+        from hermes_sup.seal import steps
+        from hermes_sup.seal.paths import SealedPaths
 
-        paths = seal.SealedPaths.for_data_dir(args.data_dir)
+        paths = SealedPaths.for_data_dir(args.data_dir)
         paths.make()  # empty: each worker mounts its session's over them
-        seal.prepare()
+        steps.prepare()
         # A PID namespace per worker needs the clone (the double fork's
         # worker could not be told from its adopter) and a pidfd to follow
         # the supervisor by (getppid is 0 inside).
         if can_fork_to_parent() and parent.watch(args.supervisor_pid):
-            _NAMESPACES = seal.namespaces_for(args.sealed)
+            _NAMESPACES = steps.namespaces_for(args.sealed)
     os.chdir(args.cwd)
     try:
         import setproctitle
