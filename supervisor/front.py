@@ -48,7 +48,7 @@ from .orphans import MAX_GRACE
 from .pool import WorkerPool
 from .reports import Reports
 from .session import Session, StoredSession, Turn
-from .states import State
+from .states import State, Stop
 from .table import SessionTable
 from .turns import SentTurn, Turns
 from .watchers import MAX_PER_CLIENT, MAX_WATCHERS, Watchers
@@ -318,7 +318,7 @@ class Front:
         delete_branch = bool(msg.body.get("delete_branch", False))
 
         async def kill_and_reply() -> None:
-            session.hibernated = False  # stopped by request now, not for idleness
+            session.stopping(Stop.REQUEST)  # not for idleness, even if it was asleep
             pid, reason = await self.lifecycle.killer.kill_session(session, force=force)
             if purge and session.state is State.EXITED and self.table.get(key) is session:
                 note = await self.lifecycle.preparation.purge(session, delete_branch)

@@ -65,7 +65,7 @@ from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .process import kill_processes
 from .session import Session
-from .states import State
+from .states import State, Stop
 from .table import SessionTable
 
 log = logging.getLogger("hermes_sup.supervisor")
@@ -315,7 +315,7 @@ class Health:
             return False
         self._capping.pop(session.key, None)
         self._awake.pop(session.key, None)
-        session.hibernated = True
+        session.stopping(Stop.IDLE)
         self.ctx.spawn(
             self.lifecycle.killer.kill_session(
                 session, force=False, reason=f"hibernated: idle for {idle:.0f}s"

@@ -164,7 +164,6 @@ class Lifecycle:
     def start_worker(self, session: Session) -> None:
         """Start a worker for the session (admitted: its lease is held)."""
         self.table.ownership.claim(session)  # held already, but never a worker without it
-        session.hibernated = False  # woken
         if session.retry_timer is not None:
             session.retry_timer.cancel()
             session.retry_timer = None
@@ -185,7 +184,7 @@ class Lifecycle:
         session.kill_reason = session.kill_code = None
         session.cpu_sample = None  # CPU% is per worker: start from this one
         session.settings = self.ctx.settings
-        self.table.transition(session, Event.SPAWN)
+        self.table.transition(session, Event.SPAWN)  # wakes it, if it was asleep
         request = pool.spawn_request(session)
         # The supervisor seeds the home (homes.seed_home), with the
         # session's own values: the runtime must not copy the template again.
