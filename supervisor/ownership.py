@@ -8,8 +8,8 @@ nothing queued gives it up (`release`). Every write into a session's
 directory is fenced (`fenced`): it goes ahead only if the epoch there is
 still ours; if not, the session was taken over while we were cut off,
 nothing is written, and the session is given up (`on_lease_lost`). A
-turn's start is fenced too (the table's transition): a turn writes into
-the session's files through its worker.
+turn's start is fenced too (by the turns, right after its transition): a
+turn writes into the session's files through its worker.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ place a session's state changes.
 A state change goes through `transition`, which applies the table in
 states.py, keeps the count of sessions with a running worker (admission
 reads it on every spawn, so it is kept, not counted), and publishes the
-change to watchers.
+change to watchers. It reads no file: what must be fenced (a turn's start,
+which writes into the session's files through its worker) is fenced by
+its caller, through `ownership`.
 
 Beside it, two parts it stands on: what the data directory holds of
 sessions (`store`, store.py: session.json, sessions an earlier run left,
@@ -255,10 +257,6 @@ class SessionTable:
             self.ownership.release(session)  # nothing waits: another node may take it
         elif self.ctx.draining and session.state is State.IDLE and not session.queue:
             self.on_drained_idle(session)
-        elif event is Event.TURN and session.lease is not None:
-            # A turn writes into the session's files (its state.db): a
-            # session taken over meanwhile loses its worker, the turn `moved`.
-            self.ownership.fenced(session)
 
     def purge(self, session: Session) -> str:
         """Forget a stopped session and delete its data (kill --purge); its

@@ -415,8 +415,11 @@ class Turns:
         if metrics is not None:
             metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self.table.transition(session, Event.TURN)
+        # A turn writes into the session's files (its state.db): one taken
+        # over meanwhile loses its worker here, and the turn is `moved`.
+        self.table.ownership.fenced(session)
         if not handed:
-            failed = self.journal.started(session, turn.id)  # after the fenced transition
+            failed = self.journal.started(session, turn.id)  # after the fence
             if failed is not None:
                 self._refuse_unjournaled(session, turn, failed)
                 return False
@@ -426,7 +429,7 @@ class Turns:
         if not handed:
             # Who else works on its repository, as of this turn (see
             # worktrees.py); a handed turn's was written before its fork.
-            self.table.refresh_peers(session, checked=True)  # fenced by the transition
+            self.table.refresh_peers(session, checked=True)  # fenced above
             body: dict[str, Any] = {"text": turn.text}
             if turn.context:
                 body["context"] = turn.context
