@@ -145,7 +145,6 @@ class Health:
         self._awake: dict[str, tuple[tuple[int, int], float]] = {}
         self._capping: dict[str, tuple[int, list[psutil.Process], bool]] = {}
         self._next_cgroups = 0.0
-        table.on_judged = self.judge_soon
         # Each session's bytes on disk against its disk limit (disk.py).
         self.disk = DiskSampler(
             lambda session: ctx.settings_for(session).disk_limit_mb,  # type: ignore[arg-type]

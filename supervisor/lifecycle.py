@@ -101,10 +101,6 @@ class Lifecycle:
         self.preparation = Preparation(ctx, table, pool, self._hold_cull)
         # What stops a worker and everything it started.
         self.killer = Killer(ctx, table, turns, pool, endpoints)
-        # A lease names where this node is reached (its TCP endpoint, once bound).
-        table.ownership.leases.endpoint = lambda: getattr(endpoints, "tcp", None)
-        table.ownership.on_lease_lost = self._lease_lost
-        table.on_drained_idle = self._stop_when_idle
 
     def _hold_cull(self) -> None:
         """A child of ours that is no worker (git) runs: counted as a spawn,
@@ -473,7 +469,7 @@ class Lifecycle:
 
     # ------------------------------------------------------- leases, drain
 
-    def _lease_lost(self, session: Session, why: str) -> None:
+    def lease_lost(self, session: Session, why: str) -> None:
         """Another node took the session over: its turns are answered
         `moved` (they may be sent there), and our worker is SIGKILLed now,
         before it can write anything more (a turn being handed to it too)."""
@@ -491,7 +487,7 @@ class Lifecycle:
         self.table.transition(session, Event.KILL, reason)
         self.killer.kill_now(session, session.generation)
 
-    def _stop_when_idle(self, session: Session) -> None:
+    def stop_when_idle(self, session: Session) -> None:
         """While draining: stop a session that went idle with nothing queued
         (soon, once the turn's answer is out), which gives its lease up."""
         asyncio.get_running_loop().call_soon(self._stop_if_idle, session)

@@ -70,9 +70,10 @@ class SessionTable:
         self.store = SessionStore(ctx, spare_dirs)
         self.ownership = Ownership(ctx.node, self.store, spare_dirs)
         self.ownership.forget = self._forget
-        # Set by the lifecycle: stop a session gone idle while draining.
+        # Set where the parts are put together (server.py): stop a session
+        # gone idle while draining (the lifecycle's).
         self.on_drained_idle: Callable[[Session], None] = lambda session: None
-        # Set by health: a session whose worker became idle or busy (its
+        # And health's: a session whose worker became idle or busy (its
         # deadlines change with its state).
         self.on_judged: Callable[[Session], None] = lambda session: None
         self.store.load_stored(self.sessions)

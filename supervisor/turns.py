@@ -114,8 +114,6 @@ class Turns:
         self.orphans = Orphans(endpoints)
         # What became of each turn, in its session's directory (journal.py).
         self.journal = TurnJournal(ctx.node, table.ownership.still_ours)
-        table.ownership.on_taken = self.journal.taken
-        table.ownership.on_released = self.journal.released
         # Free space against the supervisor's reserve, before each new turn.
         self.reserve = DiskReserve(
             lambda: (ctx.settings.data_dir, ctx.settings.state_dir),

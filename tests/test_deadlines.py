@@ -115,7 +115,7 @@ def test_a_tick_looks_only_at_live_sessions_and_only_when_due() -> None:
     table = _table(held=5_000, live=3)
     health = Health(ctx, table, lifecycle=_lifecycle())  # type: ignore[arg-type]
     for session in table.judged.values():
-        table.on_judged(session)
+        health.judge_soon(session)  # as the table calls it (server.connect wires it)
     now = time.monotonic()
     health.begin(now)
     health.tick(now, time.time())
@@ -142,7 +142,7 @@ def test_an_idle_session_is_looked_at_when_its_idle_time_is_up() -> None:
         table,
         lifecycle=_lifecycle(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
     )  # type: ignore[arg-type]
-    table.on_judged(session)
+    health.judge_soon(session)  # as the table calls it (server.connect wires it)
     now, wall = time.monotonic(), time.time()
     session.last_activity = wall
     health.begin(now)
@@ -182,7 +182,7 @@ def test_a_session_idle_before_its_pid_is_known_is_still_watched() -> None:
         table,
         lifecycle=_lifecycle(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
     )  # type: ignore[arg-type]
-    table.on_judged(session)
+    health.judge_soon(session)  # as the table calls it (server.connect wires it)
     now, wall = time.monotonic(), time.time()
     session.last_activity = wall
     health.begin(now)
