@@ -84,7 +84,7 @@ class Sealing:
             "signals_scoped": self.signals_scoped,
             "pid_namespaces": self.pid_namespaces,
             "syscall_filter": self.syscall_filter,
-            # Made with every sealed worker (worker/seal.py), said here so an
+            # Made with every sealed worker (seal/steps.py), said here so an
             # operator sees what holds on this host.
             "ipc_namespace": self.mode is not None,
             "network_namespace": self.mode is not None and self.network != "host",

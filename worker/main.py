@@ -12,7 +12,7 @@ process group, death with the supervisor, the zmq connection, a warm-up,
 the turn thread), then waits for the supervisor to assign it a session, and
 from there goes on exactly as above.
 
-A sealed worker (worker/seal.py), born into a PID namespace of its own,
+A sealed worker (hermes_sup.seal.steps, worker/seal.py), born into a PID namespace of its own,
 enters its own mount namespace first, while it has one thread (a spare: at
 its start), then mounts its session's directories over the fixed paths the
 zygote imported under, drops to the session's own uid (as root) and every
@@ -308,9 +308,9 @@ def _keep_session_env(env: dict[str, str]) -> None:
 def _seal(
     req: dict[str, Any], plan: dict[str, Any], entered: str | None, keep_socket: bool
 ) -> tuple[SealedPaths, int | None]:
-    """Seal this worker for its session (worker/seal.py): the namespace
-    (unless a spare entered it already), the session's mounts, its own uid
-    and no capabilities. With `keep_socket`, also an O_PATH descriptor of
+    """Seal this worker for its session (hermes_sup.seal.steps, and the
+    mounts of worker/seal.py): the namespace (unless a spare entered it
+    already), the session's mounts, its own uid and no capabilities. With `keep_socket`, also an O_PATH descriptor of
     the worker socket to connect through (the caller closes it). Raises
     SealError."""
     mode, fault = plan["mode"], plan.get("fault")
