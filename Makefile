@@ -22,7 +22,7 @@ EDITABLE := --config-settings editable_mode=strict
 # package folders (a folder's time changes when a module is added or
 # removed, which the link tree must show). Each install leaves a stamp in
 # the venv; the next one runs only when one of these is newer.
-PACKAGE_DIRS := protocol supervisor worker cli client local httpapi cluster door gateway_plugin
+PACKAGE_DIRS := protocol supervisor worker cli client local seal httpapi cluster door gateway_plugin
 INSTALL_INPUTS := pyproject.toml $(PACKAGE_DIRS)
 
 # Install (or refresh) the package, its test tools and its checkers into the venv.

@@ -47,10 +47,11 @@ from .logread import requested_lines
 from .orphans import MAX_GRACE
 from .pool import WorkerPool
 from .reports import Reports
+from .resends import SentTurn
 from .session import Session, StoredSession, Turn
-from .states import State
+from .states import State, Stop
 from .table import SessionTable
-from .turns import SentTurn, Turns
+from .turns import Turns
 from .watchers import MAX_PER_CLIENT, MAX_WATCHERS, Watchers
 
 log = logging.getLogger("hermes_sup.supervisor")
@@ -115,8 +116,8 @@ class Front:
         endpoints = self.endpoints
         try:
             msg = decode(rest, endpoints.client_key(index), endpoints.limits)
-            if msg.kind is Kind.SEND and msg.id in self.turns.sent:
-                self.turns.resend(client, msg)  # refused (replayed) unless its own client's
+            if msg.kind is Kind.SEND and msg.id in self.turns.sends:
+                self.turns.sends.resend(client, msg)  # refused (replayed) unless its own client's
                 return
             now = time.time()
             self.guard.check(msg.id, msg.ts, now)
@@ -244,7 +245,7 @@ class Front:
         )
         turns.note_send(msg)  # `ack: false`: no `running` event when it starts
         turns.enqueue(session, turn)
-        turns.remember(msg.id, SentTurn(session=key, turn=turn, client=client))
+        turns.sends.remember(msg.id, SentTurn(session=key, turn=turn, client=client))
         session.touch()
         if session.state is State.IDLE and len(session.queue) == 1:
             turns.pump(session)  # runs now: its `running` status is the acknowledgement
@@ -318,7 +319,7 @@ class Front:
         delete_branch = bool(msg.body.get("delete_branch", False))
 
         async def kill_and_reply() -> None:
-            session.hibernated = False  # stopped by request now, not for idleness
+            session.stopping(Stop.REQUEST)  # not for idleness, even if it was asleep
             pid, reason = await self.lifecycle.killer.kill_session(session, force=force)
             if purge and session.state is State.EXITED and self.table.get(key) is session:
                 note = await self.lifecycle.preparation.purge(session, delete_branch)

@@ -65,7 +65,7 @@ from .lifecycle import Lifecycle
 from .limits import TreeUsage, scan_trees
 from .process import kill_processes
 from .session import Session
-from .states import State
+from .states import State, Stop
 from .table import SessionTable
 
 log = logging.getLogger("hermes_sup.supervisor")
@@ -145,7 +145,6 @@ class Health:
         self._awake: dict[str, tuple[tuple[int, int], float]] = {}
         self._capping: dict[str, tuple[int, list[psutil.Process], bool]] = {}
         self._next_cgroups = 0.0
-        table.on_judged = self.judge_soon
         # Each session's bytes on disk against its disk limit (disk.py).
         self.disk = DiskSampler(
             lambda session: ctx.settings_for(session).disk_limit_mb,  # type: ignore[arg-type]
@@ -315,7 +314,7 @@ class Health:
             return False
         self._capping.pop(session.key, None)
         self._awake.pop(session.key, None)
-        session.hibernated = True
+        session.stopping(Stop.IDLE)
         self.ctx.spawn(
             self.lifecycle.killer.kill_session(
                 session, force=False, reason=f"hibernated: idle for {idle:.0f}s"

@@ -160,7 +160,7 @@ def named_holder(session_dir: Path) -> Holder | None:
 
 def read_epoch(session_dir: Path) -> tuple[int, str]:
     """The epoch line's counter and token ((0, "") if there is none yet).
-    os.open and one read: it runs before every turn (table.transition)."""
+    os.open and one read: it runs before every turn (at its start, in turns.py)."""
     try:
         fd = os.open(os.path.join(session_dir, EPOCH_FILE), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -101,10 +101,6 @@ class Lifecycle:
         self.preparation = Preparation(ctx, table, pool, self._hold_cull)
         # What stops a worker and everything it started.
         self.killer = Killer(ctx, table, turns, pool, endpoints)
-        # A lease names where this node is reached (its TCP endpoint, once bound).
-        table.ownership.leases.endpoint = lambda: getattr(endpoints, "tcp", None)
-        table.ownership.on_lease_lost = self._lease_lost
-        table.on_drained_idle = self._stop_when_idle
 
     def _hold_cull(self) -> None:
         """A child of ours that is no worker (git) runs: counted as a spawn,
@@ -164,7 +160,6 @@ class Lifecycle:
     def start_worker(self, session: Session) -> None:
         """Start a worker for the session (admitted: its lease is held)."""
         self.table.ownership.claim(session)  # held already, but never a worker without it
-        session.hibernated = False  # woken
         if session.retry_timer is not None:
             session.retry_timer.cancel()
             session.retry_timer = None
@@ -185,7 +180,7 @@ class Lifecycle:
         session.kill_reason = session.kill_code = None
         session.cpu_sample = None  # CPU% is per worker: start from this one
         session.settings = self.ctx.settings
-        self.table.transition(session, Event.SPAWN)
+        self.table.transition(session, Event.SPAWN)  # wakes it, if it was asleep
         request = pool.spawn_request(session)
         # The supervisor seeds the home (homes.seed_home), with the
         # session's own values: the runtime must not copy the template again.
@@ -474,7 +469,7 @@ class Lifecycle:
 
     # ------------------------------------------------------- leases, drain
 
-    def _lease_lost(self, session: Session, why: str) -> None:
+    def lease_lost(self, session: Session, why: str) -> None:
         """Another node took the session over: its turns are answered
         `moved` (they may be sent there), and our worker is SIGKILLed now,
         before it can write anything more (a turn being handed to it too)."""
@@ -492,7 +487,7 @@ class Lifecycle:
         self.table.transition(session, Event.KILL, reason)
         self.killer.kill_now(session, session.generation)
 
-    def _stop_when_idle(self, session: Session) -> None:
+    def stop_when_idle(self, session: Session) -> None:
         """While draining: stop a session that went idle with nothing queued
         (soon, once the turn's answer is out), which gives its lease up."""
         asyncio.get_running_loop().call_soon(self._stop_if_idle, session)

@@ -8,8 +8,8 @@ nothing queued gives it up (`release`). Every write into a session's
 directory is fenced (`fenced`): it goes ahead only if the epoch there is
 still ours; if not, the session was taken over while we were cut off,
 nothing is written, and the session is given up (`on_lease_lost`). A
-turn's start is fenced too (the table's transition): a turn writes into
-the session's files through its worker.
+turn's start is fenced too (by the turns, right after its transition): a
+turn writes into the session's files through its worker.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ class Ownership:
         self.spare_dirs = spare_dirs
         spare_dirs.serve(node, self.leases)
         store.fenced = self.fenced
-        # Set by the lifecycle: stop the worker of a session whose lease was
-        # taken over (why).
+        # The hooks below are set where the parts are put together
+        # (server.connect), the table's own `forget` by the table.
+        # Stop the worker of a session whose lease was taken over (why).
         self.on_lease_lost: Callable[[Session, str], None] = lambda session, why: None
-        # Set by the table: forget a new session another node made meanwhile.
+        # Forget a new session another node made meanwhile.
         self.forget: Callable[[Session], None] = lambda session: None
-        # Set by the turns: the session's lease is ours now (its journal is
-        # read), or no longer (what was read is dropped).
+        # The session's lease is ours now (its journal is read), or no
+        # longer (what was read is dropped).
         self.on_taken: Callable[[Session], None] = lambda session: None
         self.on_released: Callable[[Session], None] = lambda session: None
 

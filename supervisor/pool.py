@@ -45,7 +45,7 @@ from hermes_sup.protocol import (
     describe_exit,
     encode,
 )
-from hermes_sup.worker.seal import SealedPaths
+from hermes_sup.seal.paths import SealedPaths
 
 from .cgroups import SessionGroups
 from .context import Context

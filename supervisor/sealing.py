@@ -1,5 +1,6 @@
 """Sealed sessions, the supervisor's side: whether the kernel lets us, and
-what a worker is told to seal itself with (worker/seal.py does it).
+what a worker is told to seal itself with (it does so with
+hermes_sup.seal.steps, and mounts its view with worker/seal.py).
 
 At start, with `sealed` = auto or on, `detect` forks a short-lived child
 that tries what a worker will do (a mount namespace, a tmpfs, a bind, a
@@ -35,8 +36,8 @@ from hermes_sup.local import statedir, syscalls
 from hermes_sup.local.addresses import EGRESS_SOCKET
 from hermes_sup.local.logfmt import kv
 from hermes_sup.local.prctl import can_fork_to_parent, fork_with
-from hermes_sup.worker import seal
-from hermes_sup.worker.seal_calls import FAULT_ENV, SealError
+from hermes_sup.seal import steps
+from hermes_sup.seal.calls import FAULT_ENV, SealError
 
 from .config import Settings
 from .session import Session
@@ -67,7 +68,7 @@ class Sealing:
     signals_scoped: bool = False  # Landlock keeps each worker's signals in
     pid_namespaces: bool = False  # each worker the init of its own (the zygote says)
     syscall_filter: bool = False  # seccomp refuses namespaces, mounts, keyrings, ...
-    # Sealed: the network the sessions have (seal.NETWORKS), and why it is
+    # Sealed: the network the sessions have (steps.NETWORKS), and why it is
     # the host's where another was asked for.
     network: str = "host"
     network_reason: str = ""
@@ -83,7 +84,7 @@ class Sealing:
             "signals_scoped": self.signals_scoped,
             "pid_namespaces": self.pid_namespaces,
             "syscall_filter": self.syscall_filter,
-            # Made with every sealed worker (worker/seal.py), said here so an
+            # Made with every sealed worker (seal/steps.py), said here so an
             # operator sees what holds on this host.
             "ipc_namespace": self.mode is not None,
             "network_namespace": self.mode is not None and self.network != "host",
@@ -123,7 +124,7 @@ class Sealing:
 
     def spare_plan(self, settings: Settings) -> dict[str, Any] | None:
         """What a spare needs to enter its namespace at its start, and the
-        settings every session's view is made of (seal.View: a spare works
+        settings every session's view is made of (worker/seal.py's View: a spare works
         it out before it has a session)."""
         if self.mode is None:
             return None
@@ -289,7 +290,7 @@ def detect(settings: Settings, environ: dict[str, str]) -> Sealing:
         unsealed = Sealing(asked=asked)
         log.warning(kv("unsealed", warning=unsealed.warning()))
         return unsealed
-    mode = seal.mode_for_this_process()
+    mode = steps.mode_for_this_process()
     network, network_reason = settings.network, ""
     try:
         if mode == "root":
@@ -384,11 +385,11 @@ def _check_reachable(settings: Settings) -> None:
 def _probe_in_child(
     mode: str, scratch: Path, fault: str | None, network: str = "host"
 ) -> dict[str, Any]:
-    """Run seal.probe in a forked child (its namespaces die with it), born
+    """Run steps.probe in a forked child (its namespaces die with it), born
     into the namespaces a worker is (a PID namespace of its own)."""
     r, w = os.pipe()
     ids = (os.getuid(), os.getgid())
-    namespaces = seal.namespaces_for(mode) if can_fork_to_parent() else 0
+    namespaces = steps.namespaces_for(mode) if can_fork_to_parent() else 0
     try:
         pid = fork_with(namespaces) if namespaces else os.fork()
     except OSError as exc:
@@ -400,10 +401,10 @@ def _probe_in_child(
     if pid == 0:
         code = 1
         try:
-            seal.born(namespaces, ids)
+            steps.born(namespaces, ids)
             os.close(r)
             uid = SEALED_UID_BASE if mode == "root" else None
-            done = seal.probe(mode, scratch, uid, uid, fault, network)
+            done = steps.probe(mode, scratch, uid, uid, fault, network)
             result: dict[str, Any] = {"ok": True, **done}
             code = 0
         except SealError as exc:

@@ -87,6 +87,22 @@ FULL_GC_INTERVAL = 300.0
 GC_NEVER = 1_000_000  # gen-1 collections before Python would start a full one
 
 
+def connect(table: SessionTable, turns: Turns, lifecycle: Lifecycle, endpoints: Endpoints) -> None:
+    """What the session table and its ownership tell the parts that act on
+    them, set here, where the parts are put together, rather than by each
+    part reaching into the table (tests/fakes.py's rig calls this too)."""
+    ownership = table.ownership
+    # A lease names where this node is reached (its TCP endpoint, once bound).
+    ownership.leases.endpoint = lambda: getattr(endpoints, "tcp", None)
+    # The session's lease is ours now (its journal is read), or no longer.
+    ownership.on_taken = turns.journal.taken
+    ownership.on_released = turns.journal.released
+    # Taken over by another node: its worker goes, its turns are `moved`.
+    ownership.on_lease_lost = lifecycle.lease_lost
+    # Draining: a session gone idle with nothing queued is stopped.
+    table.on_drained_idle = lifecycle.stop_when_idle
+
+
 class Supervisor:
     """One supervisor process serving many sessions."""
 
@@ -135,6 +151,8 @@ class Supervisor:
                 WORKER_INBOX * (len(self.table) + len(self.pool.spares) + 1)
             ),
         )
+        connect(self.table, self.turns, self.lifecycle, self.endpoints)
+        self.table.on_judged = self.health.judge_soon  # its deadlines follow its state
         self.turns.disk_limit = self.health.disk.describe  # for `status`
         self.front = Front(
             ctx,

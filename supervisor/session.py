@@ -18,11 +18,10 @@ from .environment import SessionOptions, parse_options
 from .leases import Lease
 from .logs import PipeReader, SessionLog
 from .process import WorkerProcess
-from .states import Event, State, next_state
+from .states import Event, Sleep, State, Stop, listed_state, next_sleep, next_state
 
 SESSION_FILE = "session.json"
 LOG_FILE = "worker.log"
-HIBERNATED = "hibernated"  # a listed state: exited for idleness, woken by its next turn
 
 
 @dataclass
@@ -85,9 +84,9 @@ class Session:
     lease: Lease | None = None
     epoch_seen: int = 0
     meta_dirty: bool = False
-    # Its worker was stopped for idleness (health.py), not by request: it is
-    # listed `hibernated` until its next worker starts.
-    hibernated: bool = False
+    # Asleep once its worker was stopped for idleness (health.py), not by
+    # request: listed `hibernated` until its next worker starts (states.py).
+    sleep: Sleep = Sleep.AWAKE
     # What the awake cap did to its background processes (health.py), for
     # `inspect`: None until it acted on this session.
     awake_capped: dict[str, Any] | None = None
@@ -168,9 +167,16 @@ class Session:
         return self.proc.pid
 
     def advance(self, event: Event) -> State:
-        """Apply one transition from the state table."""
+        """Apply one transition from the state table (and from its sleep
+        table: a spawn wakes it)."""
         self.state = next_state(self.state, event)
+        self.sleep = next_sleep(self.sleep, event)
         return self.state
+
+    def stopping(self, why: Stop) -> None:
+        """Note why its worker is about to be stopped: for idleness it
+        sleeps once exited; by request it is exited, awake."""
+        self.sleep = next_sleep(self.sleep, why)
 
     def touch(self) -> None:
         """Note activity (any message either way)."""
@@ -178,11 +184,8 @@ class Session:
 
     @property
     def listed_state(self) -> str:
-        """Its state as `list` shows it: `hibernated` for a session whose
-        worker was stopped for idleness (the next turn wakes it)."""
-        if self.hibernated and self.state is State.EXITED:
-            return HIBERNATED
-        return self.state.value
+        """Its state as `list` shows it (states.listed_state)."""
+        return listed_state(self.state, self.sleep)
 
     def describe(self) -> dict[str, Any]:
         """The session as a `sessions` list entry."""

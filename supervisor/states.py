@@ -16,6 +16,12 @@ failures in a row, or a worker that cannot load its runtime at all, it is
 FAILED: messages get a clear error until an operator kills it (which clears
 it) or a cool-down passes. BACKOFF and FAILED sessions can always be killed.
 
+An exited session may be asleep: its worker was stopped for idleness, and
+`list` shows it `hibernated` until its next worker starts (SPAWN wakes
+it). To the table, and in its state events, it is EXITED like any other:
+sleep is a second, smaller table beside the first (`SLEEPS`), moved by the
+same events and by why a worker is stopped (`Stop`).
+
 Every change of state goes through `next_state`, so a transition not in the
 table is a bug that raises at once instead of a session stuck in limbo.
 """
@@ -90,6 +96,46 @@ def next_state(state: State, event: Event) -> State:
         return TRANSITIONS[(state, event)]
     except KeyError:
         raise InvalidTransition(f"no transition from {state.value} on {event.value}") from None
+
+
+# ------------------------------------------------------------------- sleep
+
+
+class Sleep(StrEnum):
+    """Whether a session is asleep: stopped for idleness, not woken since."""
+
+    AWAKE = "awake"
+    HIBERNATED = "hibernated"  # listed so while EXITED; its next turn wakes it
+
+
+class Stop(StrEnum):
+    """Why a session's worker is being stopped, where that decides how the
+    session is listed once it has exited."""
+
+    IDLE = "idle"  # idle past idle_timeout (health.py): it hibernates
+    REQUEST = "request"  # an operator's kill: plainly exited, even if asleep
+
+
+# What sends a session to sleep or wakes it; anything else leaves it be
+# (a KILL, say: a hibernating session is killed on its way to sleep).
+SLEEPS: dict[Event | Stop, Sleep] = {
+    Stop.IDLE: Sleep.HIBERNATED,
+    Stop.REQUEST: Sleep.AWAKE,
+    Event.SPAWN: Sleep.AWAKE,  # woken: a worker starts for it
+}
+
+
+def next_sleep(sleep: Sleep, cause: Event | Stop) -> Sleep:
+    """Whether a session sleeps after `cause`."""
+    return SLEEPS.get(cause, sleep)
+
+
+def listed_state(state: State, sleep: Sleep) -> str:
+    """A session's state as `list` shows it and filters by: `hibernated`
+    for an exited session that is asleep, else the state itself."""
+    if state is State.EXITED and sleep is Sleep.HIBERNATED:
+        return Sleep.HIBERNATED.value
+    return state.value
 
 
 # ------------------------------------------------------------ restart policy

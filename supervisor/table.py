@@ -4,7 +4,9 @@ place a session's state changes.
 A state change goes through `transition`, which applies the table in
 states.py, keeps the count of sessions with a running worker (admission
 reads it on every spawn, so it is kept, not counted), and publishes the
-change to watchers.
+change to watchers. It reads no file: what must be fenced (a turn's start,
+which writes into the session's files through its worker) is fenced by
+its caller, through `ownership`.
 
 Beside it, two parts it stands on: what the data directory holds of
 sessions (`store`, store.py: session.json, sessions an earlier run left,
@@ -68,9 +70,10 @@ class SessionTable:
         self.store = SessionStore(ctx, spare_dirs)
         self.ownership = Ownership(ctx.node, self.store, spare_dirs)
         self.ownership.forget = self._forget
-        # Set by the lifecycle: stop a session gone idle while draining.
+        # Set where the parts are put together (server.py): stop a session
+        # gone idle while draining (the lifecycle's).
         self.on_drained_idle: Callable[[Session], None] = lambda session: None
-        # Set by health: a session whose worker became idle or busy (its
+        # And health's: a session whose worker became idle or busy (its
         # deadlines change with its state).
         self.on_judged: Callable[[Session], None] = lambda session: None
         self.store.load_stored(self.sessions)
@@ -255,10 +258,6 @@ class SessionTable:
             self.ownership.release(session)  # nothing waits: another node may take it
         elif self.ctx.draining and session.state is State.IDLE and not session.queue:
             self.on_drained_idle(session)
-        elif event is Event.TURN and session.lease is not None:
-            # A turn writes into the session's files (its state.db): a
-            # session taken over meanwhile loses its worker, the turn `moved`.
-            self.ownership.fenced(session)
 
     def purge(self, session: Session) -> str:
         """Forget a stopped session and delete its data (kill --purge); its

@@ -16,18 +16,9 @@ dies fails it; a stopped session fails what was queued. A turn's answers go
 to the client that sent it.
 
 A resend (a `send` whose id was already taken) is the same turn, never a
-second run, and only its own client may make it: a resend signed with
-another key (the local key, the remote one, another CURVE key) is refused.
-One from another connection with the same key is a client that reconnected
-after giving up, or another client that read the id from a watch; it is
-refused while the turn's connection is still there. To tell, the turn's
-connection is sent a `resend_refused` notice a moment later (a connection
-just closed takes that long to be gone): delivered, the resend is refused;
-undeliverable, the turn moves to the resender.
-
-Final answers are kept for resends within a byte budget: a large one is
-not kept (a resend of it gets `too_large`), and the oldest kept ones give
-way to new ones beyond the budget.
+second run, and only its own client may make it; the sends are remembered,
+and their final answers kept within a byte budget, by `sends`
+(resends.py).
 
 What survives the supervisor is the session's turn journal (journal.py):
 each turn's start is written before it runs and its final answer when it
@@ -42,13 +33,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from hermes_sup.local.logfmt import kv
-from hermes_sup.protocol import ErrorCode, Kind, Message, RemoteProtocolError, error_message
+from hermes_sup.protocol import ErrorCode, Kind, Message, error_message
 
 from .context import Context
 from .disk import DiskReserve
@@ -56,25 +45,13 @@ from .endpoints import Endpoints
 from .journal import TurnJournal, turn_state
 from .leases import holder_of
 from .orphans import Orphans
+from .resends import SentTurns
 from .session import Session, Turn, session_path
 from .states import Event, State
 from .table import SessionTable
 from .watchers import Watchers, approx_size
 
 log = logging.getLogger("hermes_sup.supervisor")
-
-# Sends remembered so that a client resending a `send` with the same id after
-# a timeout gets the same turn, never a second run of it; and of their final
-# answers, those up to KEEP_ANSWER_LIMIT bytes, DEDUP_BYTES of them in all
-# (newest first): every final answer kept for 10,000 ids held 2 MB per 2 MB
-# reply for good.
-DEDUP_ENTRIES = 10_000
-DEDUP_BYTES = 4 * 1024 * 1024
-KEEP_ANSWER_LIMIT = 64 * 1024
-# How long a resend from another connection waits before the turn's own
-# connection is looked for: a socket its client has just closed is still
-# listed by zmq for a moment (about a millisecond here).
-RESEND_SETTLE = 0.2
 
 
 def disk_full_message(turn_id: str, session: str, reason: str) -> Message:
@@ -88,12 +65,6 @@ def disk_full_message(turn_id: str, session: str, reason: str) -> Message:
         re=turn_id,
         session=session,
     )
-
-
-def signer_of(client: bytes) -> bytes:
-    """Who signed a client's requests: the front socket it came in on (the
-    local key, or the remote clients' key)."""
-    return client[:1]
 
 
 APPROVAL_EVENTS = frozenset({"approval", "approval_timeout"})
@@ -116,18 +87,6 @@ def track_approval(session: Session, event_type: str, data: Any) -> None:
         session.approvals.pop(0)
 
 
-@dataclass
-class SentTurn:
-    """What the supervisor remembers of a `send`, for resends with the same id."""
-
-    session: str
-    turn: Turn | None
-    client: bytes  # the connection its answers go to
-    final: Message | None = None
-    # Bytes of its final answer once it has one, kept in `final` or not.
-    size: int = 0
-
-
 class Turns:
     """Every session's queue of turns, and the answers given."""
 
@@ -143,10 +102,8 @@ class Turns:
         self.table = table
         self.endpoints = endpoints
         self.watchers = watchers
-        self.sent: OrderedDict[str, SentTurn] = OrderedDict()
-        # The sends whose final answer is kept, oldest first, and its size.
-        self.kept: OrderedDict[str, int] = OrderedDict()
-        self.kept_bytes = 0
+        # Sends remembered, and their final answers kept, for resends.
+        self.sends = SentTurns(endpoints)
         self.queued_total = 0
         # Turns whose client asked for no `running` acknowledgement (a `send`
         # with `ack: false`), by id, until they begin or end.
@@ -157,8 +114,6 @@ class Turns:
         self.orphans = Orphans(endpoints)
         # What became of each turn, in its session's directory (journal.py).
         self.journal = TurnJournal(ctx.node, table.ownership.still_ours)
-        table.ownership.on_taken = self.journal.taken
-        table.ownership.on_released = self.journal.released
         # Free space against the supervisor's reserve, before each new turn.
         self.reserve = DiskReserve(
             lambda: (ctx.settings.data_dir, ctx.settings.state_dir),
@@ -177,110 +132,13 @@ class Turns:
         out["limit"] = self.disk_limit()
         return out
 
-    # ------------------------------------------------------------- resends
-
-    def resend(self, client: bytes, msg: Message) -> None:
-        """A `send` with an id we already took: the same turn, never a second
-        run, and only for the client that sent it (RemoteProtocolError
-        `replayed` otherwise)."""
-        record = self.sent[msg.id]
-        if msg.session != record.session:
-            raise RemoteProtocolError(
-                ErrorCode.REPLAYED,
-                f"message id {msg.id!r} was already used by a send to another session; "
-                "a resend must repeat the send it resends (a new turn needs a new id)",
-                msg_id=msg.id,
-            )
-        if signer_of(client) != signer_of(record.client):
-            raise RemoteProtocolError(
-                ErrorCode.REPLAYED,
-                f"message id {msg.id!r} is a send signed with another key; only the client "
-                "that sent it may resend it (a new turn needs a new id)",
-                msg_id=msg.id,
-            )
-        if client == record.client:
-            self._answer_resend(client, msg, record)
-        else:
-            asyncio.get_running_loop().call_later(
-                RESEND_SETTLE, self._resend_elsewhere, client, msg
-            )
-
-    def _resend_elsewhere(self, client: bytes, msg: Message) -> None:
-        """A resend from another connection than the turn's, with the same
-        key: the turn moves to it only if the turn's connection is gone."""
-        record = self.sent.get(msg.id)
-        if record is None:
-            self.endpoints.error(
-                client,
-                ErrorCode.EXPIRED,
-                f"send {msg.id!r} is no longer remembered (the supervisor remembers the last "
-                f"{DEDUP_ENTRIES} sends); it was not run again",
-                msg.id,
-                msg.session,
-            )
-            return
-        if record.client != client:
-            # The probe is the notice itself: delivered means still connected.
-            notice = Message(
-                Kind.EVENT,
-                {"type": "status", "data": {"state": "resend_refused"}},
-                session=record.session,
-                re=msg.id,
-            )
-            if self.endpoints.to_client(record.client, notice):
-                log.warning(kv("resend_refused", session=record.session, turn=msg.id))
-                self.endpoints.error(
-                    client,
-                    ErrorCode.REPLAYED,
-                    f"message id {msg.id!r} is a send of another client connection, which is "
-                    "still connected; only the client that sent it may resend it (a new turn "
-                    "needs a new id)",
-                    msg.id,
-                    msg.session,
-                )
-                return
-            record.client = client
-            if record.turn is not None:
-                record.turn.client = client  # the rest of the turn goes to the resender
-        self._answer_resend(client, msg, record)
-
-    def _answer_resend(self, client: bytes, msg: Message, record: SentTurn) -> None:
-        """Answer a resend the turn's own client made."""
-        if record.final is not None:
-            self.endpoints.to_client(client, record.final)
-        elif record.turn is not None:
-            self.endpoints.to_client(
-                client,
-                msg.reply(Kind.EVENT, {"type": "status", "data": {"state": "duplicate"}}),
-            )
-        elif record.size > KEEP_ANSWER_LIMIT:
-            self.endpoints.error(
-                client,
-                ErrorCode.TOO_LARGE,
-                f"send {msg.id!r} has ended and its answer went to this client; at "
-                f"{record.size} bytes it was too large to keep for resends (limit "
-                f"{KEEP_ANSWER_LIMIT}); the turn was not run again",
-                msg.id,
-                msg.session,
-            )
-        else:
-            self.endpoints.error(
-                client,
-                ErrorCode.EXPIRED,
-                f"send {msg.id!r} has ended and its answer went to this client; it is no "
-                f"longer kept for resends (the supervisor keeps the newest {DEDUP_BYTES} bytes "
-                "of answers); the turn was not run again",
-                msg.id,
-                msg.session,
-            )
-
     def status(self, key: str, turn_id: str) -> dict[str, Any]:
         """What became of a turn (a `turn_state` body): from memory if it
         was sent here, else from the session's journal on disk, which may
         be another node's (a turn started there and not ended is `running`
         while that node holds the lease, `interrupted` once no one does)."""
         node = self.ctx.node
-        record = self.sent.get(turn_id)
+        record = self.sends.get(turn_id)
         if record is not None and record.session == key:
             session = self.table.get(key)
             if record.turn is not None:
@@ -314,30 +172,6 @@ class Turns:
                     else {"kind": entry.kind, "size": entry.size}
                 )
         return body
-
-    def remember(self, msg_id: str, record: SentTurn) -> None:
-        self.sent[msg_id] = record
-        while len(self.sent) > DEDUP_ENTRIES:
-            old_id, _ = self.sent.popitem(last=False)
-            size = self.kept.pop(old_id, None)
-            if size is not None:
-                self.kept_bytes -= size
-
-    def _keep_final(self, msg_id: str, record: SentTurn, final: Message, size: int) -> None:
-        """Keep a final answer for resends, within the byte budget."""
-        record.turn = None
-        record.size = size
-        if size > KEEP_ANSWER_LIMIT:
-            return  # a resend gets `too_large`
-        record.final = final
-        self.kept[msg_id] = size
-        self.kept_bytes += size
-        while self.kept_bytes > DEDUP_BYTES:
-            old_id, old_size = self.kept.popitem(last=False)
-            self.kept_bytes -= old_size
-            old = self.sent.get(old_id)
-            if old is not None:
-                old.final = None  # a resend gets `expired`
 
     # -------------------------------------------------------------- queues
 
@@ -415,8 +249,11 @@ class Turns:
         if metrics is not None:
             metrics.routing_seconds.observe(turn.started_at - turn.queued_at)
         self.table.transition(session, Event.TURN)
+        # A turn writes into the session's files (its state.db): one taken
+        # over meanwhile loses its worker here, and the turn is `moved`.
+        self.table.ownership.fenced(session)
         if not handed:
-            failed = self.journal.started(session, turn.id)  # after the fenced transition
+            failed = self.journal.started(session, turn.id)  # after the fence
             if failed is not None:
                 self._refuse_unjournaled(session, turn, failed)
                 return False
@@ -426,7 +263,7 @@ class Turns:
         if not handed:
             # Who else works on its repository, as of this turn (see
             # worktrees.py); a handed turn's was written before its fork.
-            self.table.refresh_peers(session, checked=True)  # fenced by the transition
+            self.table.refresh_peers(session, checked=True)  # fenced above
             body: dict[str, Any] = {"text": turn.text}
             if turn.context:
                 body["context"] = turn.context
@@ -477,9 +314,7 @@ class Turns:
         """End a turn that never ran with an error, leaving its id unspent:
         nothing is kept for resends nor journaled (a retry runs it once)."""
         self.unacked.discard(turn.id)
-        record = self.sent.get(turn.id)
-        if record is not None and record.turn is turn:
-            del self.sent[turn.id]
+        self.sends.forget(turn)
         self.forget_id(turn.id)
         self.endpoints.to_client(turn.client, final)
         self.watchers.publish(session, "error", final.body, turn=turn.id)
@@ -546,9 +381,9 @@ class Turns:
         """Give a turn its one final answer (and remember it for resends)."""
         self.unacked.discard(turn.id)  # one that ended before it began
         size = len(payload) if payload is not None else approx_size(final.body)
-        record = self.sent.get(turn.id)
+        record = self.sends.get(turn.id)
         if record is not None:
-            self._keep_final(turn.id, record, final, size)
+            self.sends.keep_final(turn.id, record, final, size)
         self.endpoints.to_client(turn.client, final, payload)
         # Recorded after the client has it: a supervisor that dies between
         # the two leaves the turn `interrupted`, its answer already given.

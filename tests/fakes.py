@@ -36,6 +36,7 @@ from hermes_sup.supervisor.lifecycle import Lifecycle
 from hermes_sup.supervisor.pool import WorkerPool
 from hermes_sup.supervisor.process import exit_status
 from hermes_sup.supervisor.sealing import Sealing
+from hermes_sup.supervisor.server import connect
 from hermes_sup.supervisor.session import Session
 from hermes_sup.supervisor.spare_dirs import SpareDirs
 from hermes_sup.supervisor.table import RUNNING_STATES, SessionTable
@@ -216,6 +217,7 @@ class Rig:
         self.pool = FakePool(self.ctx, self.endpoints)
         pool: Any = self.pool
         self.lifecycle = Lifecycle(self.ctx, self.table, self.turns, pool, endpoints)
+        connect(self.table, self.turns, self.lifecycle, endpoints)
         self.front = Front(
             self.ctx,
             self.table,

@@ -21,7 +21,7 @@ from hermes_sup.supervisor.environment import SessionOptions
 from hermes_sup.supervisor.health import Health
 from hermes_sup.supervisor.kills import STOPS_AT_ONCE, Killer
 from hermes_sup.supervisor.session import Session
-from hermes_sup.supervisor.states import State
+from hermes_sup.supervisor.states import Sleep, State
 
 KEYS = st.sampled_from("abcdefgh")
 OPS = st.lists(
@@ -115,7 +115,7 @@ def test_a_tick_looks_only_at_live_sessions_and_only_when_due() -> None:
     table = _table(held=5_000, live=3)
     health = Health(ctx, table, lifecycle=_lifecycle())  # type: ignore[arg-type]
     for session in table.judged.values():
-        table.on_judged(session)
+        health.judge_soon(session)  # as the table calls it (server.connect wires it)
     now = time.monotonic()
     health.begin(now)
     health.tick(now, time.time())
@@ -142,17 +142,17 @@ def test_an_idle_session_is_looked_at_when_its_idle_time_is_up() -> None:
         table,
         lifecycle=_lifecycle(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
     )  # type: ignore[arg-type]
-    table.on_judged(session)
+    health.judge_soon(session)  # as the table calls it (server.connect wires it)
     now, wall = time.monotonic(), time.time()
     session.last_activity = wall
     health.begin(now)
     health.tick(now, wall)
-    assert not session.hibernated
+    assert session.sleep is Sleep.AWAKE
     _ticks(health, now, now + 59.0, wall)
-    assert not session.hibernated and ctx.lookups == 1  # not due yet: not looked at
+    assert session.sleep is Sleep.AWAKE and ctx.lookups == 1  # not due yet: not looked at
     session.last_heartbeat = now + 59.0  # it kept beating
     _ticks(health, now + 59.0, now + 60.5, wall + 59.0)
-    assert session.hibernated and ctx.lookups == 2
+    assert session.sleep is Sleep.HIBERNATED and ctx.lookups == 2
     assert [c for c in ctx.spawned if c.__name__ == "_noop"]  # its worker told to stop
 
 
@@ -182,7 +182,7 @@ def test_a_session_idle_before_its_pid_is_known_is_still_watched() -> None:
         table,
         lifecycle=_lifecycle(killer=SimpleNamespace(kill_session=lambda *a, **k: _noop())),
     )  # type: ignore[arg-type]
-    table.on_judged(session)
+    health.judge_soon(session)  # as the table calls it (server.connect wires it)
     now, wall = time.monotonic(), time.time()
     session.last_activity = wall
     health.begin(now)
@@ -190,7 +190,7 @@ def test_a_session_idle_before_its_pid_is_known_is_still_watched() -> None:
     session.proc = proc  # the zygote's word arrives
     session.last_heartbeat = now + 40.0  # and it keeps beating
     _ticks(health, now + 1.0, now + 61.0, wall + 1.0)
-    assert session.hibernated
+    assert session.sleep is Sleep.HIBERNATED
 
 
 class FakeWorker:

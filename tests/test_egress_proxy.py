@@ -266,7 +266,7 @@ def test_only_a_child_of_the_supervisor_may_hand_over_a_listener(state: Path) ->
 
 def test_a_worker_in_the_hosts_network_namespace_does_not_listen(state: Path) -> None:
     """Fail closed: a worker that was to be fenced but is not does not run."""
-    from hermes_sup.worker.seal_calls import SealError
+    from hermes_sup.seal.calls import SealError
 
     with pytest.raises(SealError, match="shares the host's network namespace"):
         worker_egress.hand_over({"network": "egress", "egress_socket": str(state / "x")})

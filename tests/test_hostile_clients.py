@@ -17,7 +17,7 @@ import pytest
 
 from hermes_sup.client import Client, SupervisorError, Timeout
 from hermes_sup.protocol import Kind, Message, session_dir_name
-from hermes_sup.supervisor.turns import DEDUP_BYTES, KEEP_ANSWER_LIMIT
+from hermes_sup.supervisor.resends import DEDUP_BYTES, KEEP_ANSWER_LIMIT
 from hermes_sup.supervisor.watchers import MAX_PER_CLIENT, MAX_WATCHERS
 
 pytestmark = pytest.mark.e2e

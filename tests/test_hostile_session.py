@@ -24,11 +24,11 @@ import psutil
 import pytest
 
 from hermes_sup.client import Client
-from hermes_sup.local.syscalls import landlock_abi
+from hermes_sup.local.syscalls import LANDLOCK_SCOPE_ABI, landlock_abi
 from hermes_sup.protocol import session_dir_name
+from hermes_sup.seal.calls import FAULT_ENV
 from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.worker import seal
-from hermes_sup.worker.seal_calls import FAULT_ENV
 
 from .test_sealed import as_nobody_with_the_interpreter_reachable, sh
 from .test_worktrees import make_repo
@@ -439,7 +439,7 @@ ABSTRACT = b"\0hermes-sup-hostile-"
 def test_abstract_sockets_outside_the_session_are_out_of_reach(lab: Lab) -> None:
     """Abstract unix sockets have no path to hide: Landlock's scope (Linux
     6.12+) refuses a session's connect to one made outside it."""
-    if landlock_abi() < seal.LANDLOCK_SCOPE_ABI:
+    if landlock_abi() < LANDLOCK_SCOPE_ABI:
         pytest.skip("this kernel has no Landlock scope (docs/security.md)")
     name = ABSTRACT + str(os.getpid()).encode()
     with socket.socket(socket.AF_UNIX) as host:

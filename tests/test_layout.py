@@ -8,8 +8,10 @@ since imported everything.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,114 @@ def test_the_routing_decisions_import_no_zmq() -> None:
     loaded = modules_loaded_by("hermes_sup.cluster.routing")
     assert "hermes_sup.cluster.routing" in loaded
     assert [m for m in loaded if m == "zmq" or m.startswith("zmq.")] == []
+
+
+def test_the_supervisor_imports_no_worker_module() -> None:
+    # The supervisor and the worker are different processes: what both
+    # need of sealing is seal/, so no line of the worker's is loaded (or
+    # run at import) in the supervisor.
+    modules = modules_of("supervisor")
+    loaded = modules_loaded_by(*modules)
+    assert set(modules) <= set(loaded)
+    assert [m for m in loaded if package(m) == "hermes_sup.worker"] == []
+
+
+def test_sealing_imports_neither_the_supervisor_nor_the_worker() -> None:
+    # Both sides import seal/; it stands on local/ and the standard library.
+    modules = modules_of("seal")
+    loaded = modules_loaded_by(*modules)
+    assert set(modules) <= set(loaded)
+    assert [m for m in loaded if package(m) in SERVER_SIDE] == []
+    assert [m for m in loaded if m == "zmq" or m.startswith("zmq.")] == []
+
+
+FOLDERS = (
+    "protocol",
+    "local",
+    "seal",
+    "client",
+    "door",
+    "supervisor",
+    "worker",
+    "cli",
+    "httpapi",
+    "cluster",
+    "gateway_plugin",
+)
+
+
+def imported_when_run(statements: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements among `statements` that run when they do:
+    inside blocks (try, with, if, a class body), not inside a function nor
+    under `if TYPE_CHECKING`."""
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from imported_when_run(node.orelse)
+        else:
+            for block in ("body", "orelse", "finalbody"):
+                yield from imported_when_run(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                yield from imported_when_run(handler.body)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the tree and the modules of the tree it imports when
+    it is imported (its top-level statements: not inside a function, nor
+    under `if TYPE_CHECKING`), read from the source, not run."""
+    root = Path(__file__).resolve().parent.parent
+    files = {
+        f"hermes_sup.{folder}" + ("" if path.stem == "__init__" else f".{path.stem}"): path
+        for folder in FOLDERS
+        for path in sorted((root / folder).glob("*.py"))
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.stem == "__init__" else name.rpartition(".")[0]
+        named: set[str] = set()
+        for node in imported_when_run(ast.parse(path.read_text()).body):
+            if isinstance(node, ast.Import):
+                named.update(alias.name for alias in node.names)
+            else:
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                named.add(module)
+                named.update(f"{module}.{alias.name}" for alias in node.names)
+        graph[name] = {m for m in named if m in files and m != name}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (its modules in order), or []."""
+    done: set[str] = set()
+
+    def walk(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return []
+        for imported in sorted(graph[module]):
+            found = walk(imported, [*path, module])
+            if found:
+                return found
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        found = walk(module, [])
+        if found:
+            return found
+    return []
+
+
+def test_no_module_imports_itself_back_when_it_is_imported() -> None:
+    # A cycle at import time makes the order of imports matter (a name not
+    # defined yet, half a module) and ties two places into one: a move like
+    # seal/'s must not leave one behind.
+    graph = import_graph()
+    assert "hermes_sup.seal.paths" in graph["hermes_sup.supervisor.pool"]  # it sees imports
+    assert cycle_in(graph) == []
+    assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

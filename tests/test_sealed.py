@@ -16,9 +16,10 @@ import psutil
 import pytest
 
 from hermes_sup.client import Output, SupervisorError
+from hermes_sup.local import syscalls
 from hermes_sup.protocol import WorkerExit, session_dir_name
-from hermes_sup.worker import seal
-from hermes_sup.worker.seal_calls import FAULT_ENV
+from hermes_sup.seal import paths as seal_paths
+from hermes_sup.seal.calls import FAULT_ENV
 
 from . import waiting
 from .test_spares import spare_pids
@@ -50,7 +51,7 @@ def check_isolation(sup, client, keys: list[str], own_uids: bool = True) -> dict
     """Every session writes a marker into its workspace, /tmp and HOME at
     once, then looks for everyone's: it finds only its own, and on the host
     each marker is in its own session's directory. Returns the pids."""
-    paths = seal.SealedPaths.for_data_dir(sup.data_dir)
+    paths = seal_paths.SealedPaths.for_data_dir(sup.data_dir)
     sends = [
         client.send(
             key,
@@ -233,18 +234,22 @@ def as_nobody_with_the_interpreter_reachable() -> None:
         if libc.mount(*args) != 0:
             raise OSError(ctypes.get_errno(), f"mount {tgt}")
 
-    closed = sorted(seal.closed_ancestors(seal.code_paths()), key=lambda p: len(p.parts))
+    closed = sorted(
+        seal_paths.closed_ancestors(seal_paths.code_paths()), key=lambda p: len(p.parts)
+    )
     if closed:
-        if libc.unshare(seal.CLONE_NEWNS) != 0:
+        if libc.unshare(syscalls.CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare")
-        mount(None, "/", None, seal.MS_REC | seal.MS_PRIVATE, None)
+        mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE, None)
         for top in closed:
-            keep = [p for p in seal.code_paths() if top in p.parents]
+            keep = [p for p in seal_paths.code_paths() if top in p.parents]
             fds = [os.open(p, os.O_PATH) for p in keep]
             mount("tmpfs", str(top), "tmpfs", 0, "mode=0711")
             for path, fd in zip(keep, fds, strict=True):
                 os.makedirs(path, mode=0o711, exist_ok=True)
-                mount(f"/proc/self/fd/{fd}", str(path), None, seal.MS_BIND | seal.MS_REC, None)
+                mount(
+                    f"/proc/self/fd/{fd}", str(path), None, syscalls.MS_BIND | syscalls.MS_REC, None
+                )
     os.setgroups([])
     os.setresgid(65534, 65534, 65534)
     os.setresuid(65534, 65534, 65534)
@@ -264,7 +269,7 @@ def test_unprivileged_sealed_sessions(supervisor_factory, workdir) -> None:
         assert len(set(pids.values()) & spares) == 1
         assert {psutil.Process(p).uids().real for p in pids.values()} == {65534}
         other = pids["uiso1x"]
-        scoped = seal.landlock_abi() >= seal.LANDLOCK_SCOPE_ABI
+        scoped = syscalls.landlock_abi() >= syscalls.LANDLOCK_SCOPE_ABI
         for command, refused in (
             ("umount /tmp", True),
             (f"cat /proc/{other}/environ", True),
@@ -277,7 +282,7 @@ def test_unprivileged_sealed_sessions(supervisor_factory, workdir) -> None:
             assert (lines[-1] != "status=0") == refused, (command, lines)
         # The service's code is read-only in a session's view: its uid may
         # be the code's owner, and the next supervisor runs that code.
-        package = Path(seal.__file__).resolve().parent.parent
+        package = Path(seal_paths.__file__).resolve().parent.parent
         text, lines = sh(
             client, "uiso0x", f"awk '$5 == \"{package}\" {{print $6}}' /proc/self/mountinfo"
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hermes_sup.seal.paths import SealedPaths
 from hermes_sup.supervisor import configfile, sealing
 from hermes_sup.supervisor.config import Settings
 from hermes_sup.supervisor.environment import parse_options
@@ -75,7 +76,7 @@ def test_what_a_worker_is_told_to_seal_itself_with(tmp_path: Path) -> None:
 
 
 def test_the_fixed_paths_are_under_the_data_dir(tmp_path: Path) -> None:
-    paths = seal.SealedPaths.for_data_dir(tmp_path)
+    paths = SealedPaths.for_data_dir(tmp_path)
     assert (paths.home, paths.workspace, paths.user) == (
         tmp_path / "sealed" / "home",
         tmp_path / "sealed" / "workspace",

@@ -296,7 +296,7 @@ def _sealed_supervisor(
     """A supervisor running sealed Hermes sessions against the fake model
     (as_user: as uid 65534, sealing with user namespaces); the test is
     skipped where this machine cannot seal (no namespaces)."""
-    from hermes_sup.worker import seal
+    from hermes_sup.seal.paths import SealedPaths
 
     template = workdir / "template"
     template.mkdir()
@@ -342,7 +342,7 @@ def _sealed_supervisor(
         if "sessions cannot be sealed here" in str(exc):
             pytest.skip(f"sealed mode is not available here: {exc}")
         raise
-    sup.paths = seal.SealedPaths.for_data_dir(sup.data_dir)
+    sup.paths = SealedPaths.for_data_dir(sup.data_dir)
     sup.user_home = home
     return sup
 
@@ -539,10 +539,10 @@ def test_sealed_hermes_sessions_see_only_their_own(
         key_hex = (sup.state_dir / "hmac.key").read_text().strip()
         # As root each session has a uid of its own; not root, only Landlock's
         # signal scope (Linux 6.12+) keeps a session from signalling others.
-        from hermes_sup.worker import seal
+        from hermes_sup.local import syscalls
 
         root = os.geteuid() == 0 and not as_user
-        signals_scoped = root or seal.landlock_abi() >= seal.LANDLOCK_SCOPE_ABI
+        signals_scoped = root or syscalls.landlock_abi() >= syscalls.LANDLOCK_SCOPE_ABI
         assert ("sealed mode=root" if root else "sealed mode=user") in sup.log()
 
         for key in keys:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from hermes_sup.seal.calls import FAULT_ENV
 from hermes_sup.supervisor.sealing import SEALED_UID_BASE, SEALED_UID_COUNT
-from hermes_sup.worker.seal_calls import FAULT_ENV
 
 from .test_hostile_session import NOBODY, Lab, python, refused, sealed_lab, tries
 from .test_sealed import sh

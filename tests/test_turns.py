@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 
 from hermes_sup.protocol import ErrorCode, Kind
-from hermes_sup.supervisor import turns as turns_module
 from hermes_sup.supervisor.lifecycle import HANDOVER_TEXT
+from hermes_sup.supervisor.resends import RESEND_SETTLE
 from hermes_sup.supervisor.states import State
 
 from .fakes import ALICE, BOB, Rig, exited_with, killed_by
@@ -246,7 +246,7 @@ def test_a_turn_resent_while_it_waits_is_queued_and_run_only_once(rig) -> None:
 def settle_resend() -> float:
     """How long a resend from another connection may wait before it is
     answered (it looks for the first connection first)."""
-    return getattr(turns_module, "RESEND_SETTLE", 0.0) + 0.05
+    return RESEND_SETTLE + 0.05
 
 
 # ---------------------------------------------------------- queued_total

@@ -1,7 +1,7 @@
 """A sealed worker's way out: the listener its egress proxy is served on.
 
 A sealed worker has a network namespace of its own with only `lo` (made by
-worker/seal.py's `enter`). Right after that, while the state directory is
+hermes_sup.seal.steps's `enter`). Right after that, while the state directory is
 still in its view and before anything of a session runs, the worker makes
 a TCP listening socket on SESSION_PROXY_HOST:PORT in that namespace and
 hands the listening descriptor to the supervisor over <state>/EGRESS_SOCKET
@@ -22,8 +22,7 @@ import socket
 from typing import Any
 
 from hermes_sup.local.addresses import SESSION_PROXY_HOST, SESSION_PROXY_PORT
-
-from .seal_calls import SealError
+from hermes_sup.seal.calls import SealError
 
 # The network modes whose workers hand a listener over.
 LISTENING = ("egress", "none")

@@ -91,7 +91,7 @@ UNSHARED_FILES = (".env", "config.yaml", ".op.env")
 
 
 class SealedPathsLike(Protocol):
-    """The fixed paths (worker/seal.py's SealedPaths)."""
+    """The fixed paths (hermes_sup.seal.paths.SealedPaths)."""
 
     @property
     def home(self) -> Path: ...

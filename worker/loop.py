@@ -39,8 +39,9 @@ from hermes_sup.protocol import (
     encode,
     error_message,
 )
+from hermes_sup.seal import steps
 
-from . import parent, seal
+from . import parent
 from . import runtime as runtime_mod
 from .coalesce import MAX_MERGED_BYTES, Coalescer, delta_type
 from .identity import apply_chat_identity, fixed_identity
@@ -173,7 +174,7 @@ class Link:
         """A spare worker's life before its session: say it is ready, then
         wait for the supervisor to assign it one (the spawn request it would
         have been forked with). None: told to stop, or the supervisor is gone."""
-        self.send(Message(Kind.SPARE, {"pid": seal.outside_pid()}))
+        self.send(Message(Kind.SPARE, {"pid": steps.outside_pid()}))
         # The supervisor's death wakes this wait through the wake pipe: a
         # spare of a supervisor killed with its zygote must not sleep on.
         poller = zmq.Poller()
@@ -270,7 +271,7 @@ class WorkerLoop:
 
     def run(self) -> int:
         """Serve turns until asked to stop or the supervisor goes away."""
-        self._send(Message(Kind.HELLO, {"pid": seal.outside_pid()}, session=self.key))
+        self._send(Message(Kind.HELLO, {"pid": steps.outside_pid()}, session=self.key))
         if self.first_turn is not None:
             # Hello first, then the turn: the supervisor counts the turn as
             # started when it reads the hello.

@@ -12,7 +12,7 @@ process group, death with the supervisor, the zmq connection, a warm-up,
 the turn thread), then waits for the supervisor to assign it a session, and
 from there goes on exactly as above.
 
-A sealed worker (worker/seal.py), born into a PID namespace of its own,
+A sealed worker (hermes_sup.seal.steps, worker/seal.py), born into a PID namespace of its own,
 enters its own mount namespace first, while it has one thread (a spare: at
 its start), then mounts its session's directories over the fixed paths the
 zygote imported under, drops to the session's own uid (as root) and every
@@ -49,11 +49,13 @@ from hermes_sup.protocol import (
     decode,
     encode,
 )
+from hermes_sup.seal import steps
+from hermes_sup.seal.calls import SealError
+from hermes_sup.seal.paths import SealedPaths
 
 from . import egress, parent, seal
 from . import runtime as runtime_mod
 from .loop import Link, TurnThread, WorkerLoop
-from .seal_calls import SealError
 
 # The signal the kernel sends us when the supervisor dies. It only wakes the
 # main loop, which checks the supervisor (worker/parent.py) and cleans up;
@@ -97,7 +99,7 @@ def _boot(req: dict[str, Any]) -> int:
             # come next); the session's mounts and uid once assigned.
             try:
                 plan = req["seal"]
-                entered = seal.enter(
+                entered = steps.enter(
                     plan["mode"], plan.get("fault"), plan.get("network", "egress")
                 )["mode"]
                 # Its network namespace is made: the proxy's listener goes
@@ -145,7 +147,7 @@ def _own_process(supervisor_pid: int) -> int | None:
     # parent-death signal (else it fires now). Born into a PID namespace,
     # we were cloned (getppid says 0 there: the parent is outside).
     deadline = time.monotonic() + 5.0
-    while not seal.BORN_INTO and os.getppid() != supervisor_pid:
+    while not steps.BORN_INTO and os.getppid() != supervisor_pid:
         if time.monotonic() > deadline or not _exists(supervisor_pid):
             return WorkerExit.SUPERVISOR_GONE  # died before it could adopt us
         time.sleep(0.0002)
@@ -162,7 +164,7 @@ def _end_on_sigterm() -> None:
     has a handler for, so there it is a handler: exit 128 + SIGTERM, as a
     shell reports a process ended by it (its namespace's processes die with
     it)."""
-    if seal.BORN_INTO & CLONE_NEWPID:
+    if steps.BORN_INTO & CLONE_NEWPID:
         signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -196,7 +198,7 @@ def _serve_session(
         _fresh_tmp(Path(req["tmp"]))
     env: dict[str, str] = req["env"]
     plan = req.get("seal")
-    paths: seal.SealedPaths | None = None
+    paths: SealedPaths | None = None
     sealed_in = time.perf_counter()
     if plan:
         try:
@@ -244,7 +246,7 @@ def _serve_session(
     log.info(
         START_LINE,
         req["key"],
-        seal.outside_pid(),
+        steps.outside_pid(),
         req["runtime"],
         f"{plan['mode']} uid={os.getuid()} in={(time.perf_counter() - sealed_in) * 1000:.1f}ms"
         if plan
@@ -305,16 +307,16 @@ def _keep_session_env(env: dict[str, str]) -> None:
 
 def _seal(
     req: dict[str, Any], plan: dict[str, Any], entered: str | None, keep_socket: bool
-) -> tuple[seal.SealedPaths, int | None]:
-    """Seal this worker for its session (worker/seal.py): the namespace
-    (unless a spare entered it already), the session's mounts, its own uid
-    and no capabilities. With `keep_socket`, also an O_PATH descriptor of
+) -> tuple[SealedPaths, int | None]:
+    """Seal this worker for its session (hermes_sup.seal.steps, and the
+    mounts of worker/seal.py): the namespace (unless a spare entered it
+    already), the session's mounts, its own uid and no capabilities. With `keep_socket`, also an O_PATH descriptor of
     the worker socket to connect through (the caller closes it). Raises
     SealError."""
     mode, fault = plan["mode"], plan.get("fault")
     if entered is None:
         # (It fails by itself if we already have threads.)
-        seal.enter(mode, fault, plan.get("network", "egress"))
+        steps.enter(mode, fault, plan.get("network", "egress"))
         egress.hand_over(plan)  # a spare did at its start
     elif entered != mode:
         raise SealError("unshare", f"this spare was sealed as {entered}, not {mode}")
@@ -338,10 +340,10 @@ def _seal(
         assert uid is not None and gid is not None
         # Before the mounts: no walking into them.
         seal.chown_session(dirs, uid, gid, plan.get("repos", ()), tmp=not plan.get("tmp_bytes"))
-    paths = seal.SealedPaths.for_data_dir(plan["data_dir"])
+    paths = SealedPaths.for_data_dir(plan["data_dir"])
     socket_fd = seal.mount_session(plan, dirs, paths, keep_socket)["socket_fd"]
     try:
-        seal.drop(mode, uid, gid, fault, plan.get("groups", ()))
+        steps.drop(mode, uid, gid, fault, plan.get("groups", ()))
     except BaseException:
         if socket_fd is not None:
             os.close(socket_fd)

@@ -43,7 +43,8 @@ from typing import Any
 
 import psutil
 
-from . import seal
+from hermes_sup.seal import steps
+
 from .media import media_event
 from .runtime import Emit, SessionInfo, TurnReply
 
@@ -194,7 +195,7 @@ class ProbeRuntime:
     def _do_pid(self, rest: str, emit: Emit) -> TurnReply:
         # As the supervisor (and `list`) see it: a sealed worker is pid 1 of
         # its own namespace.
-        return TurnReply(str(seal.outside_pid()))
+        return TurnReply(str(steps.outside_pid()))
 
     def _do_sleep(self, rest: str, emit: Emit) -> TurnReply:
         try:

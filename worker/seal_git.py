@@ -11,8 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hermes_sup.local.syscalls import MS_BIND, MS_REC
-
-from .seal_calls import _mount, _open_path, _read_small, _remount_readonly, _under
+from hermes_sup.seal.calls import _mount, _open_path, _read_small, _remount_readonly, _under
 
 # What of a repository's common git directory a session may not change:
 # what git runs (config, hooks), what decides it (info/attributes), the main

@@ -9,7 +9,7 @@ Each worker is forked with clone(CLONE_PARENT), so its parent is the
 supervisor, which reaps it and learns its exit status directly (where that
 is not available, a double fork: the worker re-parents to the supervisor, a
 child subreaper). Sealed, the same clone puts the worker in a PID namespace
-of its own (worker/seal.py), and it learns of the supervisor's death from a
+of its own (hermes_sup.seal.steps), and it learns of the supervisor's death from a
 pidfd the zygote opened (worker/parent.py). The zygote never holds a zmq
 context and never starts a thread: both would be inherited broken by every
 fork.
@@ -141,7 +141,7 @@ def enter_cgroup(procs_files: Any) -> None:
 
 
 # The namespaces each worker is forked into (sealed: its own PID namespace,
-# see worker/seal.py), and our uid and gid, which a worker born into a user
+# see hermes_sup.seal.steps), and our uid and gid, which a worker born into a user
 # namespace maps to themselves.
 _NAMESPACES = 0
 _IDS = (os.getuid(), os.getgid())
@@ -159,9 +159,9 @@ def _fork_worker(sock: socket.socket, request: memoryview) -> tuple[int, int]:
         if pid == 0:
             try:
                 if _NAMESPACES:
-                    from hermes_sup.worker import seal
+                    from hermes_sup.seal import steps
 
-                    seal.born(_NAMESPACES, _IDS)
+                    steps.born(_NAMESPACES, _IDS)
                 os.close(out_r)
                 sock.close()
                 _boot(request, out_w)  # never returns
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--supervisor-pid", type=int, required=True)
     parser.add_argument("--cwd", required=True)
     parser.add_argument("--preload", action="append", default=[])
-    # Sealed mode (worker/seal.py): "root" or "user"; the fixed paths P, W, U
+    # Sealed mode (hermes_sup.seal): "root" or "user"; the fixed paths P, W, U
     # under --data-dir; --hermes: preload hermes under them.
     parser.add_argument("--sealed", choices=["root", "user"], default=None)
     parser.add_argument("--data-dir", default=None)
@@ -335,16 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = None
     if args.sealed:
-        from hermes_sup.worker import seal
+        from hermes_sup.seal import steps
+        from hermes_sup.seal.paths import SealedPaths
 
-        paths = seal.SealedPaths.for_data_dir(args.data_dir)
+        paths = SealedPaths.for_data_dir(args.data_dir)
         paths.make()  # empty: each worker mounts its session's over them
-        seal.prepare()
+        steps.prepare()
         # A PID namespace per worker needs the clone (the double fork's
         # worker could not be told from its adopter) and a pidfd to follow
         # the supervisor by (getppid is 0 inside).
         if can_fork_to_parent() and parent.watch(args.supervisor_pid):
-            _NAMESPACES = seal.namespaces_for(args.sealed)
+            _NAMESPACES = steps.namespaces_for(args.sealed)
     os.chdir(args.cwd)
     try:
         import setproctitle

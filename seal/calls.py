@@ -1,7 +1,8 @@
 """The system calls a sealed worker makes, each failing as a SealError that
-names the step it was part of (worker/seal.py's plan: `unshare`, `map`,
-`private`, `proc`, `harden`, `filter`, `tmp`, `hide`, `session`, `bind`,
-`git`, `drop`), and the fault a test may inject at a step (FAULT_ENV).
+names the step it was part of (steps.py's `unshare`, `map`, `private`,
+`proc`, `harden`, `filter`, `drop`; worker/seal.py's `tmp`, `hide`,
+`session`, `bind`, `git`), and the fault a test may inject at a step
+(FAULT_ENV).
 """
 
 from __future__ import annotations
