@@ -242,7 +242,8 @@ def events(ctx: click.Context, session: str | None, as_json: bool, replay: int, 
       hermes-sup events
       hermes-sup events alice --json
     """
-    from .send import event_json, short
+    from .send import event_json
+    from .tool_lines import one_line as short
 
     screen = Screen(raw)
     with connect(ctx) as client:

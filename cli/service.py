@@ -387,6 +387,46 @@ def make_http_key(root: Path, name: str, user: str) -> str:
     return f"made the HTTP key {name} in {data_dir} ({owner}); the key is in {secret} (0600)"
 
 
+def warn_unreachable(
+    paths: list[Path], agent_config: Path | None, user: str, protect_home: str
+) -> None:
+    """Say which of the install's files the service could not reach."""
+    for problem in unreachable(paths, user, protect_home):
+        click.echo(
+            f"warning: the service cannot reach {problem}; install hermes-sup where user "
+            f"{user} can read it, e.g. python3 -m venv /opt/hermes-sup/.venv",
+            err=True,
+        )
+    for problem in unreachable(
+        [agent_config.absolute()] if agent_config else [], user, protect_home
+    ):
+        click.echo(
+            f"warning: the service cannot read {problem}; put the agent config where user "
+            f"{user} can read it, e.g. /etc/hermes-sup/agent.toml (mode 644: it names the "
+            "model key's variable, never the key)",
+            err=True,
+        )
+
+
+def write_config(path: Path, settings: list[str]) -> str:
+    """Write the settings file: every key commented out, then the settings
+    install-service was given. What was done, as a line for the operator."""
+    given = "".join(f"{line}\n" for line in settings)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            CONFIG_TEMPLATE + (f"\n# Given to install-service:\n{given}" if given else "")
+        )
+        path.chmod(0o644)
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot write {path}: {exc}; the service needs it (may be empty)"
+        ) from None
+    return (
+        f"wrote {path} ({'with the settings given' if settings else 'every setting commented out'})"
+    )
+
+
 # ------------------------------------------------------------------ the command
 
 
@@ -507,20 +547,7 @@ def install_service(
         env_file=env_file.absolute() if env_file is not None else None,
         delegate_subgroup=version is None or version >= DELEGATE_SUBGROUP_SINCE,
     )
-    for problem in unreachable(paths, user, protect_home):
-        click.echo(
-            f"warning: the service cannot reach {problem}; install hermes-sup where user "
-            f"{user} can read it, e.g. python3 -m venv /opt/hermes-sup/.venv",
-            err=True,
-        )
-    if agent_config is not None:
-        for problem in unreachable([agent_config.absolute()], user, protect_home):
-            click.echo(
-                f"warning: the service cannot read {problem}; put the agent config where user "
-                f"{user} can read it, e.g. /etc/hermes-sup/agent.toml (mode 644: it names the "
-                "model key's variable, never the key)",
-                err=True,
-            )
+    warn_unreachable(paths, agent_config, user, protect_home)
     if str(output) == "-":
         click.echo(text, nl=False)
         if settings:
@@ -546,19 +573,7 @@ def install_service(
         raise click.ClickException(f"cannot write {output}: {exc}") from None
     wrote = [f"wrote {output}"]
     if (installing or settings) and not config_file.exists():
-        try:
-            config_file.parent.mkdir(parents=True, exist_ok=True)
-            given = "".join(f"{line}\n" for line in settings)
-            config_file.write_text(
-                CONFIG_TEMPLATE + (f"\n# Given to install-service:\n{given}" if given else "")
-            )
-            config_file.chmod(0o644)
-            what = "with the settings given" if settings else "every setting commented out"
-            wrote.append(f"wrote {config_file} ({what})")
-        except OSError as exc:
-            raise click.ClickException(
-                f"cannot write {config_file}: {exc}; the service needs it (may be empty)"
-            ) from None
+        wrote.append(write_config(config_file, settings))
     if http_key is not None:
         wrote.append(make_http_key(root, http_key, user))
     click.echo(

@@ -25,7 +25,9 @@ from .show import size
 from .top_table import SORTS, Table
 
 if TYPE_CHECKING:
+    from prompt_toolkit.filters import Filter
     from prompt_toolkit.formatted_text import StyleAndTextTuples
+    from prompt_toolkit.key_binding import KeyBindings
 
     from hermes_sup.client.blocking import Client
 
@@ -112,6 +114,92 @@ class Top:
         return [("", self.message + ("  |  " if self.message else "") + HELP)]
 
 
+def _selecting(keys: KeyBindings, top: Top, when: Filter) -> None:
+    """Arrows, pages, Home and End move the selection; P M T A N sort."""
+    moves = {"up": -1, "down": 1, "pageup": -10, "pagedown": 10, "home": -(10**9), "end": 10**9}
+    for name, by in moves.items():
+
+        @keys.add(name, filter=when)
+        def _move(event: Any, by: int = by) -> None:
+            top.table.move(by)
+
+    for letter in SORTS:
+
+        @keys.add(letter, filter=when)
+        def _sort(event: Any, letter: str = letter) -> None:
+            top.table.sort_by(letter)
+            top.take(top.all_rows)
+
+
+def _filtering(keys: KeyBindings, top: Top, when: Filter, typing: Filter) -> None:
+    """`/` starts a filter, typed live; Enter keeps it, Esc clears it."""
+
+    @keys.add("/", filter=when)
+    def _start(event: Any) -> None:
+        top.mode, top.typed = "filter", top.table.filter
+
+    @keys.add("<any>", filter=typing)
+    def _type(event: Any) -> None:
+        if event.data.isprintable():
+            top.typed += event.data
+            top.table.filter_by(top.typed, top.all_rows)
+
+    @keys.add("backspace", filter=typing)
+    def _erase(event: Any) -> None:
+        top.typed = top.typed[:-1]
+        top.table.filter_by(top.typed, top.all_rows)
+
+    @keys.add("enter", filter=typing)
+    def _keep(event: Any) -> None:
+        top.mode = "normal"
+        top.take(top.all_rows)
+
+    @keys.add("escape", filter=typing, eager=True)
+    def _clear(event: Any) -> None:
+        top.mode, top.typed = "normal", ""
+        top.table.filter_by("", top.all_rows)
+        top.take(top.all_rows)
+
+
+def _acting(keys: KeyBindings, top: Top, when: Filter, asking: Filter) -> None:
+    """k and r ask, then kill or restart the selected session; a and Enter
+    leave the view to attach to it; q and Ctrl-C quit."""
+
+    @keys.add("q", filter=when)
+    @keys.add("c-c")
+    def _quit(event: Any) -> None:
+        event.app.exit(result=None)
+
+    @keys.add("k", filter=when)
+    @keys.add("r", filter=when)
+    def _ask(event: Any) -> None:
+        if top.table.selected is not None:
+            top.mode = "kill" if event.data == "k" else "restart"
+
+    @keys.add("y", filter=asking)
+    def _yes(event: Any) -> None:
+        action, key, app = top.mode, top.table.selected, event.app
+        top.mode, top.message = "normal", f"{action} {key}..."
+
+        async def do() -> None:
+            if key is not None:
+                loop = asyncio.get_running_loop()
+                top.message = await loop.run_in_executor(None, top.act, action, key)
+                app.invalidate()
+
+        app.create_background_task(do())
+
+    @keys.add("<any>", filter=asking)
+    def _no(event: Any) -> None:
+        top.mode, top.message = "normal", "left as it was"
+
+    @keys.add("a", filter=when)
+    @keys.add("enter", filter=when)
+    def _attach(event: Any) -> None:
+        if top.table.selected is not None:
+            event.app.exit(result=top.table.selected)
+
+
 def run_view(top: Top) -> str | None:
     """Show the view until q (None) or an attach is asked for (its key)."""
     from prompt_toolkit.application import Application
@@ -123,118 +211,17 @@ def run_view(top: Top) -> str | None:
 
     keys = KeyBindings()
     normal = Condition(lambda: top.mode == "normal")
-    filtering = Condition(lambda: top.mode == "filter")
-    asking = Condition(lambda: top.mode in ("kill", "restart"))
-    app: Application[str | None]
-
-    @keys.add("q", filter=normal)
-    @keys.add("c-c")
-    def _quit(event: Any) -> None:
-        event.app.exit(result=None)
-
-    @keys.add("up", filter=normal)
-    def _up(event: Any) -> None:
-        top.table.move(-1)
-
-    @keys.add("down", filter=normal)
-    def _down(event: Any) -> None:
-        top.table.move(1)
-
-    @keys.add("home", filter=normal)
-    def _first(event: Any) -> None:
-        top.table.move(-len(top.table.rows))
-
-    @keys.add("end", filter=normal)
-    def _last(event: Any) -> None:
-        top.table.move(len(top.table.rows))
-
-    @keys.add("pageup", filter=normal)
-    def _page_up(event: Any) -> None:
-        top.table.move(-10)
-
-    @keys.add("pagedown", filter=normal)
-    def _page_down(event: Any) -> None:
-        top.table.move(10)
-
-    for letter in SORTS:
-
-        @keys.add(letter, filter=normal)
-        def _sort(event: Any, letter: str = letter) -> None:
-            top.table.sort_by(letter)
-            top.take(top.all_rows)
-
-    @keys.add("/", filter=normal)
-    def _filter(event: Any) -> None:
-        top.mode, top.typed = "filter", top.table.filter
-
-    @keys.add("<any>", filter=filtering)
-    def _type(event: Any) -> None:
-        if event.data.isprintable():
-            top.typed += event.data
-            top.table.filter_by(top.typed, top.all_rows)
-
-    @keys.add("backspace", filter=filtering)
-    def _erase(event: Any) -> None:
-        top.typed = top.typed[:-1]
-        top.table.filter_by(top.typed, top.all_rows)
-
-    @keys.add("enter", filter=filtering)
-    def _keep(event: Any) -> None:
-        top.mode = "normal"
-        top.take(top.all_rows)
-
-    @keys.add("escape", filter=filtering, eager=True)
-    def _clear(event: Any) -> None:
-        top.mode, top.typed = "normal", ""
-        top.table.filter_by("", top.all_rows)
-        top.take(top.all_rows)
-
-    @keys.add("k", filter=normal)
-    def _kill(event: Any) -> None:
-        if top.table.selected is not None:
-            top.mode = "kill"
-
-    @keys.add("r", filter=normal)
-    def _restart(event: Any) -> None:
-        if top.table.selected is not None:
-            top.mode = "restart"
-
-    @keys.add("y", filter=asking)
-    def _yes(event: Any) -> None:
-        action, key = top.mode, top.table.selected
-        top.mode, top.message = "normal", f"{action} {key}..."
-
-        async def do() -> None:
-            loop = asyncio.get_running_loop()
-            top.message = await loop.run_in_executor(None, top.act, action, key)
-            app.invalidate()
-
-        app.create_background_task(do())
-
-    @keys.add("<any>", filter=asking)
-    def _no(event: Any) -> None:
-        top.mode, top.message = "normal", "left as it was"
-
-    @keys.add("a", filter=normal)
-    @keys.add("enter", filter=normal)
-    def _attach(event: Any) -> None:
-        if top.table.selected is not None:
-            event.app.exit(result=top.table.selected)
-
-    def width() -> int:
-        return app.output.get_size().columns
-
+    _selecting(keys, top, normal)
+    _filtering(keys, top, normal, Condition(lambda: top.mode == "filter"))
+    _acting(keys, top, normal, Condition(lambda: top.mode in ("kill", "restart")))
     body = FormattedTextControl(
-        lambda: top.screen(width()),
+        lambda: top.screen(app.output.get_size().columns),
         get_cursor_position=lambda: Point(0, top.cursor_row()),
         show_cursor=False,
     )
-    app = Application(
-        layout=Layout(
-            HSplit(
-                [Window(body, wrap_lines=False), Window(FormattedTextControl(top.bottom), height=1)]
-            )
-        ),
+    status = Window(FormattedTextControl(top.bottom), height=1)
+    app: Application[str | None] = Application(
+        layout=Layout(HSplit([Window(body, wrap_lines=False), status])),
         key_bindings=keys,
         full_screen=True,
         mouse_support=False,

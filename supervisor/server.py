@@ -69,6 +69,7 @@ from .process import become_subreaper
 from .proxy import EgressProxy, PolicySource
 from .records import WorkerRecords
 from .spare_dirs import SpareDirs
+from .starting import StartReport
 from .states import LIVE_STATES, State
 from .table import SessionTable
 from .turns import Turns
@@ -113,10 +114,7 @@ class Supervisor:
         own.pop("NOTIFY_SOCKET", None)
         self.ctx = Context(settings, own)
         self._next_watchdog = 0.0
-        # Serving (the control socket is up): a zygote restarted from now on
-        # is no start of ours to report in the state directory.
-        self._serving = False
-        self._start_began = time.monotonic()  # the start in run() sets it anew
+        self.start_report = StartReport(settings.state_dir, self.notifier)
         self._lock = privatedir.InstanceLock(settings.state_dir)
         self._events: asyncio.Queue[tuple[str, Any]] | None = None
         self._next_full_gc = time.monotonic() + FULL_GC_INTERVAL
@@ -180,10 +178,10 @@ class Supervisor:
         privatedir.ensure_private_dir(s.state_dir)
         privatedir.ensure_private_dir(s.data_dir)
         self._lock.acquire()
-        self._start_began = time.monotonic()
+        report = self.start_report
         pool: WorkerPool | None = None
         try:
-            self._stage("reading the data directory")
+            report.stage("reading the data directory")
             self._compose(privatedir.load_or_create_key(s.state_dir))
             pool = self.pool
             self.table.store.spare_dirs.reset()
@@ -191,7 +189,7 @@ class Supervisor:
                 log.warning(kv("leftover_worker", detail=line))
             self._size_for_fd_limit()
             # Forks a probe child: before any thread or zmq context exists.
-            self._stage("finding how sessions can be sealed on this host")
+            report.stage("finding how sessions can be sealed on this host")
             pool.sealing = sealing.detect(s, self.ctx.environ)
             if pool.sealing.mode is None:
                 self._check_unsealed_preload()
@@ -209,10 +207,10 @@ class Supervisor:
             self._warn_model_exposure()
             become_subreaper()
             self.ctx.base_env = allowlisted(self.ctx.environ, s.pass_env)
-            pool.on_preload_progress = self._starting
-            self._stage("starting the zygote")
+            pool.on_preload_progress = report.preload
+            report.stage("starting the zygote")
             pool.start_zygote()
-            self._stage("opening the control socket")
+            report.stage("opening the control socket")
             return asyncio.run(self._main())
         finally:
             if pool is not None and pool.zygote is not None:
@@ -224,7 +222,7 @@ class Supervisor:
                     (s.state_dir / name).unlink()
                 except FileNotFoundError:
                     pass
-            statedir.clear_starting(s.state_dir)
+            report.done()
             self._lock.release()
 
     # ------------------------------------------------------------ model gate
@@ -255,30 +253,6 @@ class Supervisor:
         if metrics is not None:
             tokens = (usage.input_tokens, usage.output_tokens)
             metrics.count_model_call(key, outcome, tokens, sent, received)
-
-    def _starting(self, report: dict[str, Any]) -> None:
-        """The sealed Hermes preload's progress: for systemd always, and for
-        every client while the start is under way (`_stage`)."""
-        done, of = report.get("done"), report.get("of")
-        if done == of:  # the zygote still builds Hermes's runtime after the imports
-            said = f"preloaded Hermes's {of} modules, readying the zygote"
-        else:
-            said = f"preloading Hermes: {done} of {of} modules"
-        self.notifier.status(said)
-        if not self._serving:
-            self._stage(said, **{k: v for k, v in report.items() if k != "seconds"})
-
-    def _stage(self, said: str, **more: Any) -> None:
-        """Say what the start is doing, before the control socket is up:
-        every client reads it (statedir.STARTING_FILE: `status` and the
-        others say "starting", `send` waits), with the seconds since the
-        start began."""
-        seconds = round(time.monotonic() - self._start_began, 1)
-        report = {**more, "pid": os.getpid(), "stage": said, "seconds": seconds}
-        try:
-            statedir.write_starting(self.settings.state_dir, report)
-        except OSError as exc:
-            log.warning(kv("starting_file_failed", error=str(exc)))
 
     def _check_unsealed_preload(self) -> None:
         """hermes-agent's own modules may be preloaded only into a sealed
@@ -318,12 +292,11 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
         self.endpoints.open(loop, self.front.on_frames, self.back.on_frames)
-        statedir.clear_starting(self.settings.state_dir)  # clients connect from here on
+        self.start_report.done()  # clients connect from here on
         self.egress: EgressProxy | None = None
         if self.pool.sealing.mode is not None and self.pool.sealing.network != "host":
             self.egress = self._egress_proxy()
             self.egress.open(loop)
-        self._serving = True
         if self.pool.sealing.mode == "root":
             sealing.open_worker_socket(self.settings.state_dir / statedir.WORKER_SOCKET)
         zygote = self.pool.zygote
