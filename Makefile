@@ -83,17 +83,34 @@ lint: install
 typecheck: install
 	MYPYPATH=$$(echo build/__editable__.hermes_sup-*) $(BIN)/mypy -p hermes_sup
 
-# A man page for every command, from the commands' own help (click-man):
+# A man page for every command, from the commands' own help (click-man),
+# as the wheel's build writes them into share/man/man1 (setup.py):
 # man -l man/hermes-sup-send.1
-man: install
+man: $(VENV)/.installed-docs
 	$(BIN)/python -m hermes_sup.cli.manpages man
 
 # The documentation site, into site/ (mkdocs.yml; warnings are errors, so
-# no --quiet: it hides them from --strict). Its
-# configuration and command references are made while it builds, from the
-# settings' declarations and the command tree (docs/hooks/reference.py).
-docs: install
+# no --quiet: it hides them from --strict): open site/index.html from disk,
+# or `$(BIN)/mkdocs serve` to read it with search at http://127.0.0.1:8000.
+# Its configuration and command references are made while it builds, from
+# the settings' declarations and the command tree (docs/hooks/reference.py),
+# which import the package: so the venv holds the package and the docs
+# extra, not the test extras.
+docs: $(VENV)/.installed-docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The docs extra is part of `make install`: after one that is up to date,
+# nothing is installed again.
+$(VENV)/.installed-docs: $(INSTALL_INPUTS) | $(BIN)/python
+	@if [ -f $(VENV)/.installed-dev ] && [ -z "$$(find $(INSTALL_INPUTS) -maxdepth 0 -newer $(VENV)/.installed-dev)" ]; then \
+		echo "the docs extra is in $(VENV) already (make install)"; \
+	else \
+		echo "installing hermes-sup with the docs extra (mkdocs, its theme, click-man) into $(VENV)..."; \
+		start=$$(date +%s); \
+		$(BIN)/python -m pip install -q -e '.[docs]' $(EDITABLE) && \
+		echo "  installed in $$(( $$(date +%s) - start ))s"; \
+	fi
+	@touch $@
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis site man

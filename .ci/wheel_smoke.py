@@ -5,8 +5,9 @@ a fresh virtual environment outside the checkout, and used there.
 
 What the editable install in the checkout cannot show: that the wheel holds
 every file the code reads at run time (the sealed preload's module list),
-that the installed package runs with none of the checkout on its path, and
-that the base install (no extras) serves, sends and makes keys. Each step
+that the installed package runs with none of the checkout on its path, that
+its man pages (written while the wheel was built) are where `man` finds
+them, and that the base install (no extras) serves, sends and makes keys. Each step
 says what it does and how long it took; any failure exits non-zero with
 the output that shows why. `make wheel-smoke` runs it (and `make test`).
 """
@@ -68,6 +69,32 @@ def tracked_copy(dest: Path) -> None:
             shutil.copy2(source, target)
 
 
+def check_man_pages(venv: Path, env: dict[str, str]) -> None:
+    """A page for every command under the venv's share/man/man1; where this
+    host has man, `man hermes-sup` finds it with the venv active (man looks
+    beside each PATH entry) and `man -l` shows the command's own help."""
+    man1 = venv / "share" / "man" / "man1"
+    pages = sorted(page.name for page in man1.glob("hermes-sup*.1"))
+    for name in ("hermes-sup.1", "hermes-sup-serve.1", "hermes-sup-send.1"):
+        if name not in pages:
+            raise SmokeFailed(f"no {name} in {man1}: {pages}")
+    if shutil.which("man") is None:
+        print("wheel-smoke:   no man on this host: the pages' content is not read", flush=True)
+        return
+    active = {k: v for k, v in env.items() if k != "MANPATH"}
+    active["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    found = run(["man", "-w", "hermes-sup"], cwd=venv, env=active).strip()
+    if found != str(man1 / "hermes-sup.1"):
+        raise SmokeFailed(f"man -w hermes-sup found {found!r}, not the venv's page")
+    shown = run(
+        ["man", "-l", str(man1 / "hermes-sup-send.1")],
+        cwd=venv, env={**env, "LC_ALL": "C", "MANWIDTH": "100"},
+    )  # fmt: skip
+    if "hermes-sup send [OPTIONS] SESSION TEXT" not in shown or "--turn-id" not in shown:
+        raise SmokeFailed(f"man -l hermes-sup-send.1 showed:\n{shown}")
+    print(f"wheel-smoke:   {len(pages)} pages in {man1}", flush=True)
+
+
 def smoke(work: Path) -> None:
     """Build, install and use the wheel under `work` (outside the checkout)."""
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -112,6 +139,10 @@ def smoke(work: Path) -> None:
     key = run([cli, "keys", "http", "generate", "web", "--data-dir", str(data)], cwd=work, env=env)
     if not key.startswith("hsk-"):  # no starlette here: a key needs none
         raise SmokeFailed(f"keys http generate printed {key!r}")
+    done(started)
+
+    started = step("reading the man pages the wheel installed")
+    check_man_pages(venv, env)
     done(started)
 
     started = step("serving, and sending turns to the probe runtime")

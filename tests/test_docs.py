@@ -44,6 +44,33 @@ def test_the_readme_is_a_short_front_page() -> None:
     assert "serve --agent hermes" in head and "agent.toml" in head
 
 
+def test_the_home_page_gets_a_hermes_operator_running() -> None:
+    home = (ROOT / "docs" / "index.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    # The README's two commands, then Hermes served, then over HTTP.
+    for words in ("make run ", "make test ", "--agent-config agent.toml", "hermes-sup send "):
+        assert words in home, words
+    assert readme.split("```sh\n", 1)[1].split("```")[0] in home
+    serve = home.index("serve --agent hermes --agent-config agent.toml --http 127.0.0.1:8642")
+    assert home.index("keys http generate") < serve < home.index("/v1/chat/completions")
+
+
+def test_extras_keep_the_strict_editable_install() -> None:
+    # A plain `pip install -e` swaps the link tree `make` installs for a
+    # lenient one; every such line in the front pages keeps strict mode.
+    for page in ("README.md", "docs/index.md", "docs/install.md", "docs/getting-started.md"):
+        for line in (ROOT / page).read_text().splitlines():
+            if "pip install -e" in line:
+                assert "--config-settings editable_mode=strict" in line, f"{page}: {line}"
+
+
+def test_the_front_pages_read_as_reference_not_history() -> None:
+    history = re.compile(r"\b(no longer|used to|anymore|is now|was fixed)\b", re.IGNORECASE)
+    for page in ("README.md", "docs/index.md", "docs/install.md", "docs/getting-started.md"):
+        found = history.findall((ROOT / page).read_text())
+        assert not found, f"{page}: {found}"
+
+
 def test_the_readmes_links_into_the_docs_land() -> None:
     readme = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
