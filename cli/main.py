@@ -10,8 +10,7 @@ terminal, show.py and terminal.py shape what is printed, options.py holds
 the options every client command takes, complete.py shell completion,
 logfiles.py logs read from disk.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running, 130 a turn
-cancelled with Ctrl-C.
+Exit codes: common.Exit (docs/cli.md shows the table).
 """
 
 from __future__ import annotations
@@ -131,7 +130,8 @@ def cli(
 
     \b
     Exit codes: 0 ok, 1 error, 2 usage, 3 supervisor not running,
-    130 a turn cancelled with Ctrl-C.
+    4 turn unknown, 5 turn queued or running, 6 supervisor starting,
+    130 a turn cancelled with Ctrl-C; send: the turn's own where it has one.
     Completion: eval "$(hermes-sup completion bash)"
     """
     init_obj(ctx, state_dir, timeout, connection)

@@ -123,3 +123,11 @@ def test_every_client_says_starting_and_send_waits_for_the_start(supervisor_fact
         if sender is not None and sender.poll() is None:
             sender.kill()
             sender.wait()
+
+
+def test_the_top_level_help_names_every_exit_code() -> None:
+    from .clirunner import hermes_sup
+
+    said = hermes_sup("--help").stdout
+    for code in Exit:
+        assert f"{int(code)} " in said, code
