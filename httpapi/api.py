@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -65,8 +64,6 @@ class Settings(Protocol):
     def max_responses(self) -> int: ...
     @property
     def retry_grace(self) -> float: ...
-    @property
-    def web_dir(self) -> Path | None: ...
     @property
     def cors_origins(self) -> tuple[str, ...]: ...
 
