@@ -4,9 +4,13 @@ library's typed errors (the supervisor's stable codes) to those statuses."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from hermes_sup.client import (
     AccessDenied,
@@ -25,6 +29,10 @@ from hermes_sup.client import (
     TurnTimeout,
     WorkerDied,
 )
+
+from .logsafe import kv
+
+log = logging.getLogger("hermes_sup.httpapi")
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"
@@ -115,3 +123,37 @@ def from_client_error(exc: ClientError) -> ApiError:
         return ApiError(502, message, "agent_error", SERVER)
     code = exc.code if isinstance(exc, SupervisorError) else "internal"
     return ApiError(500, message, code or "internal", SERVER)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _on_client_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ClientError)
+    return from_client_error(exc).response()
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return ApiError(exc.status_code, str(exc.detail), code).response()
+
+
+async def _on_bug(request: Request, exc: Exception) -> Response:
+    # Anything else is a bug of ours: logged with its traceback, and the
+    # client told no more than that.
+    log.error(kv("bug", where=request.url.path), exc_info=exc)
+    return ApiError(
+        500, "internal error in hermes-sup's HTTP endpoint", "internal", "server_error"
+    ).response()
+
+
+# Every error a handler raises, as the OpenAI-shaped answer it gets.
+EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    ApiError: _on_api_error,
+    ClientError: _on_client_error,
+    HTTPException: _on_http_error,
+    Exception: _on_bug,
+}

@@ -16,21 +16,19 @@ import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from hermes_sup.client import ClientError
 
-from .chat import SSE_HEADERS
+from .api import Api
 from .errors import ApiError
 from .logsafe import kv
 from .sessions import tenant_of
+from .stream import SSE_HEADERS
 from .turns import EventStream
-
-if TYPE_CHECKING:
-    from .app import Api
 
 log = logging.getLogger("hermes_sup.httpapi")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from hermes_sup.client import Reply, ToolComplete, ToolStart
 
-from .chat import usage_of
+from .said import usage_of
 
 KEPT_ARGUMENT = 500  # characters of a tool argument kept in a stored response
 KEPT_OUTPUT = 1000  # characters of a tool's output kept in a stored response

@@ -33,7 +33,13 @@ before the first delta, `response.content_part.done` after the text), as
 OpenAI sends it: the openai SDK's `responses.stream()` adds deltas only to a
 part it was told of. A turn's output lines (a command's) are part of the
 message's text, each with its newline, before the reply's. A client that
-disconnects cancels the turn; the response is kept as `incomplete`.
+disconnects cancels the turn; the response is kept as `incomplete`. The
+events are written by writers.ResponsesEvents.
+
+If the endpoint fell behind the supervisor and some of the stream's
+events were dropped, a `hermes.stream.gap` event {count, reason, message}
+says so where they went missing; the done events carry the whole text, and
+the response says `"hermes": {"dropped": n}` (said.py, the gap rule).
 
 As on chat completions, an approval cannot be answered here: the command
 is denied at once (use the runs API to approve). Client-side `tools` and
@@ -46,43 +52,26 @@ completions (chat.py, retries.py), with the first try's response id.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from hermes_sup.client import (
-    ClientError,
-    Dropped,
-    Output,
-    Reply,
-    Token,
-    ToolComplete,
-    ToolStart,
-)
+from hermes_sup.client import ClientError, ToolComplete, ToolStart
 
-from .chat import (
-    SSE_HEADERS,
-    Outputs,
-    approval_denier,
-    collect,
-    failure_of,
-    outputs_of,
-    reply_of,
-    rest_of_reply,
-)
+from .api import Api
 from .errors import ApiError
 from .idempotency import HUNG_UP, RESPONSES_FIELDS
 from .keys import Tenant
-from .response_items import ToolItems, message_item, shortened, text_part, usage_in_responses
+from .response_items import ToolItems, message_item, shortened, usage_in_responses
 from .retries import turn_id_of
+from .said import Said, outputs_of, reply_of
 from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
@@ -92,10 +81,9 @@ from .sessions import (
     text_of,
     turn_context,
 )
-from .turns import END, IDLE, EventStream, OpenTurn, Pump, QueueSink, next_item
-
-if TYPE_CHECKING:
-    from .app import Api
+from .stream import SSE_HEADERS, stream
+from .turns import EventStream, OpenTurn, Pump, QueueSink, approval_denier, collect
+from .writers import ResponsesEvents
 
 TRUE_STRINGS = ("1", "true", "yes", "on")
 FALSE_STRINGS = ("0", "false", "no", "off")
@@ -346,15 +334,39 @@ class Responses:
 
         keep()
         if asked.stream:
-            sink = QueueSink(
-                api.settings.stream_queue, api.settings.stall_timeout, f"responses {ref.key}"
-            )
-            pump = Pump(opened, sink, api.tasks, on_event=approval_denier(opened))
-            events = self._events(pump, sink, kept, keep, opened.resumed)
-            return EventStream(
-                events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
-            )
+            return self._stream(opened, kept, keep, headers)
         return await self._complete(request, opened, kept, keep, headers)
+
+    def _stream(
+        self,
+        opened: OpenTurn,
+        kept: Stored,
+        keep: Callable[[], None],
+        headers: dict[str, str],
+    ) -> Response:
+        """The streamed answer (the Responses events, writers.py). The
+        response is kept as it ended; as `incomplete` if its reader left
+        first, which cancels the turn. A retry of a turn that had started
+        (`opened.resumed`) streams the reply, whole, at the end."""
+        settings = self.api.settings
+        sink = QueueSink(settings.stream_queue, settings.stall_timeout, f"responses {opened.key}")
+        pump = Pump(opened, sink, self.api.tasks, on_event=approval_denier(opened))
+        said = Said(resumed=opened.resumed)
+        writer = ResponsesEvents(said, kept.response, f"msg_{uuid.uuid4().hex[:24]}")
+
+        def ended() -> None:
+            assert writer.final is not None
+            kept.response = writer.final
+            keep()
+
+        def abandoned() -> None:
+            kept.response = writer.incomplete()
+            keep()
+
+        events = stream(pump, sink, writer, settings.keepalive, ended, abandoned)
+        return EventStream(
+            events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+        )
 
     async def _complete(
         self,
@@ -365,7 +377,7 @@ class Responses:
         headers: dict[str, str],
     ) -> Response:
         """The non-streaming answer: the whole response object."""
-        items = await collect(self.api, request, opened, approval_denier(opened))
+        items = await collect(request.receive, opened, approval_denier(opened))
         response = kept.response
         if items is None:  # the client hung up: the turn was cancelled
             response["status"] = "incomplete"
@@ -393,192 +405,3 @@ class Responses:
         kept.response = {**response, "output": shortened(output)}
         keep()
         return JSONResponse(response, headers=headers)
-
-    async def _events(
-        self,
-        pump: Pump,
-        sink: QueueSink,
-        kept: Stored,
-        keep: Callable[[], None],
-        resumed: bool = False,
-    ) -> AsyncIterator[bytes]:
-        """The SSE body (see the module docstring). `resumed`: a retry of a
-        turn that had started; its text is the reply, whole, at the end."""
-        response = kept.response
-        sequence = 0
-
-        def event(kind: str, **data: Any) -> bytes:
-            nonlocal sequence
-            payload = {"type": kind, **data, "sequence_number": sequence}
-            sequence += 1
-            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
-
-        def envelope(status: str, **more: Any) -> dict[str, Any]:
-            return {**response, "status": status, **more}
-
-        message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        message_index: int | None = None
-        next_index = 0
-        parts: list[str] = []  # the message's text so far: output lines and tokens
-        tokens: list[str] = []  # the reply's own
-        outputs = Outputs()
-        tools = ToolItems()
-        indexes: dict[str, int] = {}  # output index of each output item, by id
-        finished = False
-
-        def open_message() -> list[bytes]:
-            """The message item and its one text part, opened (once)."""
-            nonlocal message_index, next_index
-            if message_index is not None:
-                return []
-            message_index, next_index = next_index, next_index + 1
-            item = {**message_item("", message_id, "in_progress"), "content": []}
-            return [
-                event("response.output_item.added", output_index=message_index, item=item),
-                # A strict client (the openai SDK's `responses.stream()`) adds
-                # text only to a part it was told of.
-                event(
-                    "response.content_part.added",
-                    item_id=message_id,
-                    output_index=message_index,
-                    content_index=0,
-                    part=text_part(""),
-                ),
-            ]
-
-        def text(delta: str) -> list[bytes]:
-            out = open_message()
-            parts.append(delta)
-            out.append(
-                event(
-                    "response.output_text.delta",
-                    item_id=message_id,
-                    output_index=message_index,
-                    content_index=0,
-                    delta=delta,
-                    logprobs=[],
-                )
-            )
-            return out
-
-        def final_items(text: str) -> list[dict[str, Any]]:
-            done = [{k: v for k, v in i.items() if k != "status"} for i in tools.items]
-            return shortened(done) + [message_item(text)]
-
-        dropped = 0  # events of this stream the supervisor dropped (we lagged)
-        try:
-            yield event("response.created", response=envelope("in_progress"))
-            while True:
-                item = await next_item(sink.queue, self.api.settings.keepalive)
-                if item is IDLE:
-                    yield b": keepalive\n\n"
-                    continue
-                if isinstance(item, Dropped):
-                    dropped += item.count
-                elif isinstance(item, Token):
-                    if item.text and not resumed:
-                        tokens.append(item.text)
-                        for chunk in text(item.text):
-                            yield chunk
-                elif isinstance(item, Output):
-                    piece = outputs.add(item) if not resumed else None
-                    for chunk in text(piece) if piece is not None else []:
-                        yield chunk
-                elif isinstance(item, ToolStart):
-                    call = tools.start(item)
-                    if call is not None:
-                        indexes[call["id"]], next_index = next_index, next_index + 1
-                        yield event(
-                            "response.output_item.added",
-                            output_index=indexes[call["id"]],
-                            item=dict(call),
-                        )
-                elif isinstance(item, ToolComplete):
-                    pair = tools.complete(item)
-                    if pair is not None:
-                        call, output = pair
-                        yield event(
-                            "response.output_item.done",
-                            output_index=indexes[call["id"]],
-                            item=dict(call),
-                        )
-                        indexes[output["id"]], next_index = next_index, next_index + 1
-                        shown = {
-                            **output,
-                            "output": [{"type": "input_text", "text": output["output"]}],
-                        }
-                        yield event(
-                            "response.output_item.added",
-                            output_index=indexes[output["id"]],
-                            item=shown,
-                        )
-                        yield event(
-                            "response.output_item.done",
-                            output_index=indexes[output["id"]],
-                            item=shown,
-                        )
-                elif isinstance(item, Reply) or isinstance(item, ClientError) or item is END:
-                    reply = item if isinstance(item, Reply) else None
-                    for chunk in text(outputs.end()) if outputs.left_out else []:
-                        yield chunk
-                    if reply is not None and reply.ok:
-                        # What the reply adds to the tokens streamed (all of
-                        # it from a runtime that does not stream).
-                        rest = rest_of_reply("".join(tokens), reply)
-                        for chunk in text(rest) if rest else []:
-                            yield chunk
-                    said = "".join(parts)
-                    if dropped and reply is not None and reply.ok:
-                        # The deltas have gaps (events dropped while this
-                        # endpoint lagged): the done events carry the whole reply.
-                        said = outputs.text + reply.text
-                    if message_index is not None:
-                        yield event(
-                            "response.output_text.done",
-                            item_id=message_id,
-                            output_index=message_index,
-                            content_index=0,
-                            text=said,
-                            logprobs=[],
-                        )
-                        yield event(
-                            "response.content_part.done",
-                            item_id=message_id,
-                            output_index=message_index,
-                            content_index=0,
-                            part=text_part(said),
-                        )
-                        yield event(
-                            "response.output_item.done",
-                            output_index=message_index,
-                            item=message_item(said, message_id, "completed"),
-                        )
-                    usage = usage_in_responses(reply)
-                    finished = True
-                    if reply is not None and reply.ok:
-                        done = envelope("completed", output=final_items(said), usage=usage)
-                        kept.response = done
-                        keep()
-                        yield event("response.completed", response=done)
-                    else:
-                        if reply is not None:
-                            message = reply.text or "the agent failed"
-                        else:
-                            message = failure_of(item)[0]
-                        failed = envelope(
-                            "failed",
-                            output=final_items(said or message),
-                            usage=usage,
-                            error={"message": message, "type": "server_error"},
-                        )
-                        kept.response = failed
-                        keep()
-                        yield event("response.failed", response=failed)
-                    return
-        finally:
-            if not finished:
-                pump.abandon()  # the client went away mid-stream: cancel its turn
-                kept.response = envelope(
-                    "incomplete", output=final_items("".join(parts)) if parts else []
-                )
-                keep()

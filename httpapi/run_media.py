@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import mimetypes
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from .errors import ApiError
-
-if TYPE_CHECKING:
-    from .runs import Run, Runs
 
 MAX_RUN_MEDIA_BYTES = 32 * 1024 * 1024
 MAX_KEY_MEDIA_BYTES = 64 * 1024 * 1024
@@ -64,33 +61,40 @@ def media_of(data: Any, room: int) -> MediaFile | None:
     return MediaFile(name, data.get("voice") is True, size, blob)
 
 
-def record_media(runs: Runs, run: Run, data: Any) -> None:
-    """A `media` event: kept with the run and published as media.available.
-    A key's runs keep at most MAX_KEY_MEDIA_BYTES: its oldest files' bytes
-    go first (fetching one then answers 410), so no key's sessions can fill
+class HasMedia(Protocol):
+    """A run, as far as its files go (runs.py's `Run`)."""
+
+    owner: str
+    created_at: float
+    media: list[MediaFile]
+
+
+def record_media(runs: Iterable[HasMedia], run: HasMedia, data: Any) -> dict[str, Any] | None:
+    """A `media` event: kept with `run`, and its `media.available` event to
+    publish (None when it was no file). A key's runs (`runs`: every run
+    kept) keep at most MAX_KEY_MEDIA_BYTES: its oldest files' bytes go
+    first (fetching one then answers 410), so no key's sessions can fill
     the endpoint's memory."""
     used = sum(len(m.data) for m in run.media if m.data is not None)
     media = media_of(data, MAX_RUN_MEDIA_BYTES - used)
     if media is None:
-        return
+        return None
     if media.data is not None:
         _make_room(runs, run.owner, len(media.data))
     run.media.append(media)
-    run.publish(
-        "media.available",
-        media_id=len(run.media) - 1,
-        name=media.name,
-        voice=media.voice,
-        size=media.size,
-        content_type=media.content_type,
-        available=media.data is not None,
-    )
+    return {
+        "event": "media.available",
+        "media_id": len(run.media) - 1,
+        "name": media.name,
+        "voice": media.voice,
+        "size": media.size,
+        "content_type": media.content_type,
+        "available": media.data is not None,
+    }
 
 
-def _make_room(runs: Runs, owner: str, size: int) -> None:
-    theirs = sorted(
-        (r for r in runs.by_id.values() if r.owner == owner and r.media), key=lambda r: r.created_at
-    )
+def _make_room(runs: Iterable[HasMedia], owner: str, size: int) -> None:
+    theirs = sorted((r for r in runs if r.owner == owner and r.media), key=lambda r: r.created_at)
     kept = [(r, i) for r in theirs for i, m in enumerate(r.media) if m.data is not None]
     total = sum(len(r.media[i].data or b"") for r, i in kept)
     for r, i in kept:
@@ -101,23 +105,21 @@ def _make_room(runs: Runs, owner: str, size: int) -> None:
         r.media[i] = MediaFile(old.name, old.voice, old.size, None)
 
 
-async def serve_media(runs: Runs, request: Request) -> Response:
-    """GET /v1/runs/{run_id}/media/{media_id}: the file's bytes."""
-    run = runs.get(request)  # 404 for a run the key may not reach
-    raw = request.path_params["media_id"]
+def media_response(run_id: str, media: list[MediaFile], raw: str) -> Response:
+    """The bytes of file `raw` (its index, as the URL gives it) of a run."""
     index = int(raw) if raw.isdigit() and len(raw) < 6 else -1
-    if not 0 <= index < len(run.media):
-        raise ApiError(404, f"Run {run.id} has no media {raw[:20]!r}", "media_not_found")
-    media = run.media[index]
-    if media.data is None:
+    if not 0 <= index < len(media):
+        raise ApiError(404, f"Run {run_id} has no media {raw[:20]!r}", "media_not_found")
+    found = media[index]
+    if found.data is None:
         raise ApiError(
             410,
-            f"Media {index} of run {run.id} ({media.size} bytes) was too large to keep",
+            f"Media {index} of run {run_id} ({found.size} bytes) was too large to keep",
             "media_too_large",
         )
-    disposition = f'attachment; filename="{media.name}"'
+    disposition = f'attachment; filename="{found.name}"'
     return Response(
-        media.data,
-        media_type=media.content_type,
+        found.data,
+        media_type=found.content_type,
         headers={"Content-Disposition": disposition, "X-Content-Type-Options": "nosniff"},
     )

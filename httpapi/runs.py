@@ -22,7 +22,9 @@ If the endpoint fell behind the supervisor and some of the turn's events
 were dropped (PROTOCOL.md, "Slow consumers"), the run publishes
 `events.dropped` {count, reason, message} where they went missing: the
 text deltas have a gap there; `run.completed`'s `output` is still the
-whole reply.
+whole answer, and it says how many went missing as `dropped` (said.py,
+the gap rule of every API). The events themselves are written by
+writers.RunEvents; a run records them.
 
 A run's turn id is derived from its run id and the bearer key (retries.py),
 and the run id names its session, so `GET /v1/runs/{id}` still answers
@@ -42,9 +44,9 @@ import re
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -57,23 +59,19 @@ from hermes_sup.client import (
     Dropped,
     Duplicate,
     Event,
-    Output,
     Queued,
-    Reply,
     Running,
-    SupervisorError,
-    Token,
-    ToolComplete,
-    ToolStart,
 )
 from hermes_sup.protocol.chat_identity import ChatIdentityError, check_chat_identity
 
-from .chat import SSE_HEADERS, Outputs, usage_of
+from .api import Api
 from .errors import ApiError
 from .idempotency import scope_of
+from .keys import Tenant
 from .logsafe import kv
+from .responses import Stored
 from .retries import derive, turn_id_of
-from .run_media import MediaFile, record_media, serve_media
+from .run_media import MediaFile, media_response, record_media
 from .sessions import (
     SESSION_KEY_HEADER,
     SessionRef,
@@ -86,18 +84,14 @@ from .sessions import (
     text_of,
     turn_context,
 )
+from .stream import SSE_HEADERS
 from .turns import IDLE, EventStream, Pump, next_item
-
-if TYPE_CHECKING:
-    from .app import Api
+from .writers import RunEvents
 
 log = logging.getLogger("hermes_sup.httpapi")
 
 ENDED = ("completed", "failed", "cancelled")
-REASONING = "reasoning"  # a piece of the model's reasoning (the Hermes runtime's event)
-TOOL_PROGRESS = "tool_progress"
 MEDIA = "media"  # a file made for the user (worker/media.py)
-CLARIFY = "clarify"  # a question the agent asks its user (worker/hermes.py)
 CHOICE_ALIASES = {"approve": "once", "approved": "once", "allow": "once"}
 CHOICES = ("once", "session", "always", "deny")
 _CLOSE = object()  # a subscriber's stream ends after what it already has
@@ -116,10 +110,8 @@ class Run:
     created_at: float = field(default_factory=time.time)
     status: str = "queued"
     turn: str | None = None
-    stopping: bool = False
     approvals: list[str | None] = field(default_factory=list)  # waiting, oldest first
-    reasoning: list[str] = field(default_factory=list)  # the model's reasoning, not yet published
-    outputs: Outputs = field(default_factory=Outputs)  # its output lines, as answer text
+    writer: RunEvents = field(default_factory=RunEvents)  # its turn's events, as the run's
     media: list[MediaFile] = field(default_factory=list)  # files made for the user
     fields: dict[str, Any] = field(default_factory=dict)
     events: deque[dict[str, Any]] = field(init=False)
@@ -133,6 +125,15 @@ class Run:
     @property
     def ended(self) -> bool:
         return self.status in ENDED
+
+    @property
+    def stopping(self) -> bool:
+        """Asked to stop: its turn's end is a cancellation, however it ends."""
+        return self.writer.stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self.writer.stopping = value
 
     def describe(self) -> dict[str, Any]:
         """GET /v1/runs/{id}."""
@@ -151,6 +152,20 @@ class Run:
         self.status = status
         self.updated_at = time.time()
         self.fields.update(fields)
+
+    def record(self, event: dict[str, Any]) -> None:
+        """One of its turn's events (writers.RunEvents): the run's status
+        follows its end, then the event is published."""
+        name = event["event"]
+        if name in ("run.completed", "run.failed", "run.cancelled"):
+            self.approvals.clear()
+        if name == "run.completed":
+            self.set_status("completed", output=event["output"], usage=event["usage"])
+        elif name == "run.failed":
+            self.set_status("failed", error=event["error"])
+        elif name == "run.cancelled":
+            self.set_status("cancelled")
+        self.publish(name, **{k: v for k, v in event.items() if k != "event"})
 
     def publish(self, event: str, **data: Any) -> None:
         """Record an event and hand it to every subscriber."""
@@ -216,8 +231,9 @@ def run_turn_id(request: Request, run_id: str) -> str:
 class Runs:
     """Every run this endpoint knows, by id."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Api, find_response: Callable[[Tenant, str], Stored | None]) -> None:
         self.api = api
+        self.find_response = find_response  # a stored response a run may continue
         self.by_id: dict[str, Run] = {}
 
     def get(self, request: Request) -> Run:
@@ -281,7 +297,7 @@ class Runs:
         # continues its conversation, as in Hermes: same session, and its
         # instructions when the run gives none.
         previous = body.get("previous_response_id")
-        stored = api.responses.find(tenant, previous) if isinstance(previous, str) else None
+        stored = self.find_response(tenant, previous) if isinstance(previous, str) else None
         if stored is not None and instructions is None:
             instructions = stored.instructions
         named = api.header_ref(request, tenant)
@@ -325,89 +341,18 @@ class Runs:
         return JSONResponse({"run_id": run_id, "status": "started"}, 202, headers=headers)
 
     def _record(self, run: Run, item: Event | ClientError) -> None:
-        """A turn's event, as the run's status and events."""
-        if isinstance(item, Event) and item.type == REASONING:
-            # The model's reasoning streams in pieces; a front end gets it
-            # as one `reasoning.available` when the stretch of it ends.
-            if isinstance(item.data, str) and item.data:
-                run.reasoning.append(item.data)
-            return
-        if run.reasoning:
-            run.publish("reasoning.available", text="".join(run.reasoning))
-            run.reasoning.clear()
-        if isinstance(item, Event) and item.type == TOOL_PROGRESS:
-            d = item.data if isinstance(item.data, dict) else {}
-            if d.get("event") == "reasoning.available":
-                # What Hermes itself reports (the agent's words beside its
-                # tool calls), as its API server's runs report it.
-                preview = d.get("preview")
-                run.publish("reasoning.available", text=preview if isinstance(preview, str) else "")
-        elif isinstance(item, Event) and item.type == MEDIA:
-            record_media(self, run, item.data)
-        elif isinstance(item, Event) and item.type == CLARIFY and isinstance(item.data, dict):
-            d, asked = item.data, item.data.get("choices")  # the next message answers it
-            choices = [str(c) for c in asked] if isinstance(asked, list) else []
-            run.publish("clarify.request", question=str(d.get("question")), choices=choices)
-        elif isinstance(item, Queued):
+        """A turn's event, as the run's status and events (writers.RunEvents)."""
+        events = run.writer(item)
+        if isinstance(item, Queued):
             run.set_status("queued")
         elif isinstance(item, (Running, Duplicate)):  # Duplicate: a retry joined it
             if not run.stopping:
                 run.set_status("running")
-        elif isinstance(item, Token):
-            if item.text:
-                run.publish("message.delta", delta=item.text)
-        elif isinstance(item, Output):
-            # A command's output is part of the answer's text, before the reply's.
-            piece = run.outputs.add(item)
-            if piece is not None:
-                run.publish("message.delta", delta=piece)
         elif isinstance(item, Dropped):
             log.warning(kv("http_run_dropped", run=run.id, count=item.count))
-            run.publish(
-                "events.dropped",
-                count=item.count,
-                reason=item.reason,
-                message=f"{item.count} event(s) of this run were dropped (this endpoint read "
-                "too slowly from the supervisor); message.delta has a gap here, "
-                "run.completed's output is whole",
-            )
-        elif isinstance(item, ToolStart):
-            if not item.name.startswith("_"):
-                d = item.data if isinstance(item.data, dict) else {}
-                preview = d.get("preview") or d.get("label")
-                emoji = d.get("emoji") if isinstance(d.get("emoji"), str) else None
-                run.publish(
-                    "tool.started",
-                    tool=item.name,
-                    preview=preview,
-                    tool_call_id=item.id,
-                    emoji=emoji,
-                )
-        elif isinstance(item, ToolComplete):
-            if not item.name.startswith("_"):
-                d = item.data if isinstance(item.data, dict) else {}
-                run.publish(
-                    "tool.completed",
-                    tool=item.name,
-                    duration=d.get("duration", 0),
-                    error=bool(d.get("is_error", False)),
-                    tool_call_id=item.id,
-                )
         elif isinstance(item, ApprovalRequest):
             run.approvals.append(item.id)
             run.set_status("waiting_for_approval")
-            d = item.data if isinstance(item.data, dict) else {}
-            keys = d.get("pattern_keys") if isinstance(d.get("pattern_keys"), list) else []
-            run.publish(
-                "approval.request",
-                command=item.command,
-                description=item.description,
-                pattern_key=keys[0] if keys else None,
-                pattern_keys=keys,
-                allow_permanent=item.allow_permanent,
-                choices=list(item.choices),
-                approval_id=item.id,
-            )
         elif isinstance(item, ApprovalTimeout):
             if item.id in run.approvals:
                 run.approvals.remove(item.id)
@@ -415,37 +360,12 @@ class Runs:
                 run.approvals.pop(0)
             if not run.stopping and not run.approvals:
                 run.set_status("running")
-            run.publish("approval.responded", choice="deny", resolved=0, reason="timeout")
-        elif isinstance(item, Reply):
-            run.approvals.clear()
-            d = item.data if isinstance(item.data, dict) else {}
-            # The probe says cancelled, Hermes interrupted.
-            cancelled = run.stopping or bool(d.get("cancelled") or d.get("interrupted"))
-            if cancelled:
-                run.set_status("cancelled")
-                run.publish("run.cancelled")
-            elif not item.ok:
-                run.set_status("failed", error=item.text)
-                run.publish("run.failed", error=item.text)
-            else:
-                usage = usage_of(item)
-                u = {
-                    "input_tokens": usage["prompt_tokens"],
-                    "output_tokens": usage["completion_tokens"],
-                    "total_tokens": usage["total_tokens"],
-                }
-                output = run.outputs.text + item.text
-                run.set_status("completed", output=output, usage=u)
-                run.publish("run.completed", output=output, usage=u)
-        elif isinstance(item, ClientError):
-            run.approvals.clear()
-            message = item.message if isinstance(item, SupervisorError) else str(item)
-            if run.stopping:
-                run.set_status("cancelled")
-                run.publish("run.cancelled")
-            else:
-                run.set_status("failed", error=message)
-                run.publish("run.failed", error=message)
+        for event in events:
+            run.record(event)
+        if isinstance(item, Event) and item.type == MEDIA:
+            media = record_media(self.by_id.values(), run, item.data)
+            if media is not None:
+                run.record(media)
 
     async def status(self, request: Request) -> Response:
         try:
@@ -583,7 +503,9 @@ class Runs:
         )
 
     async def media(self, request: Request) -> Response:
-        return await serve_media(self, request)
+        """GET /v1/runs/{run_id}/media/{media_id}: a file its agent made."""
+        run = self.get(request)  # 404 for a run the key may not reach
+        return media_response(run.id, run.media, request.path_params["media_id"])
 
     async def stop(self, request: Request) -> Response:
         run = self.get(request)

@@ -27,9 +27,20 @@ from typing import Any, TypeAlias
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from hermes_sup.client import AsyncClient, AsyncTurn, ClientError, Event, Queued, Reply, Running
+from hermes_sup.client import (
+    ApprovalRequest,
+    AsyncClient,
+    AsyncTurn,
+    ClientError,
+    Event,
+    Queued,
+    Reply,
+    Running,
+    Token,
+)
 
 from .logsafe import kv
+from .said import END
 
 log = logging.getLogger("hermes_sup.httpapi")
 
@@ -213,7 +224,6 @@ class EventStream(StreamingResponse):
             await self.background()
 
 
-END = object()  # closes a QueueSink's reader when the sink gives up
 IDLE = object()  # what `next_item` returns when nothing came in time
 
 
@@ -257,3 +267,41 @@ class QueueSink:
                 self.queue.get_nowait()
             self.queue.put_nowait(END)
             return False
+
+
+def approval_denier(opened: OpenTurn) -> Callable[[Event], Awaitable[None]]:
+    """An `on_event` for a turn whose client cannot answer approvals (chat
+    completions, responses): each request is denied at once, as Hermes's
+    API server leaves such a command unapproved."""
+
+    async def deny(event: Event) -> None:
+        if isinstance(event, ApprovalRequest):
+            key = opened.key
+            log.info(kv("http_approval_denied", session=key, command=event.command[:200]))
+            try:
+                await opened.client.approve(key, "deny", approval=event.id)
+            except ClientError as exc:
+                log.warning(kv("http_approval_deny_failed", session=key, error=exc))
+
+    return deny
+
+
+async def collect(
+    receive: Receive,
+    opened: OpenTurn,
+    on_event: Callable[[Event], Awaitable[None]] | None,
+) -> list[Any] | None:
+    """Every event of a turn but its tokens (the reply holds the text),
+    ending with its Reply or error; None if the client (whose ASGI
+    `receive` this is) hung up first (the turn is cancelled then)."""
+    items: list[Any] = []
+
+    async def keep(item: Any) -> bool:
+        if not isinstance(item, Token):
+            items.append(item)
+        return True
+
+    # Read inline: a list never blocks, so no pump task is needed here.
+    if not await unless_hung_up(receive, read_turn(opened, keep, on_event)):
+        return None
+    return items

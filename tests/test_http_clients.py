@@ -120,7 +120,7 @@ def test_health_says_which_hermes_the_workers_run(endpoint) -> None:
 
 
 def test_an_answer_carries_a_bounded_part_of_endless_output(endpoint) -> None:
-    from hermes_sup.httpapi.chat import MAX_OUTPUT
+    from hermes_sup.httpapi.said import MAX_OUTPUT
 
     command = "sh head -c 1500000 /dev/zero | tr '\\0' x | fold -w 99"
     client = endpoint.openai()

@@ -87,7 +87,7 @@ def lagging(supervisor_factory, workdir: Path):  # noqa: ANN201
             proc.wait(5)
 
 
-def test_a_stream_that_lost_tokens_ends_incomplete_and_the_run_says_so(lagging) -> None:
+def test_a_stream_that_lost_tokens_states_the_gap_and_ends_whole_as_the_run_does(lagging) -> None:
     sup, url, auth, proc, log_path = lagging
     words = " ".join(f"w{i}" for i in range(WORDS))
     body = {
@@ -116,13 +116,19 @@ def test_a_stream_that_lost_tokens_ends_incomplete_and_the_run_says_so(lagging) 
                 os.kill(proc.pid, signal.SIGCONT)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
-        chunks = sse_events(rest)
+        chunks = [c for c in sse_events(rest) if "choices" in c]  # the gaps' data has none
         last = chunks[-1]
         said = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         assert said != words  # tokens went missing: a gap
-        assert last["choices"][0]["finish_reason"] == "error", last
-        assert last["error"]["type"] == "output_incomplete"
+        # Stated where it was, and the turn's end as it was, with the whole text.
+        gaps = [json.loads(rest[i + 1][6:]) for i, line in enumerate(rest)
+                if line == "event: hermes.stream.gap"]  # fmt: skip
+        assert gaps and all(g["count"] > 0 and g["reason"] == "slow_consumer" for g in gaps)
+        assert last["choices"][0]["finish_reason"] == "stop", last
+        assert "error" not in last
         assert last["hermes"]["completed"] is True and last["hermes"]["partial"] is True
+        assert last["hermes"]["dropped"] == sum(g["count"] for g in gaps)
+        assert last["hermes"]["text"] == words
 
         # The flood's run: an events.dropped where its output went missing,
         # and the whole reply at the end.
@@ -137,6 +143,7 @@ def test_a_stream_that_lost_tokens_ends_incomplete_and_the_run_says_so(lagging) 
         dropped = [e for e in seen if e["event"] == "events.dropped"]
         assert dropped and all(e["count"] > 0 and e["reason"] == "slow_consumer" for e in dropped)
         assert seen[-1]["event"] == "run.completed" and seen[-1]["output"].endswith("\nexit 0")
+        assert seen[-1]["dropped"] == sum(e["count"] for e in dropped)
 
         # Not streaming, the text is the reply itself: whole, after a lag too.
         done = http.post("/v1/chat/completions", headers={"X-Hermes-Session-Id": "a"},

@@ -264,7 +264,7 @@ def test_one_keys_many_never_push_out_anothers() -> None:
     assert store.get("alice-1") is not None and store.get("bob-0") is None
     assert store.get("bob-4") is not None and len(store) == 3
 
-    runs = Runs(SimpleNamespace(settings=ApiSettings(max_runs=2)))
+    runs = Runs(SimpleNamespace(settings=ApiSettings(max_runs=2)), lambda tenant, id: None)
     for owner, n in (("alice", 1), ("bob", 5)):
         for i in range(n):
             run = Run(f"{owner}-{i}", ref, "m", 10, owner)
