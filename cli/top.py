@@ -11,7 +11,6 @@ table logic apart from drawing (top_table.py).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -51,6 +50,8 @@ class Top:
     # ------------------------------------------------------------ data
 
     async def refresh_forever(self, redraw: Any) -> None:
+        import asyncio  # here: `hermes-sup --help` lists this command without asyncio
+
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -182,6 +183,8 @@ def _acting(keys: KeyBindings, top: Top, when: Filter, asking: Filter) -> None:
         top.mode, top.message = "normal", f"{action} {key}..."
 
         async def do() -> None:
+            import asyncio
+
             if key is not None:
                 loop = asyncio.get_running_loop()
                 top.message = await loop.run_in_executor(None, top.act, action, key)
@@ -202,6 +205,8 @@ def _acting(keys: KeyBindings, top: Top, when: Filter, asking: Filter) -> None:
 
 def run_view(top: Top) -> str | None:
     """Show the view until q (None) or an attach is asked for (its key)."""
+    import asyncio
+
     from prompt_toolkit.application import Application
     from prompt_toolkit.data_structures import Point
     from prompt_toolkit.filters import Condition
