@@ -27,7 +27,7 @@ from hermes_sup.client.errors import ClientError, NotRunning, Starting, Supervis
 if TYPE_CHECKING:
     from hermes_sup.client.blocking import Client
 
-from .serve import parse_pairs
+from .options import parse_pairs
 from .terminal import is_terminal, neutralize
 
 

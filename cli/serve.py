@@ -22,10 +22,9 @@ from hermes_sup.supervisor.config import (
 )
 
 from . import options
-from .options import given_settings, parse_pairs, setting_options, state_dir_option
+from .options import given_settings, setting_options, state_dir_option
 
-# parse_pairs: common.py's --env reads NAME=VALUE as serve's --env does.
-__all__ = ["config", "config_check", "from_command_line", "parse_pairs", "serve"]
+__all__ = ["config", "config_check", "from_command_line", "serve"]
 
 
 def from_command_line(setting: Setting, value: Any) -> Any:
