@@ -1,5 +1,5 @@
-"""One repository, many sessions: each session works in its own git worktree
-on its own branch, knows which other sessions are live on the repository,
+"""One repository, many sessions: each session works in a repository of its
+own (borrowing the shared one's objects) on its own branch, knows which other sessions are live on the repository,
 and gets its own values in a home seeded from a template. Real supervisor,
 real workers, real git in temporary directories."""
 
@@ -17,7 +17,6 @@ import pytest
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.homes import placeholder_values, safe_value
-from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.supervisor.worktrees import branch_for, peers_text, repository_problem
 
 from .clirunner import hermes_sup
@@ -49,32 +48,24 @@ def git(repo: Path, *args: str) -> str:
 
 
 def make_repo(path: Path) -> Path:
-    """A repository sessions can commit to: sealed as root, each runs as a
-    uid of its own in the sessions' group (docs/repositories.md)."""
+    """A repository as an operator has one: nothing done to it for sessions
+    (they read it, and never write it)."""
     path.mkdir(parents=True)
     git(path, "init", "-q", "-b", "main")
     (path / "README").write_text("shared\n")
     git(path, "add", "README")
     git(path, "commit", "-q", "-m", "first")
-    git(path, "config", "core.sharedRepository", "group")
-    for root, dirs, files in os.walk(path / ".git"):
-        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
-            os.chown(name, -1, SESSIONS_GID)
-            os.chmod(name, os.stat(name).st_mode | 0o060 | (0o2010 if os.path.isdir(name) else 0))
     return path
 
 
-def worktrees(repo: Path) -> dict[str, str]:
-    """`git worktree list`: path -> branch (ref), the main one included."""
-    found: dict[str, str] = {}
-    path = None
-    for line in git(repo, "worktree", "list", "--porcelain").splitlines():
-        if line.startswith("worktree "):
-            path = line.split(" ", 1)[1]
-            found[path] = ""
-        elif line.startswith("branch ") and path is not None:
-            found[path] = line.split(" ", 1)[1].removeprefix("refs/heads/")
-    return found
+def heads(repo: Path) -> dict[str, str]:
+    """The repository's branches: name -> commit."""
+    found = git(repo, "for-each-ref", "--format=%(refname:short) %(objectname)", "refs/heads")
+    return dict(line.split() for line in found.splitlines())
+
+
+def subjects(repo: Path, rev: str) -> list[str]:
+    return git(repo, "log", "--format=%s", rev).split("\n")[:-1]
 
 
 def output(reply) -> list[str]:  # noqa: ANN001
@@ -168,22 +159,15 @@ def test_two_sessions_on_one_repository_each_work_on_their_own_branch(
             assert head == [branches[key]]
             reply = client.run(key, f"sh git add {key}.txt && {COMMIT} 'work of {key}'")
             assert reply.text == "exit 0", output(reply)
-        listed = worktrees(repo)
-        assert listed[str(repo)] == "main"
-        assert listed[str(spaces["alice"])] == branches["alice"]
-        assert listed[str(spaces["bob"])] == branches["bob"]
-        # Each branch has its own commit on top of main; main has neither.
-        assert git(repo, "log", "--format=%s", branches["alice"]).split("\n")[:2] == [
-            "work of alice",
-            "first",
-        ]
-        assert git(repo, "log", "--format=%s", branches["bob"]).split("\n")[:2] == [
-            "work of bob",
-            "first",
-        ]
-        assert git(repo, "log", "--format=%s", "main").strip() == "first"
+        # Each branch has its own commit on top of main, in the session's
+        # own repository; the shared one has neither, nor any session's branch.
+        for key in ("alice", "bob"):
+            assert (spaces[key] / ".git").is_dir()
+            assert subjects(spaces[key], branches[key]) == [f"work of {key}", "first"]
+        assert subjects(repo, "main") == ["first"]
+        assert list(heads(repo)) == ["main"]
         assert not (repo / "alice.txt").exists() and not (repo / "bob.txt").exists()
-        # A restart of the worker finds its worktree as it left it.
+        # A restart of the worker finds its repository as it left it.
         client.kill("alice")
         assert output(client.run("alice", "sh git log -1 --format=%s")) == ["work of alice"]
         rows = {r["key"]: r for r in client.sessions()}
@@ -192,20 +176,22 @@ def test_two_sessions_on_one_repository_each_work_on_their_own_branch(
         killed = client.kill("alice", purge=True)
         assert "data purged" in killed.reason and "kept" in killed.reason
     assert not spaces["alice"].exists()
-    listed = worktrees(repo)
-    assert str(spaces["alice"]) not in listed and listed[str(spaces["bob"])] == branches["bob"]
-    assert git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branches['alice']}")
-    assert git(repo, "-C", str(spaces["bob"]), "status", "--porcelain") == ""
+    # Purged, its branch was brought into the shared repository first.
+    assert subjects(repo, branches["alice"]) == ["work of alice", "first"]
+    assert branches["bob"] not in heads(repo)
+    assert git(spaces["bob"], "status", "--porcelain") == ""
     assert (spaces["bob"] / "bob.txt").read_text() == "from bob"
     with sup.client() as client:
-        # Back again, the session finds its kept branch and its commit.
+        # Back again, the session starts from its kept branch and its commit.
         assert output(client.run("alice", "sh git log -1 --format=%s")) == ["work of alice"]
         assert output(client.run("bob", "sh cat bob.txt")) == ["from bob"]
     gone = cli(sup, "kill", "alice", "--purge", "--delete-branch", "--yes")
     assert gone.returncode == 0, gone.stderr
     assert "deleted" in gone.stdout
-    assert branches["alice"] not in git(repo, "branch", "--list", "hermes-sup/*")
-    assert branches["bob"] in git(repo, "branch", "--list", "hermes-sup/*")
+    assert list(heads(repo)) == ["main"]
+    assert "refs/hermes-sup/bases/" + branches["bob"].removeprefix("hermes-sup/") in git(
+        repo, "for-each-ref", "--format=%(refname)"
+    )
     assert "worktree_removed" in sup.log()
 
 
@@ -229,9 +215,8 @@ def test_twenty_sessions_created_at_once_get_twenty_worktrees(
             assert client.run(k, f"write {k}.txt {k}").ok
         tops = {k: output(client.run(k, "sh git branch --show-current; ls *.txt")) for k in keys}
     assert all(tops[k] == [branch_for(k), f"{k}.txt"] for k in keys), tops
-    listed = worktrees(repo)
-    assert len(listed) == 21
-    assert sorted(b for b in listed.values() if b != "main") == sorted(map(branch_for, keys))
+    bases = git(repo, "for-each-ref", "--format=%(refname)", "refs/hermes-sup/bases/")
+    assert len(bases.split()) == 20 and list(heads(repo)) == ["main"]
     log = sup.log()
     assert "prepare_failed" not in log and "lock" not in log.lower()
     assert log.count("worktree_added") == 20
@@ -381,41 +366,57 @@ def test_a_template_home_gives_each_session_its_own_values(
     assert (homes["slack:C9"] / "config.yaml").read_text() == "mine\n"
 
 
-def test_what_a_crash_leaves_is_cleaned_and_a_worktree_is_made_again(tmp_path: Path) -> None:
-    """Worktrees with real git, no supervisor: a worktree is reused, one left
-    half made is made again, and one whose directory went (with its
-    session's data) is pruned before the next is added."""
+def test_what_a_crash_leaves_is_made_again_and_an_old_worktree_is_made_a_repository(
+    tmp_path: Path,
+) -> None:
+    """Sessions' repositories with real git, no supervisor: one is reused,
+    one left half made is made again, and a linked worktree an earlier
+    version made becomes a repository of its own, its commits, index and
+    files as they were, its entry in the shared repository gone."""
     import asyncio
 
-    from hermes_sup.supervisor.worktrees import GitRunner, Worktrees, worktree_ready
+    from hermes_sup.supervisor.worktrees import MAKING, GitRunner, Worktrees, worktree_ready
 
     repo = make_repo(tmp_path / "repo")
     trees = Worktrees(GitRunner(os.environ, lambda: None, lambda: None, lambda pid: None))
     one, two = tmp_path / "one" / "workspace", tmp_path / "two" / "workspace"
+    # An earlier version's session: a linked worktree, with a commit on its
+    # branch, a staged file and an untracked one.
+    git(repo, "worktree", "add", "-q", "-b", branch_for("two"), str(two))
+    (two / "done.txt").write_text("done\n")
+    git(two, "add", "done.txt")
+    git(two, "commit", "-q", "-m", "by two")
+    (two / "staged.txt").write_text("staged\n")
+    git(two, "add", "staged.txt")
+    (two / "loose.txt").write_text("loose\n")
 
     async def scenario() -> list[bool]:
         made = [await trees.ensure(str(repo), one, branch_for("one"))]
         made.append(await trees.ensure(str(repo), one, branch_for("one")))  # reused
-        # A crash during `git worktree add` leaves it locked "initializing".
-        admin = Path((one / ".git").read_text().split(":", 1)[1].strip())
-        (admin / "locked").write_text("initializing")
+        # A crash while it was made: its files there, its repository not yet.
+        subprocess.run(["rm", "-rf", str(one / ".git")], check=True, timeout=60)
+        (one.parent / MAKING).mkdir()
         assert not worktree_ready(one)
         made.append(await trees.ensure(str(repo), one, branch_for("one")))
-        # The session's data deleted by hand (or lost): only git's entry is left.
-        subprocess.run(["rm", "-rf", str(one.parent)], check=True, timeout=60)
         made.append(await trees.ensure(str(repo), two, branch_for("two")))
-        made.append(await trees.ensure(str(repo), one, branch_for("one")))  # back, same branch
         return made
 
-    assert asyncio.run(scenario()) == [True, False, True, True, True]
+    assert asyncio.run(scenario()) == [True, False, True, True]
     assert worktree_ready(one) and worktree_ready(two)
-    assert set(worktrees(repo)) == {str(repo), str(one), str(two)}
-    assert git(repo, "worktree", "prune", "--dry-run", "--verbose") == ""
+    assert not (one.parent / MAKING).exists()
+    assert git(one, "status", "--porcelain") == ""
+    assert subjects(two, "HEAD") == ["by two", "first"]
+    assert sorted(git(two, "status", "--porcelain").splitlines()) == [
+        "?? loose.txt",
+        "A  staged.txt",
+    ]
+    assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
+    # Files that no repository of ours left are never deleted.
     (one / "notes.txt").write_text("x")
-    with pytest.raises(Exception, match="no git worktree"):
-        (one / ".git").unlink()
+    with pytest.raises(Exception, match="no session repository"):
+        subprocess.run(["rm", "-rf", str(one / ".git")], check=True, timeout=60)
         asyncio.run(trees.ensure(str(repo), one, branch_for("one")))
-    assert (one / "notes.txt").read_text() == "x"  # never deleted
+    assert (one / "notes.txt").read_text() == "x"
 
 
 def test_config_check_names_a_repository_that_cannot_be_used(tmp_path: Path) -> None:
@@ -462,7 +463,9 @@ def test_worktree_sessions_survive_a_supervisor_restart_and_take_spare_workers(
         assert int(client.run("c", "pid").text) in spares
         assert int(client.run("a", "pid").text) in spares
         assert client.inspect("c")["repo"] == str(other)
-    assert len(worktrees(repo)) == 3 and len(worktrees(other)) == 2
+    for key, where in (("a", repo), ("b", repo), ("c", other)):
+        bases = git(where, "for-each-ref", "--format=%(refname)", "refs/hermes-sup/bases/")
+        assert branch_for(key).removeprefix("hermes-sup/") in bases
 
 
 def ready_spares(sup, client, count: int) -> set[int]:  # noqa: ANN001
@@ -477,7 +480,7 @@ def test_a_worktree_being_made_blocks_no_one_else_and_can_be_killed(
     supervisor_factory, tmp_path: Path
 ) -> None:
     """git held at a gate (a wrapper on PATH waits for a file before
-    `worktree add`): other sessions are served meanwhile, and a kill of the
+    `init`): other sessions are served meanwhile, and a kill of the
     session waiting for its worktree ends it without a worker."""
     repo = make_repo(tmp_path / "repo")
     gate = tmp_path / "gate"
@@ -487,7 +490,7 @@ def test_a_worktree_being_made_blocks_no_one_else_and_can_be_killed(
     wrapper = bin_dir / "git"
     wrapper.write_text(
         "#!/bin/sh\n"
-        'case " $* " in *" worktree add "*)\n'
+        'case " $* " in *" init "*)\n'
         f'  while [ ! -e "{gate}" ]; do sleep 0.02; done;;\n'
         "esac\n"
         f'exec {real_git} "$@"\n'

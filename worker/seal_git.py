@@ -1,7 +1,10 @@
-"""A repository shared by sealed sessions, as each sees it: its common git
-directory bound back into the session's view, with what git would run or
-follow made read-only there, so one session's git configuration runs in no
-other session, nor in the supervisor's own git (docs/repositories.md).
+"""A repository shared by sealed sessions, as each sees it. A session's
+workspace is a repository of its own whose objects borrow the shared one's
+(`objects/info/alternates`, supervisor/worktrees.py): the shared repository's
+git directory is bound back into the session's view at its own path, and
+read-only there, all of it. The session reads its objects and branches,
+and writes nothing of it: not a ref (its neighbours' branches, the
+operator's), not an object, not its config or hooks (docs/repositories.md).
 """
 
 from __future__ import annotations
@@ -12,45 +15,61 @@ from pathlib import Path
 
 from hermes_sup.local.syscalls import MS_BIND, MS_REC
 
-from .seal_calls import _mount, _open_path, _read_small, _remount_readonly, _under
+from .seal_calls import _mount, _read_small, _remount_readonly
 
-# What of a repository's common git directory a session may not change:
-# what git runs (config, hooks), what decides it (info/attributes), the main
-# worktree's state and every other session's worktree. Objects, refs and
-# logs stay writable: committing to its own branch needs them. In its own
-# worktree's directory, what points git elsewhere or configures it.
-GIT_READ_ONLY = ("config", "config.worktree", "hooks", "info", "HEAD", "index", "modules")
 GIT_WORKTREES = "worktrees"
-ADMIN_READ_ONLY = ("config.worktree", "commondir", "gitdir")
+
+
+def _common_dirs(repos: Iterable[Path]) -> dict[str, Path]:
+    """The git directories of the repositories in `repos` (their realpaths,
+    as strings), of those that are one: `.git` of a work tree, or a bare
+    repository itself."""
+    found: dict[str, Path] = {}
+    for repo in repos:
+        dotgit = repo / ".git"
+        if os.path.isdir(dotgit) and not os.path.islink(dotgit):
+            common = Path(os.path.realpath(dotgit))
+        elif (repo / "HEAD").is_file() and (repo / "objects").is_dir():
+            common = Path(os.path.realpath(repo))
+        else:
+            continue
+        found[str(common)] = common
+    return found
 
 
 def git_common_dir(workspace: Path, repos: Iterable[Path]) -> Path | None:
-    """The repository's common git directory of a worktree workspace (a
-    `.git` file naming `gitdir: ...`), which must stay visible at its own
-    path for git to work in it; None for anything else. The session wrote
-    that file, so only a directory under one of `repos` (the configured
-    repository and repository roots) counts: anything else it names (another
-    session's directory, say) is never bound into its view."""
-    text = _read_small(workspace / ".git")
-    if text is None or not text.startswith("gitdir:"):
+    """The shared repository's git directory whose objects a session's
+    repository borrows (a line of its `.git/objects/info/alternates`), which
+    must stay visible at its own path for git to work in it; None for
+    anything else. The session can write that file, so only the git
+    directory of one of `repos` (its repository, the configured one, a
+    repository root that is one) counts: anything else it names is never
+    bound into its view."""
+    dotgit = workspace / ".git"
+    if not os.path.isdir(dotgit) or os.path.islink(dotgit):
         return None
-    admin = Path(text.partition(":")[2].strip())
-    if not admin.is_absolute():
-        admin = workspace / admin
-    common = _read_small(admin / "commondir")
-    if common is None:
-        path = admin.resolve()
-    else:
-        named = Path(common.strip())
-        path = (named if named.is_absolute() else admin / named).resolve()
-    return path if _under(path, [Path(r).resolve() for r in repos]) else None
+    text = _read_small(dotgit / "objects" / "info" / "alternates")
+    if text is None:
+        return None
+    known = _common_dirs(repos)
+    for line in text.splitlines():
+        named = Path(line.strip())
+        if line.startswith("#") or not named.is_absolute() or named.name != "objects":
+            continue
+        common = known.get(os.path.realpath(named.parent))
+        if common is not None and os.path.realpath(named) == str(common / "objects"):
+            return common
+    return None
 
 
 def own_worktree_admin(common: Path, workspace: Path) -> Path | None:
     """The session's own `worktrees/<name>` directory in the common git
     directory: the one whose `gitdir` file (written by git, read-only to
     sessions) names this workspace, never what the workspace's `.git` file
-    says (the session can write that)."""
+    says (the session can write that). None for a session whose workspace
+    is a repository of its own: nothing of the shared one is its."""
+    if os.path.isdir(workspace / ".git"):
+        return None
     wanted = os.path.realpath(workspace / ".git")
     try:
         names = os.listdir(common / GIT_WORKTREES)
@@ -71,23 +90,11 @@ def _bind_read_only(step: str, path: Path) -> None:
 
 
 def _protect_git(common: Path, workspace: Path) -> None:
-    """In the session's view, a repository shared by sessions executes
-    nothing one session configured in another, nor in the supervisor's
-    git: its config, hooks, attributes and the other sessions' worktree
-    directories become read-only (GIT_READ_ONLY); the session's own
-    worktree directory stays writable but for what redirects or configures
-    git (ADMIN_READ_ONLY)."""
-    own = own_worktree_admin(common, workspace)
-    own_fd = _open_path("git", own) if own is not None else None
-    try:
-        for name in (*GIT_READ_ONLY, GIT_WORKTREES):
-            if os.path.lexists(common / name):
-                _bind_read_only("git", common / name)
-        if own is not None and own_fd is not None:
-            _mount("git", f"/proc/self/fd/{own_fd}", str(own), None, MS_BIND)
-            for name in ADMIN_READ_ONLY:
-                if os.path.lexists(own / name):
-                    _bind_read_only("git", own / name)
-    finally:
-        if own_fd is not None:
-            os.close(own_fd)
+    """In the session's view, the shared repository's git directory is
+    read-only, all of it: its refs (every other session's branches and the
+    operator's), objects, packed-refs and reflogs, config, hooks and
+    worktrees. The session's own repository (in its workspace) is where it
+    writes. `workspace` is its repository's work tree: nothing of it is in
+    `common`."""
+    del workspace  # nothing of the session's own is under the shared directory
+    _bind_read_only("git", common)
