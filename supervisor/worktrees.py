@@ -342,12 +342,12 @@ def upload_pack_command(repo: str, fd: int, st: os.stat_result) -> str:
     return f"serve() {{ {run} 2>/dev/null; }}; serve"
 
 
-def fetch_args(repo: str, st: os.stat_result, *refspecs: str) -> list[str]:
+def fetch_args(repo: str, st: os.stat_result, *refspecs: str, fd: int = PASSED_FD) -> list[str]:
     """`git fetch` arguments that bring `refspecs` from a session's
     repository (`st`: its git directory's stat) into the shared one `repo`,
     to run there by the supervisor or the operator with the session's
-    repository open as PASSED_FD: the local file transport allowed for
-    this one fetch, every object checked as it comes in, no tags."""
+    repository open as descriptor `fd`: the local file transport allowed
+    for this one fetch, every object checked as it comes in, no tags."""
     return [
         "-c",
         "protocol.file.allow=always",
@@ -357,9 +357,9 @@ def fetch_args(repo: str, st: os.stat_result, *refspecs: str) -> list[str]:
         "--quiet",
         "--no-tags",
         "--no-write-fetch-head",
-        f"--upload-pack={upload_pack_command(repo, PASSED_FD, st)}",
+        f"--upload-pack={upload_pack_command(repo, fd, st)}",
         # Where upload-pack starts is its descriptor; git wants a path.
-        f"/proc/self/fd/{PASSED_FD}",
+        f"/proc/self/fd/{fd}",
         *refspecs,
     ]
 
