@@ -370,9 +370,10 @@ def fetch_args(repo: str, st: os.stat_result, *refspecs: str, fd: int = PASSED_F
 # What the supervisor's git runs with: none of the programs a repository's
 # config may name is run (hooks, the file-system monitor, ssh, pager,
 # editors, credential helpers, gpg, transports). Filters and diff drivers
-# are named in the config too; sealed sessions cannot write it (worker/seal.py
-# shows them the repository's config, hooks and attributes read-only), so
-# only the operator's own would run.
+# are named in the config too: sealed sessions cannot write the shared
+# repository's (worker/seal_git.py shows them all of it read-only), and a
+# session's own repository is read only as its owner (in_owner_view), with
+# a configuration of ours, so only the operator's own would run as us.
 SAFE_CONFIG = tuple(
     arg
     for setting in (
@@ -616,6 +617,11 @@ class Worktrees:
             str(making), "-c", "protocol.file.allow=always", "fetch", "--quiet", "--no-tags",
             SHARED_REMOTE,
         )  # fmt: skip
+        # Who its commits are by, so that its first `git commit` works (a
+        # session's HOME has no git identity): the session, by its branch.
+        name = session_name(branch)
+        await self._must(str(making), "config", "user.name", f"hermes-sup session {name}")
+        await self._must(str(making), "config", "user.email", f"{name}@hermes-sup.invalid")
         await self._must(str(making), "update-ref", f"refs/heads/{branch}", start)
         # The supervisor's pin of what the session borrows (see the module).
         await self._git(repo, "update-ref", base_ref(branch), start)
@@ -752,9 +758,10 @@ def peers_text(key: str, repo: str, branch: str, peers: list[Peer], now: float) 
     lines = [
         f"# hermes-sup: other live sessions working on the repository {repo}, as of {stamp}",
         "# (rewritten at the start of each of your turns).",
-        f"# You are session {key}, on branch {branch}, in a git worktree of your own.",
-        "# Each session below works in its own worktree on its own branch: its uncommitted",
-        "# changes are not in yours, nor yours in its. Share work through commits.",
+        f"# You are session {key}, on branch {branch}, in a git repository of your own.",
+        "# Each session below works in its own repository on its own branch: its commits",
+        "# and uncommitted changes are not in yours, nor yours in its. The operator brings",
+        "# each session's branch into the shared repository (its branches: shared/*).",
     ]
     if not peers:
         lines.append("# No other session is live on this repository now.")
