@@ -42,6 +42,7 @@ from .worktrees import (
     SESSIONS_REFS,
     common_dir,
     fetch_args,
+    give_back,
     in_owner_view,
     open_session_git,
     repository_problem,
@@ -174,6 +175,7 @@ def _fetch(repo: str, work: SessionWork, *refspecs: str, prune: bool = False) ->
         done = git(repo, *args, pass_fd=fd)
     finally:
         os.close(fd)
+        give_back(repo)
     if done.returncode != 0:
         if "non-fast-forward" in done.stderr or "[rejected]" in done.stderr:
             raise RepoError(

@@ -613,10 +613,18 @@ class Worktrees:
         # The shared repository is a remote it may fetch from (its branches
         # as `shared/*`); sealed, it could never push there.
         await self._must(str(making), "remote", "add", SHARED_REMOTE, repo)
+        # Its upload-pack runs in the shared repository, which is the
+        # operator's, whoever's account that is (git gives it none of the
+        # fetch's -c settings).
+        serve = ["git", *SAFE_CONFIG, "-c", f"safe.directory={common_dir(repo)}", "upload-pack"]
         await self._must(
-            str(making), "-c", "protocol.file.allow=always", "fetch", "--quiet", "--no-tags",
-            SHARED_REMOTE,
-        )  # fmt: skip
+            str(making),
+            *("-c", "protocol.file.allow=always", "fetch", "--quiet", "--no-tags"),
+            *(f"--upload-pack={shlex.join(serve)}", SHARED_REMOTE),
+        )
+        # And the session's own fetches, for the same reason.
+        uploadpack = shlex.join(["git", "-c", f"safe.directory={common_dir(repo)}", "upload-pack"])
+        await self._must(str(making), "config", f"remote.{SHARED_REMOTE}.uploadpack", uploadpack)
         # Who its commits are by, so that its first `git commit` works (a
         # session's HOME has no git identity): the session, by its branch.
         name = session_name(branch)
@@ -625,6 +633,7 @@ class Worktrees:
         await self._must(str(making), "update-ref", f"refs/heads/{branch}", start)
         # The supervisor's pin of what the session borrows (see the module).
         await self._git(repo, "update-ref", base_ref(branch), start)
+        await asyncio.to_thread(give_back, repo)
         return git_dir
 
     async def _make(self, repo: str, workspace: Path, branch: str, making: Path) -> None:
@@ -724,8 +733,36 @@ class Worktrees:
                 deleted = await self._git(repo, "update-ref", "-d", name)
                 if deleted.code != 0 and name == f"refs/heads/{branch}":
                     problems.append(f"branch {branch} kept: {deleted.last_line}")
+            await asyncio.to_thread(give_back, repo)
         log.info(kv("worktree_removed", repo=repo, branch=branch, branch_deleted=delete_branch))
         return problems
+
+
+def give_back(repo: str) -> None:
+    """Give what root's git just wrote in a shared repository another
+    account owns (refs, reflogs, objects, packed-refs) to that account, so
+    that the operator's own git there is never refused by a file or
+    directory of root's. Nothing to do but as root."""
+    if os.geteuid() != 0:
+        return
+    common = Path(common_dir(repo))
+    try:
+        owner = os.stat(common)
+    except OSError:
+        return
+    if owner.st_uid == 0:
+        return
+    paths = [common / "packed-refs"]
+    for top in ("refs", "logs", "objects"):
+        for root, dirs, files in os.walk(common / top):
+            paths.append(Path(root))
+            paths += [Path(root) / name for name in dirs + files]
+    for path in paths:
+        try:
+            if os.lstat(path).st_uid == 0:
+                os.lchown(path, owner.st_uid, owner.st_gid)
+        except OSError:
+            continue  # gone meanwhile (git's own lock files)
 
 
 def _give_tree(top: Path, uid: int, gid: int) -> None:

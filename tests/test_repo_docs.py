@@ -19,7 +19,7 @@ import pytest
 from hermes_sup.client import SupervisorError
 from hermes_sup.supervisor.worktrees import branch_for
 
-from .test_hostile_session import require_sealed, start_lab
+from .test_hostile_session import NOBODY, require_sealed, start_lab
 from .test_repo_hostile import operator
 from .test_worktrees import heads, make_repo, subjects
 
@@ -29,6 +29,8 @@ pytestmark = [
 ]
 
 DOC = Path(__file__).parent.parent / "docs" / "repositories.md"
+OPERATOR_UID = 4242  # an account of the operator's, no session's
+OPERATOR = ["setpriv", f"--reuid={OPERATOR_UID}", f"--regid={OPERATOR_UID}", "--clear-groups"]
 
 
 def first_time_lines() -> list[str]:
@@ -52,6 +54,12 @@ def test_the_first_time_commands_work_as_written(
     shim = bin_dir / "hermes-sup"
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m hermes_sup.cli "$@"\n')
     shim.chmod(0o755)
+    if mode == "root":
+        # The operator's repository, of the operator's account, not root's.
+        os.chmod(workdir, 0o755)
+        for root, dirs, files in os.walk(home):
+            for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+                os.lchown(name, OPERATOR_UID, OPERATOR_UID)
     args = [a.replace("~", str(home)) for a in shlex.split(serve)[2:]]
     lab = start_lab(supervisor_factory, workdir, mode, *args)
     require_sealed(lab)
@@ -64,8 +72,9 @@ def test_the_first_time_commands_work_as_written(
     }
     said: dict[str, str] = {}
     for line in rest:
+        as_operator = line.startswith("git ") and mode == "root"
         done = subprocess.run(
-            ["sh", "-c", line],
+            [*(OPERATOR if as_operator else []), "sh", "-c", line],
             capture_output=True,
             text=True,
             timeout=120,
@@ -74,12 +83,26 @@ def test_the_first_time_commands_work_as_written(
         )
         assert done.returncode == 0, (line, done.stdout, done.stderr)
         said[line.split()[1]] = done.stdout
+        if line.startswith("hermes-sup send"):
+            # The session fetches the operator's branches, whoever owns them.
+            fetched = subprocess.run(
+                ["hermes-sup", "send", "fix-login", "sh git fetch -q shared && echo fetched"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=env,
+                preexec_fn=operator(mode),
+            )
+            assert "fetched" in fetched.stdout, (fetched.stdout, fetched.stderr)
     assert said["-C"].strip() == "fix login"
     assert "fix-login" in said["repo"] or "fix-login" in said["kill"]
     # Taken as asked, and kept by the purge as the session's branch.
     assert subjects(repo, "fix-login")[0] == "fix login"
     assert subjects(repo, branch_for("fix-login"))[0] == "fix login"
     assert subjects(repo, "main") == ["first"]
+    # What the supervisor and `repo take` wrote there, root, is the operator's.
+    owners = {os.lstat(os.path.join(r, n)).st_uid for r, d, f in os.walk(repo) for n in d + f}
+    assert owners == {OPERATOR_UID if mode == "root" else NOBODY}
 
 
 def test_a_repository_sessions_cannot_read_is_refused_with_what_to_run(

@@ -90,7 +90,7 @@ def test_a_hostile_session_moves_no_ref_outside_its_own_and_the_operator_takes_t
         _, lines = sh(
             two,
             "b",
-            "echo wip > wip.txt && git add wip.txt && git stash -q && "
+            "git fetch -q shared && echo wip > wip.txt && git add wip.txt && git stash -q && "
             "git checkout -q -b b-topic && git checkout -q - && git rebase -q shared/main && "
             "git stash pop -q && git log --format=%s shared/main; echo rc=$?",
         )
