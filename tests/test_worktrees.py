@@ -511,3 +511,39 @@ def test_a_worktree_being_made_blocks_no_one_else_and_can_be_killed(
         assert held["state"] == "exited" and held["pid"] is None
         # Its worktree was finished all the same, and serves its next start.
         assert output(client.run("held", "sh git branch --show-current")) == [branch_for("held")]
+
+
+def test_only_a_configured_repositorys_git_directory_is_bound_into_a_session(
+    tmp_path: Path,
+) -> None:
+    """The sealed worker binds back (read-only) the git directory whose
+    objects the session's repository borrows, and only if it is one of the
+    configured repositories': the session can write its alternates file,
+    and a `.git` that is a symlink or a linked worktree's file counts not."""
+    from hermes_sup.worker.seal_git import git_common_dir, own_worktree_admin
+
+    repos = tmp_path / "repos"
+    shared = make_repo(repos / "r")
+    other = make_repo(tmp_path / "other")
+    workspace = tmp_path / "w"
+    alternates = workspace / ".git" / "objects" / "info" / "alternates"
+    alternates.parent.mkdir(parents=True)
+    alternates.write_text(f"{shared / '.git' / 'objects'}\n")
+    common = (shared / ".git").resolve()
+    assert git_common_dir(workspace, [shared]) == common
+    assert git_common_dir(workspace, [repos / "nothing", shared]) == common
+    assert git_common_dir(workspace, [tmp_path / "elsewhere"]) is None
+    assert own_worktree_admin(common, workspace) is None  # nothing there is its
+    # Another repository named by the session: not one of the configured.
+    alternates.write_text(f"# mine\n{other / '.git' / 'objects'}\n")
+    assert git_common_dir(workspace, [shared]) is None
+    alternates.write_text(f"{shared / '.git'}\n")  # not its objects
+    assert git_common_dir(workspace, [shared]) is None
+    # A .git that is a symlink, or a linked worktree's file, is never followed.
+    alternates.write_text(f"{shared / '.git' / 'objects'}\n")
+    (workspace / ".git").rename(tmp_path / "real.git")
+    (workspace / ".git").symlink_to(tmp_path / "real.git")
+    assert git_common_dir(workspace, [shared]) is None
+    (workspace / ".git").unlink()
+    (workspace / ".git").write_text(f"gitdir: {shared / '.git'}\n")
+    assert git_common_dir(workspace, [shared]) is None
