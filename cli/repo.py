@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from hermes_sup.local.statedir import DATA_DIR_ENV, default_data_dir
-from hermes_sup.supervisor.repos import RepoError, SessionWork, overlaps, survey, take
+
+if TYPE_CHECKING:
+    from hermes_sup.supervisor.repos import SessionWork
 
 DATA_DIR = click.option(
     "--data-dir",
@@ -63,6 +66,10 @@ def list_(repo_path: str | None, as_json: bool, data_dir: Path | None) -> None:
     """Each session's branches (commits ahead of and behind the
     repository's HEAD), its uncommitted changes, and the files that more
     than one session changes."""
+    # Imported here: `hermes-sup --help` lists this command without git's
+    # machinery (asyncio and the supervisor's modules).
+    from hermes_sup.supervisor.repos import RepoError, overlaps, survey
+
     where = _data_dir(data_dir)
     try:
         works = survey(where, str(Path(repo_path).absolute()) if repo_path else None)
@@ -123,6 +130,8 @@ def _table(works: list[SessionWork]) -> list[str]:
 def take_(session: str, as_branch: str | None, data_dir: Path | None) -> None:
     """Bring SESSION's branch into its repository as a branch: a
     fast-forward only, so no branch there loses a commit."""
+    from hermes_sup.supervisor.repos import RepoError, take  # see list_
+
     where = _data_dir(data_dir)
     try:
         work, branch, commit = take(where, session, as_branch)

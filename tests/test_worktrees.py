@@ -547,3 +547,10 @@ def test_only_a_configured_repositorys_git_directory_is_bound_into_a_session(
     (workspace / ".git").unlink()
     (workspace / ".git").write_text(f"gitdir: {shared / '.git'}\n")
     assert git_common_dir(workspace, [shared]) is None
+    # A linked worktree its repository registered (a workspace an operator
+    # made) counts; the same `.git` file anywhere else does not.
+    tree = tmp_path / "tree"
+    git(shared, "worktree", "add", "-q", str(tree))
+    assert git_common_dir(tree, [repos]) == common
+    (workspace / ".git").write_text((tree / ".git").read_text())
+    assert git_common_dir(workspace, [repos]) is None

@@ -1,10 +1,19 @@
-"""A repository shared by sealed sessions, as each sees it. A session's
-workspace is a repository of its own whose objects borrow the shared one's
-(`objects/info/alternates`, supervisor/worktrees.py): the shared repository's
-git directory is bound back into the session's view at its own path, and
-read-only there, all of it. The session reads its objects and branches,
-and writes nothing of it: not a ref (its neighbours' branches, the
-operator's), not an object, not its config or hooks (docs/repositories.md).
+"""A repository shared by sealed sessions, as each sees it.
+
+A session on a repository (`repo`) works in a repository of its own whose
+objects borrow the shared one's (`objects/info/alternates`,
+supervisor/worktrees.py): the shared repository's git directory is bound
+back into the session's view at its own path, read-only there, all of it.
+The session reads its objects and branches, and writes nothing of it: not a
+ref (its neighbours' branches, the operator's), not an object, not its
+config or hooks (docs/repositories.md).
+
+A workspace an operator made as a linked worktree of a repository (a
+`workspace` under a workspace root) keeps its repository's git directory
+visible too, with what git runs or follows there read-only, so that its
+configuration runs nowhere else; it commits to that repository's refs. It
+counts only if the repository has it registered (`worktrees/<name>` whose
+`gitdir` names it): a session can write its own `.git` file, never that.
 """
 
 from __future__ import annotations
@@ -15,9 +24,15 @@ from pathlib import Path
 
 from hermes_sup.local.syscalls import MS_BIND, MS_REC
 
-from .seal_calls import _mount, _read_small, _remount_readonly
+from .seal_calls import _mount, _open_path, _read_small, _remount_readonly, _under
 
+# What of a linked worktree's repository its session may not change: what
+# git runs (config, hooks), what decides it (info/attributes), the main
+# worktree's state and every other worktree. In its own worktree's
+# directory, what points git elsewhere or configures it.
+GIT_READ_ONLY = ("config", "config.worktree", "hooks", "info", "HEAD", "index", "modules")
 GIT_WORKTREES = "worktrees"
+ADMIN_READ_ONLY = ("config.worktree", "commondir", "gitdir")
 
 
 def _common_dirs(repos: Iterable[Path]) -> dict[str, Path]:
@@ -38,16 +53,24 @@ def _common_dirs(repos: Iterable[Path]) -> dict[str, Path]:
 
 
 def git_common_dir(workspace: Path, repos: Iterable[Path]) -> Path | None:
-    """The shared repository's git directory whose objects a session's
-    repository borrows (a line of its `.git/objects/info/alternates`), which
-    must stay visible at its own path for git to work in it; None for
-    anything else. The session can write that file, so only the git
-    directory of one of `repos` (its repository, the configured one, a
-    repository root that is one) counts: anything else it names is never
-    bound into its view."""
+    """The git directory of the repository a workspace needs visible at its
+    own path for git to work in it, if it is one of `repos` (the session's
+    repository, the configured one, the repository roots); None for
+    anything else. A session's own repository names it in its alternates; a
+    linked worktree counts only if that repository registered it."""
     dotgit = workspace / ".git"
-    if not os.path.isdir(dotgit) or os.path.islink(dotgit):
-        return None
+    if os.path.islink(dotgit):
+        return None  # never followed: the session may have made it
+    if os.path.isdir(dotgit):
+        return _borrowed_from(dotgit, repos)
+    return _registered_in(workspace, repos)
+
+
+def _borrowed_from(dotgit: Path, repos: Iterable[Path]) -> Path | None:
+    """The git directory whose objects a session's repository borrows (a
+    line of its `objects/info/alternates`), if it is that of one of `repos`
+    exactly: the session can write that file, and anything else it names is
+    never bound into its view."""
     text = _read_small(dotgit / "objects" / "info" / "alternates")
     if text is None:
         return None
@@ -60,6 +83,27 @@ def git_common_dir(workspace: Path, repos: Iterable[Path]) -> Path | None:
         if common is not None and os.path.realpath(named) == str(common / "objects"):
             return common
     return None
+
+
+def _registered_in(workspace: Path, repos: Iterable[Path]) -> Path | None:
+    """The common git directory of a linked worktree workspace (a `.git`
+    file naming `gitdir: ...`) under one of `repos`, if that repository has
+    the worktree registered: its `worktrees/<name>/gitdir`, which git wrote,
+    names this workspace."""
+    text = _read_small(workspace / ".git")
+    if text is None or not text.startswith("gitdir:"):
+        return None
+    admin = Path(text.partition(":")[2].strip())
+    if not admin.is_absolute():
+        admin = workspace / admin
+    common = _read_small(admin / "commondir")
+    if common is None:
+        return None  # a repository's own git directory is no worktree's
+    named = Path(common.strip())
+    path = (named if named.is_absolute() else admin / named).resolve()
+    if not _under(path, [Path(r).resolve() for r in repos]):
+        return None
+    return path if own_worktree_admin(path, workspace) is not None else None
 
 
 def own_worktree_admin(common: Path, workspace: Path) -> Path | None:
@@ -90,11 +134,27 @@ def _bind_read_only(step: str, path: Path) -> None:
 
 
 def _protect_git(common: Path, workspace: Path) -> None:
-    """In the session's view, the shared repository's git directory is
-    read-only, all of it: its refs (every other session's branches and the
-    operator's), objects, packed-refs and reflogs, config, hooks and
-    worktrees. The session's own repository (in its workspace) is where it
-    writes. `workspace` is its repository's work tree: nothing of it is in
-    `common`."""
-    del workspace  # nothing of the session's own is under the shared directory
-    _bind_read_only("git", common)
+    """In the session's view, what of the repository in `common` it may not
+    change becomes read-only: for a session's own repository, the whole
+    shared git directory (its refs, every other session's branches and the
+    operator's, objects, packed-refs, reflogs, config, hooks); for a
+    linked worktree, its repository's config, hooks, attributes and other
+    worktrees (GIT_READ_ONLY), and in its own worktree's directory what
+    redirects or configures git (ADMIN_READ_ONLY)."""
+    if os.path.isdir(workspace / ".git"):
+        _bind_read_only("git", common)
+        return
+    own = own_worktree_admin(common, workspace)
+    own_fd = _open_path("git", own) if own is not None else None
+    try:
+        for name in (*GIT_READ_ONLY, GIT_WORKTREES):
+            if os.path.lexists(common / name):
+                _bind_read_only("git", common / name)
+        if own is not None and own_fd is not None:
+            _mount("git", f"/proc/self/fd/{own_fd}", str(own), None, MS_BIND)
+            for name in ADMIN_READ_ONLY:
+                if os.path.lexists(own / name):
+                    _bind_read_only("git", own / name)
+    finally:
+        if own_fd is not None:
+            os.close(own_fd)
