@@ -162,7 +162,9 @@ def _fetch(repo: str, work: SessionWork, *refspecs: str, prune: bool = False) ->
     """Fetch `refspecs` from the session's repository into `repo`, as its
     owner's upload-pack (worktrees.fetch_args); RepoError if it fails."""
     if not worktree_ready(work.workspace):
-        raise RepoError(f"session {work.key!r} has no repository yet (it never started)")
+        raise RepoError(
+            f"session {work.key!r} has no repository of its own yet (one is made at its next start)"
+        )
     try:
         fd, st = open_session_git(work.workspace)
     except OSError as exc:
@@ -175,7 +177,6 @@ def _fetch(repo: str, work: SessionWork, *refspecs: str, prune: bool = False) ->
         done = git(repo, *args, pass_fd=fd)
     finally:
         os.close(fd)
-        give_back(repo)
     if done.returncode != 0:
         if "non-fast-forward" in done.stderr or "[rejected]" in done.stderr:
             raise RepoError(
@@ -208,6 +209,8 @@ def survey(data_dir: Path, repo: str | None = None) -> list[SessionWork]:
     works = sessions_on(data_dir, repo)
     for work in works:
         _look_at(work)
+    for repository in {w.repo for w in works if repository_problem(w.repo) is None}:
+        give_back(repository)
     return works
 
 
@@ -357,6 +360,9 @@ def take(data_dir: Path, key: str, as_branch: str | None) -> tuple[SessionWork, 
     named = git(repo, "check-ref-format", "--branch", branch)
     if named.returncode != 0 or branch.startswith("-"):
         raise RepoError(f"{branch!r} is not a name git takes for a branch")
-    _fetch(repo, work, f"refs/heads/{work.branch}:refs/heads/{branch}")
+    try:
+        _fetch(repo, work, f"refs/heads/{work.branch}:refs/heads/{branch}")
+    finally:
+        give_back(repo)
     commit = git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}")
     return work, branch, commit.stdout.strip()

@@ -633,7 +633,7 @@ class Worktrees:
         await self._must(str(making), "update-ref", f"refs/heads/{branch}", start)
         # The supervisor's pin of what the session borrows (see the module).
         await self._git(repo, "update-ref", base_ref(branch), start)
-        await asyncio.to_thread(give_back, repo)
+        await asyncio.to_thread(give_back, repo, ("refs/hermes-sup",))
         return git_dir
 
     async def _make(self, repo: str, workspace: Path, branch: str, making: Path) -> None:
@@ -738,11 +738,11 @@ class Worktrees:
         return problems
 
 
-def give_back(repo: str) -> None:
+def give_back(repo: str, tops: tuple[str, ...] = ("refs", "logs", "objects")) -> None:
     """Give what root's git just wrote in a shared repository another
-    account owns (refs, reflogs, objects, packed-refs) to that account, so
-    that the operator's own git there is never refused by a file or
-    directory of root's. Nothing to do but as root."""
+    account owns (under `tops` of its git directory, and packed-refs) to
+    that account, so that the operator's own git there is never refused by
+    a file or directory of root's. Nothing to do but as root."""
     if os.geteuid() != 0:
         return
     common = Path(common_dir(repo))
@@ -753,7 +753,7 @@ def give_back(repo: str) -> None:
     if owner.st_uid == 0:
         return
     paths = [common / "packed-refs"]
-    for top in ("refs", "logs", "objects"):
+    for top in tops:
         for root, dirs, files in os.walk(common / top):
             paths.append(Path(root))
             paths += [Path(root) / name for name in dirs + files]
