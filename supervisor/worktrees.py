@@ -94,8 +94,8 @@ GIT_TIMEOUT = 120.0
 LOCK_RETRIES = 5
 LOCK_ERRORS = ("index.lock", ".lock': File exists", "cannot lock ref", "Unable to create")
 MAX_GIT_OUTPUT = 64 * 1024
-# Where git finds what is handed to it open (GitRunner.run): a session's
-# repository, then the shared objects.
+# Where git and its children find a session's repository handed to them
+# open (GitRunner.run's pass_fds, and on).
 PASSED_FD = 3
 
 

@@ -554,3 +554,8 @@ def test_only_a_configured_repositorys_git_directory_is_bound_into_a_session(
     assert git_common_dir(tree, [repos]) == common
     (workspace / ".git").write_text((tree / ".git").read_text())
     assert git_common_dir(workspace, [repos]) is None
+    # A linked worktree named as the repository (the operator's choice)
+    # stands for its repository.
+    (workspace / ".git").unlink()
+    (tmp_path / "real.git").rename(workspace / ".git")
+    assert git_common_dir(workspace, [tree]) == common

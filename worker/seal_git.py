@@ -37,13 +37,21 @@ ADMIN_READ_ONLY = ("config.worktree", "commondir", "gitdir")
 
 def _common_dirs(repos: Iterable[Path]) -> dict[str, Path]:
     """The git directories of the repositories in `repos` (their realpaths,
-    as strings), of those that are one: `.git` of a work tree, or a bare
-    repository itself."""
+    as strings), of those that are one: `.git` of a work tree, the common
+    directory of a linked worktree named as the repository (the operator's
+    choice), or a bare repository itself."""
     found: dict[str, Path] = {}
     for repo in repos:
         dotgit = repo / ".git"
         if os.path.isdir(dotgit) and not os.path.islink(dotgit):
             common = Path(os.path.realpath(dotgit))
+        elif os.path.isfile(dotgit):
+            text = _read_small(dotgit) or ""
+            admin = Path(repo, text.partition(":")[2].strip())
+            named = (_read_small(admin / "commondir") or "").strip()
+            if not text.startswith("gitdir:") or not named:
+                continue
+            common = Path(os.path.realpath(admin / named))
         elif (repo / "HEAD").is_file() and (repo / "objects").is_dir():
             common = Path(os.path.realpath(repo))
         else:
