@@ -82,6 +82,9 @@ BRANCH_KEY_LENGTH = 40
 # started from, and each session's branches as last brought in (repos.py).
 BASES_REFS = "refs/hermes-sup/bases/"
 SESSIONS_REFS = "refs/hermes-sup/sessions/"
+# Where a purged session's branch is kept when the branch of its name in the
+# shared repository has commits it has not.
+KEPT_REFS = "refs/hermes-sup/kept/"
 # What a session's repository calls the shared one (a remote it can fetch
 # from and never push to).
 SHARED_REMOTE = "shared"
@@ -679,18 +682,30 @@ class Worktrees:
 
     async def keep_branch(self, repo: str, workspace: Path, branch: str) -> str | None:
         """Bring the session's branch into the shared repository as
-        `branch` (fast-forward only: never over other work); why not, or
-        None once done."""
+        `branch`, a fast-forward only (never over other work), else as
+        `refs/hermes-sup/kept/<name>` (the supervisor's, never the
+        operator's branches); a note on where it went unless it went to
+        `branch`, or why it could not be kept."""
         try:
             fd, st = open_session_git(workspace)
         except OSError as exc:
-            return f"no session repository to keep it from ({exc.strerror})"
+            return f"not kept: no session repository to keep it from ({exc.strerror})"
+        aside = f"{KEPT_REFS}{session_name(branch)}"
         try:
-            refspec = f"refs/heads/{branch}:refs/heads/{branch}"
-            kept = await self.git.run(repo, *fetch_args(repo, st, refspec), pass_fds=(fd,))
+            for refspec in (
+                f"refs/heads/{branch}:refs/heads/{branch}",
+                f"+refs/heads/{branch}:{aside}",
+            ):
+                kept = await self.git.run(repo, *fetch_args(repo, st, refspec), pass_fds=(fd,))
+                if kept.code == 0:
+                    break
         finally:
             os.close(fd)
-        return None if kept.code == 0 else kept.last_line
+        if kept.code != 0:
+            return f"not kept: {kept.last_line}"
+        if refspec.endswith(aside):
+            return f"kept as {aside}: the branch of that name there has other commits"
+        return None
 
     async def remove(
         self, repo: str, workspace: Path, branch: str, delete_branch: bool
@@ -712,15 +727,17 @@ class Worktrees:
             elif not delete_branch and worktree_ready(workspace):
                 why = await self.keep_branch(repo, workspace, branch)
                 if why is not None:
-                    problems.append(f"branch {branch} not kept: {why}")
+                    problems.append(f"branch {branch} {why}")
             await asyncio.to_thread(shutil.rmtree, workspace, True)
             await asyncio.to_thread(shutil.rmtree, workspace.parent / MAKING, True)
             await self._git(repo, "worktree", "prune")
-            # The supervisor's refs of the session: what it borrowed, and
-            # what the operator last listed of it.
+            # The supervisor's refs of the session: what it borrowed, what
+            # the operator last listed of it (and, keeping nothing, its
+            # work kept aside at an earlier purge).
+            kept = [f"{KEPT_REFS}{session_name(branch)}"] if delete_branch else []
             refs = await self.git.run(
                 repo, "for-each-ref", "--format=%(refname)",
-                base_ref(branch), f"{SESSIONS_REFS}{session_name(branch)}/",
+                base_ref(branch), f"{SESSIONS_REFS}{session_name(branch)}/", *kept,
             )  # fmt: skip
             names = refs.output.split() if refs.code == 0 else []
             if delete_branch:

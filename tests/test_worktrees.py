@@ -559,3 +559,34 @@ def test_only_a_configured_repositorys_git_directory_is_bound_into_a_session(
     (workspace / ".git").unlink()
     (tmp_path / "real.git").rename(workspace / ".git")
     assert git_common_dir(workspace, [tree]) == common
+
+
+def test_a_purged_sessions_branch_never_goes_over_other_work(tmp_path: Path) -> None:
+    """Purged, a session's branch is brought into the repository as a
+    fast-forward; where the repository's branch of that name has commits
+    the session's has not, it is kept aside in the supervisor's refs, and
+    --delete-branch keeps nothing."""
+    import asyncio
+
+    from hermes_sup.supervisor.worktrees import KEPT_REFS, GitRunner, Worktrees
+
+    repo = make_repo(tmp_path / "repo")
+    trees = Worktrees(GitRunner(os.environ, lambda: None, lambda: None, lambda pid: None))
+    workspace = tmp_path / "s" / "workspace"
+    branch = branch_for("s")
+    aside = KEPT_REFS + branch.removeprefix("hermes-sup/")
+    asyncio.run(trees.ensure(str(repo), workspace, branch))
+    git(workspace, "commit", "-q", "--allow-empty", "-m", "by the session")
+    git(repo, "branch", branch, "main")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "by the operator")
+    git(repo, "branch", "-f", branch, "main")
+    problems = asyncio.run(trees.remove(str(repo), workspace, branch, False))
+    assert problems == [
+        f"branch {branch} kept as {aside}: the branch of that name there has other commits"
+    ]
+    assert subjects(repo, branch)[0] == "by the operator"
+    assert subjects(repo, aside)[0] == "by the session"
+    asyncio.run(trees.ensure(str(repo), workspace, branch))  # again, from its branch
+    assert asyncio.run(trees.remove(str(repo), workspace, branch, True)) == []
+    assert list(heads(repo)) == ["main"]
+    assert git(repo, "for-each-ref", "refs/hermes-sup/") == ""
