@@ -47,7 +47,7 @@ def repo() -> None:
 
     Each session works in a repository of its own, on its own branch,
     whose objects come from the repository it was opened on; none of its
-    commits is in that repository until it is taken.
+    commits is in that repository until it is taken, or the session purged.
 
     \b
     Examples:
@@ -100,7 +100,9 @@ def _table(works: list[SessionWork]) -> list[str]:
         if work.problem is not None:
             rows.append((work.key, work.branch, "-", "-", "-", f"{work.repo} ({work.problem})"))
             continue
-        for i, branch in enumerate(work.branches or []):
+        if not work.branches:
+            rows.append((work.key, "(no branch)", "-", "-", dirty, work.repo))
+        for i, branch in enumerate(work.branches):
             rows.append(
                 (
                     work.key,
