@@ -67,6 +67,7 @@ COMMANDS = {
     "logs": "logs:logs",
     "route": "route:route",
     "ray": "ray:ray_group",
+    "repo": "repo:repo",
     "completion": "complete:completion",
 }
 

@@ -55,8 +55,8 @@ from .terminal import Screen, is_terminal
 @click.option(
     "--repo",
     default=None,
-    help="Work in a worktree of this git repository, on a branch of its own (under one "
-    "of the supervisor's --repo-root).",
+    help="Work in a repository of its own made from this git repository, on a branch of "
+    "its own (under one of the supervisor's --repo-root).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.pass_context
@@ -194,7 +194,7 @@ def _list_lines(
     "--repo",
     default=None,
     metavar="PATH",
-    help="Only sessions working on this git repository (each in its own worktree).",
+    help="Only sessions working on this git repository (each in a repository of its own).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Only the keys, one a line.")
 @click.option(
@@ -332,7 +332,8 @@ def inspect(ctx: click.Context, session: str, as_json: bool) -> None:
 @click.option(
     "--delete-branch",
     is_flag=True,
-    help="With --purge: delete the session's git branch too (its worktree always goes).",
+    help="With --purge: keep nothing of its git work (by default its branch is brought "
+    "into the repository first); its own repository always goes.",
 )
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before purging.")
 @click.pass_context
@@ -351,8 +352,8 @@ def kill(
     Graceful by default: the worker is asked to stop, then its process group
     gets SIGTERM, then SIGKILL. The data (workspace, HERMES_HOME, log) stays,
     and the next message starts a fresh worker on it, unless --purge. A
-    session's git worktree goes with --purge; its branch stays (with its
-    commits) unless --delete-branch.
+    session's own git repository goes with --purge; its branch is brought
+    into the repository first (with its commits) unless --delete-branch.
 
     \b
     Examples:

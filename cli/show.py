@@ -86,7 +86,7 @@ MIN_KEY_WIDTH = 16
 # The LABEL column (shown only when a session has a label) is at most this
 # wide: a label may have 200 characters; the rest is in `inspect`.
 MAX_LABEL_WIDTH = 32
-# BRANCH (shown only when a session works in a git worktree): the branch.
+# BRANCH (shown only when a session works on a git repository): its branch.
 MAX_BRANCH_WIDTH = 48
 
 
@@ -258,7 +258,7 @@ def inspect_lines(info: dict[str, Any], now: float) -> list[str]:
         f"data:       {info['dir']}",
         f"workspace:  {info['workspace']}"
         + (
-            f"   (a worktree of {info['repo']}, branch {info['branch']})"
+            f"   (a repository of its own from {info['repo']}, branch {info['branch']})"
             if info.get("repo")
             else ""
         ),

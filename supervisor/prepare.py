@@ -22,9 +22,11 @@ from .pool import WorkerPool
 from .sealing import SESSIONS_GID
 from .session import Session
 from .table import SessionTable
-from .worktrees import GitRunner, Worktrees, commit_problem, worktree_ready
+from .worktrees import GitRunner, WorktreeError, Worktrees, read_problem, worktree_ready
 
 log = logging.getLogger("hermes_sup.supervisor")
+
+COMMON_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 class Preparation:
@@ -46,8 +48,8 @@ class Preparation:
                 lambda pid: self.pool.unclaimed_exits.pop(pid, None),
             )
         )
-        # Repositories already checked for whether sealed sessions can commit.
-        self._commit_checked: set[str] = set()
+        # Repositories sealed sessions were found to be able to read.
+        self._read_checked: set[str] = set()
 
     def template_to_seed(self, session: Session) -> Path | None:
         """The template its home is to be copied from, if it has one and
@@ -68,20 +70,25 @@ class Preparation:
         home from `template` (if given). WorktreeError or OSError says why
         it cannot be."""
         if session.repo is not None and session.branch is not None:
+            self._check_readable(session.repo)
             await self.worktrees.ensure(session.repo, session.workspace, session.branch)
-            self._check_commits(session.repo)
         if template is not None:
             values = placeholder_values(session.key, session.options.session_env)
             await asyncio.to_thread(seed_home, template, session.home, values)
 
-    def _check_commits(self, repo: str) -> None:
-        """Say once per repository if sealed sessions could not commit to it."""
-        if self.pool.sealing.mode != "root" or repo in self._commit_checked:
+    def _check_readable(self, repo: str) -> None:
+        """Refuse a repository sealed sessions could not read, with what to
+        run (WorktreeError); checked until it passes."""
+        if self.pool.sealing.mode != "root" or repo in self._read_checked:
             return
-        self._commit_checked.add(repo)
-        problem = commit_problem(repo, SESSIONS_GID)
+        settings = self.ctx.settings
+        # What a sealed session sees as its own directories (worker/seal.py).
+        mounted = [*COMMON_TMP, *settings.repo_roots, *settings.workspace_roots, settings.repo]
+        problem = read_problem(repo, SESSIONS_GID, [m for m in mounted if m])
         if problem is not None:
-            log.warning(kv("repo_not_writable_by_sessions", repo=repo, hint=problem))
+            log.warning(kv("repo_not_readable_by_sessions", repo=repo, hint=problem))
+            raise WorktreeError(problem)
+        self._read_checked.add(repo)
 
     async def purge(self, session: Session, delete_branch: bool) -> str:
         """Delete a stopped session's data (kill --purge): first its

@@ -27,11 +27,9 @@ from hermes_sup.client import Client
 from hermes_sup.local.syscalls import LANDLOCK_SCOPE_ABI, landlock_abi
 from hermes_sup.protocol import session_dir_name
 from hermes_sup.seal.calls import FAULT_ENV
-from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.worker import seal
 
 from .test_sealed import as_nobody_with_the_interpreter_reachable, sh
-from .test_worktrees import make_repo
 from .waiting import wait_for
 
 pytestmark = [
@@ -547,54 +545,6 @@ def test_a_fork_bomb_and_a_runaway_write_are_stopped_by_the_kernel(
 
 
 # ---------------------------------------------------------------- git
-
-
-def test_one_sessions_git_config_runs_in_no_other_session_nor_the_supervisor(
-    supervisor_factory, workdir: Path, request
-) -> None:
-    """All worktrees of a repository share its config: one session set
-    core.fsmonitor, another session's `git status` ran it, and opening a
-    new session ran it as root in the supervisor's `git worktree add`.
-    The repository is writable by sessions (committing needs it)."""
-    repo = make_repo(workdir / "repo")
-    os.chmod(workdir, 0o755)
-    pwned = workdir / "pwned"
-    pwned.mkdir(mode=0o777)
-    os.chmod(pwned, 0o777)
-    lab = start_lab(supervisor_factory, workdir, "root", "--repo", str(repo))
-    require_sealed(lab)
-    common = repo / ".git"
-    with lab.client() as client:
-        client.run("a", "pid")
-        client.run("b", "pid")
-        admin_b = [p for p in (common / "worktrees").iterdir() if p.name != "workspace"]
-        command = f"touch {pwned}/ran-$HERMES_SESSION_KEY; false"
-        got = tries(
-            client,
-            "a",
-            {
-                "config": f"git config core.fsmonitor '{command}'",
-                "config-file": f"echo '[core] fsmonitor = {command}' >> {common}/config",
-                "hook": f"printf '#!/bin/sh\\n{command}\\n' > {common}/hooks/post-checkout",
-                "attributes": f"echo '* filter=evil' > {common}/info/attributes",
-                "other-worktree": " && ".join(
-                    f"echo '[core] fsmonitor = {command}' > {p}/config.worktree" for p in admin_b
-                )
-                or "false",
-            },
-        )
-        for name, lines in got.items():
-            assert refused(lines), (name, lines)
-        # b works with git; a commits to its own branch.
-        sh(client, "b", "git status --porcelain; git log -1 --format=%s")
-        text, lines = sh(client, "a", "echo x > a.txt && git add a.txt && "
-                         "git -c user.name=a -c user.email=a@a commit -qm by-a; echo rc=$?")  # fmt: skip
-        assert lines[-1] == "rc=0", lines
-        client.open("c")  # the supervisor's `git worktree add`, as root
-        sh(client, "c", "git status --porcelain")
-    assert list(pwned.iterdir()) == []
-    assert "fsmonitor" not in (common / "config").read_text()
-    assert (common / "objects").stat().st_gid == SESSIONS_GID
 
 
 # ---------------------------------------------------------------- memory

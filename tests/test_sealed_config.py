@@ -62,7 +62,7 @@ def test_what_a_worker_is_told_to_seal_itself_with(tmp_path: Path) -> None:
     assert root["socket"] == str(tmp_path / "s" / "workers.sock")
     assert root["user_dir"] == str(session.dir / "user")
     # The repository's own checkout is hidden too: a session sees only its
-    # git directory (and its own worktree).
+    # git directory (and its own repository, in its workspace).
     assert root["hide"] == ["/srv/ws", "/srv/repos", "/srv/repo"]
     assert root["repos"] == ["/srv/repo", "/srv/repos"]
     assert root["groups"] == [sealing.SESSIONS_GID] and root["tmp_bytes"] == 256 * 1024 * 1024
@@ -84,22 +84,6 @@ def test_the_fixed_paths_are_under_the_data_dir(tmp_path: Path) -> None:
     )
     paths.make()
     assert all(p.is_dir() for p in (paths.home, paths.workspace, paths.user))
-
-
-def test_a_git_worktree_counts_only_under_the_configured_repositories(tmp_path: Path) -> None:
-    repos = tmp_path / "repos"
-    common = repos / "r" / ".git"
-    admin = common / "worktrees" / "w"
-    admin.mkdir(parents=True)
-    (admin / "commondir").write_text("../..\n")
-    workspace = tmp_path / "w"
-    workspace.mkdir()
-    (workspace / ".git").write_text(f"gitdir: {admin}\n")
-    assert seal.git_common_dir(workspace, [repos]) == common.resolve()
-    assert seal.git_common_dir(workspace, [tmp_path / "elsewhere"]) is None
-    (workspace / ".git").unlink()
-    (workspace / ".git").symlink_to(admin / "commondir")  # never followed
-    assert seal.git_common_dir(workspace, [repos]) is None
 
 
 def test_relative_directories_are_made_absolute(tmp_path: Path, monkeypatch) -> None:

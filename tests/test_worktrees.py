@@ -1,5 +1,5 @@
-"""One repository, many sessions: each session works in its own git worktree
-on its own branch, knows which other sessions are live on the repository,
+"""One repository, many sessions: each session works in a repository of its
+own (borrowing the shared one's objects) on its own branch, knows which other sessions are live on the repository,
 and gets its own values in a home seeded from a template. Real supervisor,
 real workers, real git in temporary directories."""
 
@@ -17,7 +17,6 @@ import pytest
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.homes import placeholder_values, safe_value
-from hermes_sup.supervisor.sealing import SESSIONS_GID
 from hermes_sup.supervisor.worktrees import branch_for, peers_text, repository_problem
 
 from .clirunner import hermes_sup
@@ -49,32 +48,24 @@ def git(repo: Path, *args: str) -> str:
 
 
 def make_repo(path: Path) -> Path:
-    """A repository sessions can commit to: sealed as root, each runs as a
-    uid of its own in the sessions' group (docs/repositories.md)."""
+    """A repository as an operator has one: nothing done to it for sessions
+    (they read it, and never write it)."""
     path.mkdir(parents=True)
     git(path, "init", "-q", "-b", "main")
     (path / "README").write_text("shared\n")
     git(path, "add", "README")
     git(path, "commit", "-q", "-m", "first")
-    git(path, "config", "core.sharedRepository", "group")
-    for root, dirs, files in os.walk(path / ".git"):
-        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
-            os.chown(name, -1, SESSIONS_GID)
-            os.chmod(name, os.stat(name).st_mode | 0o060 | (0o2010 if os.path.isdir(name) else 0))
     return path
 
 
-def worktrees(repo: Path) -> dict[str, str]:
-    """`git worktree list`: path -> branch (ref), the main one included."""
-    found: dict[str, str] = {}
-    path = None
-    for line in git(repo, "worktree", "list", "--porcelain").splitlines():
-        if line.startswith("worktree "):
-            path = line.split(" ", 1)[1]
-            found[path] = ""
-        elif line.startswith("branch ") and path is not None:
-            found[path] = line.split(" ", 1)[1].removeprefix("refs/heads/")
-    return found
+def heads(repo: Path) -> dict[str, str]:
+    """The repository's branches: name -> commit."""
+    found = git(repo, "for-each-ref", "--format=%(refname:short) %(objectname)", "refs/heads")
+    return dict(line.split() for line in found.splitlines())
+
+
+def subjects(repo: Path, rev: str) -> list[str]:
+    return git(repo, "log", "--format=%s", rev).split("\n")[:-1]
 
 
 def output(reply) -> list[str]:  # noqa: ANN001
@@ -168,22 +159,15 @@ def test_two_sessions_on_one_repository_each_work_on_their_own_branch(
             assert head == [branches[key]]
             reply = client.run(key, f"sh git add {key}.txt && {COMMIT} 'work of {key}'")
             assert reply.text == "exit 0", output(reply)
-        listed = worktrees(repo)
-        assert listed[str(repo)] == "main"
-        assert listed[str(spaces["alice"])] == branches["alice"]
-        assert listed[str(spaces["bob"])] == branches["bob"]
-        # Each branch has its own commit on top of main; main has neither.
-        assert git(repo, "log", "--format=%s", branches["alice"]).split("\n")[:2] == [
-            "work of alice",
-            "first",
-        ]
-        assert git(repo, "log", "--format=%s", branches["bob"]).split("\n")[:2] == [
-            "work of bob",
-            "first",
-        ]
-        assert git(repo, "log", "--format=%s", "main").strip() == "first"
+        # Each branch has its own commit on top of main, in the session's
+        # own repository; the shared one has neither, nor any session's branch.
+        for key in ("alice", "bob"):
+            assert (spaces[key] / ".git").is_dir()
+            assert subjects(spaces[key], branches[key]) == [f"work of {key}", "first"]
+        assert subjects(repo, "main") == ["first"]
+        assert list(heads(repo)) == ["main"]
         assert not (repo / "alice.txt").exists() and not (repo / "bob.txt").exists()
-        # A restart of the worker finds its worktree as it left it.
+        # A restart of the worker finds its repository as it left it.
         client.kill("alice")
         assert output(client.run("alice", "sh git log -1 --format=%s")) == ["work of alice"]
         rows = {r["key"]: r for r in client.sessions()}
@@ -192,20 +176,22 @@ def test_two_sessions_on_one_repository_each_work_on_their_own_branch(
         killed = client.kill("alice", purge=True)
         assert "data purged" in killed.reason and "kept" in killed.reason
     assert not spaces["alice"].exists()
-    listed = worktrees(repo)
-    assert str(spaces["alice"]) not in listed and listed[str(spaces["bob"])] == branches["bob"]
-    assert git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branches['alice']}")
-    assert git(repo, "-C", str(spaces["bob"]), "status", "--porcelain") == ""
+    # Purged, its branch was brought into the shared repository first.
+    assert subjects(repo, branches["alice"]) == ["work of alice", "first"]
+    assert branches["bob"] not in heads(repo)
+    assert git(spaces["bob"], "status", "--porcelain") == ""
     assert (spaces["bob"] / "bob.txt").read_text() == "from bob"
     with sup.client() as client:
-        # Back again, the session finds its kept branch and its commit.
+        # Back again, the session starts from its kept branch and its commit.
         assert output(client.run("alice", "sh git log -1 --format=%s")) == ["work of alice"]
         assert output(client.run("bob", "sh cat bob.txt")) == ["from bob"]
     gone = cli(sup, "kill", "alice", "--purge", "--delete-branch", "--yes")
     assert gone.returncode == 0, gone.stderr
     assert "deleted" in gone.stdout
-    assert branches["alice"] not in git(repo, "branch", "--list", "hermes-sup/*")
-    assert branches["bob"] in git(repo, "branch", "--list", "hermes-sup/*")
+    assert list(heads(repo)) == ["main"]
+    assert "refs/hermes-sup/bases/" + branches["bob"].removeprefix("hermes-sup/") in git(
+        repo, "for-each-ref", "--format=%(refname)"
+    )
     assert "worktree_removed" in sup.log()
 
 
@@ -229,9 +215,8 @@ def test_twenty_sessions_created_at_once_get_twenty_worktrees(
             assert client.run(k, f"write {k}.txt {k}").ok
         tops = {k: output(client.run(k, "sh git branch --show-current; ls *.txt")) for k in keys}
     assert all(tops[k] == [branch_for(k), f"{k}.txt"] for k in keys), tops
-    listed = worktrees(repo)
-    assert len(listed) == 21
-    assert sorted(b for b in listed.values() if b != "main") == sorted(map(branch_for, keys))
+    bases = git(repo, "for-each-ref", "--format=%(refname)", "refs/hermes-sup/bases/")
+    assert len(bases.split()) == 20 and list(heads(repo)) == ["main"]
     log = sup.log()
     assert "prepare_failed" not in log and "lock" not in log.lower()
     assert log.count("worktree_added") == 20
@@ -381,41 +366,57 @@ def test_a_template_home_gives_each_session_its_own_values(
     assert (homes["slack:C9"] / "config.yaml").read_text() == "mine\n"
 
 
-def test_what_a_crash_leaves_is_cleaned_and_a_worktree_is_made_again(tmp_path: Path) -> None:
-    """Worktrees with real git, no supervisor: a worktree is reused, one left
-    half made is made again, and one whose directory went (with its
-    session's data) is pruned before the next is added."""
+def test_what_a_crash_leaves_is_made_again_and_an_old_worktree_is_made_a_repository(
+    tmp_path: Path,
+) -> None:
+    """Sessions' repositories with real git, no supervisor: one is reused,
+    one left half made is made again, and a linked worktree an earlier
+    version made becomes a repository of its own, its commits, index and
+    files as they were, its entry in the shared repository gone."""
     import asyncio
 
-    from hermes_sup.supervisor.worktrees import GitRunner, Worktrees, worktree_ready
+    from hermes_sup.supervisor.worktrees import MAKING, GitRunner, Worktrees, worktree_ready
 
     repo = make_repo(tmp_path / "repo")
     trees = Worktrees(GitRunner(os.environ, lambda: None, lambda: None, lambda pid: None))
     one, two = tmp_path / "one" / "workspace", tmp_path / "two" / "workspace"
+    # An earlier version's session: a linked worktree, with a commit on its
+    # branch, a staged file and an untracked one.
+    git(repo, "worktree", "add", "-q", "-b", branch_for("two"), str(two))
+    (two / "done.txt").write_text("done\n")
+    git(two, "add", "done.txt")
+    git(two, "commit", "-q", "-m", "by two")
+    (two / "staged.txt").write_text("staged\n")
+    git(two, "add", "staged.txt")
+    (two / "loose.txt").write_text("loose\n")
 
     async def scenario() -> list[bool]:
         made = [await trees.ensure(str(repo), one, branch_for("one"))]
         made.append(await trees.ensure(str(repo), one, branch_for("one")))  # reused
-        # A crash during `git worktree add` leaves it locked "initializing".
-        admin = Path((one / ".git").read_text().split(":", 1)[1].strip())
-        (admin / "locked").write_text("initializing")
+        # A crash while it was made: its files there, its repository not yet.
+        subprocess.run(["rm", "-rf", str(one / ".git")], check=True, timeout=60)
+        (one.parent / MAKING).mkdir()
         assert not worktree_ready(one)
         made.append(await trees.ensure(str(repo), one, branch_for("one")))
-        # The session's data deleted by hand (or lost): only git's entry is left.
-        subprocess.run(["rm", "-rf", str(one.parent)], check=True, timeout=60)
         made.append(await trees.ensure(str(repo), two, branch_for("two")))
-        made.append(await trees.ensure(str(repo), one, branch_for("one")))  # back, same branch
         return made
 
-    assert asyncio.run(scenario()) == [True, False, True, True, True]
+    assert asyncio.run(scenario()) == [True, False, True, True]
     assert worktree_ready(one) and worktree_ready(two)
-    assert set(worktrees(repo)) == {str(repo), str(one), str(two)}
-    assert git(repo, "worktree", "prune", "--dry-run", "--verbose") == ""
+    assert not (one.parent / MAKING).exists()
+    assert git(one, "status", "--porcelain") == ""
+    assert subjects(two, "HEAD") == ["by two", "first"]
+    assert sorted(git(two, "status", "--porcelain").splitlines()) == [
+        "?? loose.txt",
+        "A  staged.txt",
+    ]
+    assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
+    # Files that no repository of ours left are never deleted.
     (one / "notes.txt").write_text("x")
-    with pytest.raises(Exception, match="no git worktree"):
-        (one / ".git").unlink()
+    with pytest.raises(Exception, match="no session repository"):
+        subprocess.run(["rm", "-rf", str(one / ".git")], check=True, timeout=60)
         asyncio.run(trees.ensure(str(repo), one, branch_for("one")))
-    assert (one / "notes.txt").read_text() == "x"  # never deleted
+    assert (one / "notes.txt").read_text() == "x"
 
 
 def test_config_check_names_a_repository_that_cannot_be_used(tmp_path: Path) -> None:
@@ -462,7 +463,9 @@ def test_worktree_sessions_survive_a_supervisor_restart_and_take_spare_workers(
         assert int(client.run("c", "pid").text) in spares
         assert int(client.run("a", "pid").text) in spares
         assert client.inspect("c")["repo"] == str(other)
-    assert len(worktrees(repo)) == 3 and len(worktrees(other)) == 2
+    for key, where in (("a", repo), ("b", repo), ("c", other)):
+        bases = git(where, "for-each-ref", "--format=%(refname)", "refs/hermes-sup/bases/")
+        assert branch_for(key).removeprefix("hermes-sup/") in bases
 
 
 def ready_spares(sup, client, count: int) -> set[int]:  # noqa: ANN001
@@ -477,7 +480,7 @@ def test_a_worktree_being_made_blocks_no_one_else_and_can_be_killed(
     supervisor_factory, tmp_path: Path
 ) -> None:
     """git held at a gate (a wrapper on PATH waits for a file before
-    `worktree add`): other sessions are served meanwhile, and a kill of the
+    `init`): other sessions are served meanwhile, and a kill of the
     session waiting for its worktree ends it without a worker."""
     repo = make_repo(tmp_path / "repo")
     gate = tmp_path / "gate"
@@ -487,7 +490,7 @@ def test_a_worktree_being_made_blocks_no_one_else_and_can_be_killed(
     wrapper = bin_dir / "git"
     wrapper.write_text(
         "#!/bin/sh\n"
-        'case " $* " in *" worktree add "*)\n'
+        'case " $* " in *" init "*)\n'
         f'  while [ ! -e "{gate}" ]; do sleep 0.02; done;;\n'
         "esac\n"
         f'exec {real_git} "$@"\n'
@@ -508,3 +511,82 @@ def test_a_worktree_being_made_blocks_no_one_else_and_can_be_killed(
         assert held["state"] == "exited" and held["pid"] is None
         # Its worktree was finished all the same, and serves its next start.
         assert output(client.run("held", "sh git branch --show-current")) == [branch_for("held")]
+
+
+def test_only_a_configured_repositorys_git_directory_is_bound_into_a_session(
+    tmp_path: Path,
+) -> None:
+    """The sealed worker binds back (read-only) the git directory whose
+    objects the session's repository borrows, and only if it is one of the
+    configured repositories': the session can write its alternates file,
+    and a `.git` that is a symlink or a linked worktree's file counts not."""
+    from hermes_sup.worker.seal_git import git_common_dir, own_worktree_admin
+
+    repos = tmp_path / "repos"
+    shared = make_repo(repos / "r")
+    other = make_repo(tmp_path / "other")
+    workspace = tmp_path / "w"
+    alternates = workspace / ".git" / "objects" / "info" / "alternates"
+    alternates.parent.mkdir(parents=True)
+    alternates.write_text(f"{shared / '.git' / 'objects'}\n")
+    common = (shared / ".git").resolve()
+    assert git_common_dir(workspace, [shared]) == common
+    assert git_common_dir(workspace, [repos / "nothing", shared]) == common
+    assert git_common_dir(workspace, [tmp_path / "elsewhere"]) is None
+    assert own_worktree_admin(common, workspace) is None  # nothing there is its
+    # Another repository named by the session: not one of the configured.
+    alternates.write_text(f"# mine\n{other / '.git' / 'objects'}\n")
+    assert git_common_dir(workspace, [shared]) is None
+    alternates.write_text(f"{shared / '.git'}\n")  # not its objects
+    assert git_common_dir(workspace, [shared]) is None
+    # A .git that is a symlink, or a linked worktree's file, is never followed.
+    alternates.write_text(f"{shared / '.git' / 'objects'}\n")
+    (workspace / ".git").rename(tmp_path / "real.git")
+    (workspace / ".git").symlink_to(tmp_path / "real.git")
+    assert git_common_dir(workspace, [shared]) is None
+    (workspace / ".git").unlink()
+    (workspace / ".git").write_text(f"gitdir: {shared / '.git'}\n")
+    assert git_common_dir(workspace, [shared]) is None
+    # A linked worktree its repository registered (a workspace an operator
+    # made) counts; the same `.git` file anywhere else does not.
+    tree = tmp_path / "tree"
+    git(shared, "worktree", "add", "-q", str(tree))
+    assert git_common_dir(tree, [repos]) == common
+    (workspace / ".git").write_text((tree / ".git").read_text())
+    assert git_common_dir(workspace, [repos]) is None
+    # A linked worktree named as the repository (the operator's choice)
+    # stands for its repository.
+    (workspace / ".git").unlink()
+    (tmp_path / "real.git").rename(workspace / ".git")
+    assert git_common_dir(workspace, [tree]) == common
+
+
+def test_a_purged_sessions_branch_never_goes_over_other_work(tmp_path: Path) -> None:
+    """Purged, a session's branch is brought into the repository as a
+    fast-forward; where the repository's branch of that name has commits
+    the session's has not, it is kept aside in the supervisor's refs, and
+    --delete-branch keeps nothing."""
+    import asyncio
+
+    from hermes_sup.supervisor.worktrees import KEPT_REFS, GitRunner, Worktrees
+
+    repo = make_repo(tmp_path / "repo")
+    trees = Worktrees(GitRunner(os.environ, lambda: None, lambda: None, lambda pid: None))
+    workspace = tmp_path / "s" / "workspace"
+    branch = branch_for("s")
+    aside = KEPT_REFS + branch.removeprefix("hermes-sup/")
+    asyncio.run(trees.ensure(str(repo), workspace, branch))
+    git(workspace, "commit", "-q", "--allow-empty", "-m", "by the session")
+    git(repo, "branch", branch, "main")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "by the operator")
+    git(repo, "branch", "-f", branch, "main")
+    problems = asyncio.run(trees.remove(str(repo), workspace, branch, False))
+    assert problems == [
+        f"branch {branch} kept as {aside}: the branch of that name there has other commits"
+    ]
+    assert subjects(repo, branch)[0] == "by the operator"
+    assert subjects(repo, aside)[0] == "by the session"
+    asyncio.run(trees.ensure(str(repo), workspace, branch))  # again, from its branch
+    assert asyncio.run(trees.remove(str(repo), workspace, branch, True)) == []
+    assert list(heads(repo)) == ["main"]
+    assert git(repo, "for-each-ref", "refs/hermes-sup/") == ""
