@@ -271,8 +271,8 @@ class SessionSettings:
         default="",
         metadata=setting(
             "--repo",
-            "a git repository: each session's workspace is its own worktree of it, on its "
-            "own branch",
+            "a git repository: each session's workspace is a repository of its own that "
+            "borrows its objects, on its own branch",
             zero="off",
             path=True,
             metavar="PATH",
