@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from starlette.requests import Request
 
-from hermes_sup.client import AsyncClient, ClientError, SessionConflict
+from hermes_sup.client import AsyncClient, ClientError, SessionConflict, Starting
 from hermes_sup.local.version import version
 
 from .bodies import parse_body
@@ -33,6 +33,10 @@ from .turns import OpenTurn, open_turn
 log = logging.getLogger("hermes_sup.httpapi")
 
 AGENT_INFO_TTL = 60.0  # seconds /health trusts what it last heard the workers run
+# A turn sent while the supervisor starts (the sealed Hermes preload: seconds
+# to a minute) waits this long for it, looking again every START_POLL.
+START_WAIT = 60.0
+START_POLL = 0.5
 
 
 class Settings(Protocol):
@@ -115,6 +119,22 @@ class Api:
         if self._client is None:
             try:
                 self._client = self._connect()
+            except ClientError as exc:
+                raise from_client_error(exc) from None
+        return self._client
+
+    async def started_client(self) -> AsyncClient:
+        """The client, once the supervisor has started: a turn sent while it
+        starts (the sealed Hermes preload) waits for it, up to START_WAIT,
+        and is answered then; past that, 503 `starting` with Retry-After."""
+        deadline = time.monotonic() + START_WAIT
+        while self._client is None:
+            try:
+                self._client = self._connect()
+            except Starting as exc:
+                if time.monotonic() >= deadline:
+                    raise from_client_error(exc) from None
+                await asyncio.sleep(START_POLL)
             except ClientError as exc:
                 raise from_client_error(exc) from None
         return self._client
@@ -221,7 +241,7 @@ class Api:
         retries.py) join it or read its answer. The first turn this endpoint
         sends to a session whose key is a mapped id names that id as the
         session's `label`, so `hermes-sup list` shows what the client called it."""
-        client = self.client()
+        client = await self.started_client()
         if turn_id is None:
             return await self._open(client, ref, text, context, None)
         self.retries.claim(ref.key, turn_id)

@@ -24,6 +24,7 @@ from hermes_sup.client import (
     SessionFailed,
     SessionKilled,
     ShuttingDown,
+    Starting,
     SupervisorError,
     Timeout,
     TurnTimeout,
@@ -88,6 +89,8 @@ def from_client_error(exc: ClientError) -> ApiError:
         return unavailable(message, "shutting_down", 5)
     if isinstance(exc, SessionFailed):
         return unavailable(message, "session_failed", 30)
+    if isinstance(exc, Starting):  # a NotRunning that will run: say how far it is
+        return unavailable(message, "starting", 5)
     if isinstance(exc, NotRunning):
         return unavailable(
             f"the hermes-sup supervisor is not available: {message}", "no_supervisor", 5

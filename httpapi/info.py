@@ -32,7 +32,10 @@ class Info:
             pong = await self.api.client().ping(timeout=5.0)
             body.update(await self.api.agent_info(pong.pid))
         except (ClientError, ApiError) as exc:
-            body["status"] = "unavailable"
+            starting = isinstance(exc, ApiError) and exc.code == "starting"
+            body["status"] = (
+                "starting" if starting else "unavailable"
+            )  # starting: how far, in error
             body["error"] = str(exc)
             return JSONResponse(body, 503, headers={"Retry-After": "5"})
         return JSONResponse(body)

@@ -132,3 +132,50 @@ def test_the_top_level_help_names_every_exit_code() -> None:
     paragraph = " ".join(said.split("Exit codes:")[1].split("Completion:")[0].split())
     named = {int(n) for n in re.findall(r"(?:^|, )(\d+) ", paragraph)}
     assert named == {int(code) for code in Exit}, paragraph
+
+
+def test_the_http_endpoint_says_starting_and_answers_a_turn_sent_then(
+    supervisor_factory, tmp_path
+) -> None:
+    """Sent while the supervisor starts, a chat completion waits and is
+    answered once the start ends; /health meanwhile says `starting`."""
+    import threading
+
+    import httpx
+
+    from hermes_sup.httpapi.keys import KeyStore
+
+    from .test_http import wait_ready
+
+    release = tmp_path / "release"
+    env = dict(os.environ, PYTHONPATH=RUNTIMES, HS_RELEASE=str(release))
+    sup = supervisor_factory(
+        "--preload", "hs_slow_preload", "--pass-env", "HS_RELEASE", "--http", "127.0.0.1:0",
+        env=env, start=False,
+    )  # fmt: skip
+    key = KeyStore(sup.data_dir).generate("test")
+    sup.start(wait=False)
+    answers: list[httpx.Response] = []
+    try:
+        url = wait_ready(sup.log_path, None)
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and health.headers.get("Retry-After")
+        said = health.json()
+        assert said["status"] == "starting" and "is starting: starting the zygote" in said["error"]
+        asked = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    url + "/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "during"}]},
+                    headers={"Authorization": f"Bearer {key}", "X-Hermes-Session-Id": "s"},
+                    timeout=300,
+                )
+            )
+        )
+        asked.start()
+        assert until(lambda: hs(sup, "status").returncode == Exit.STARTING)  # still starting
+    finally:
+        release.touch()
+    asked.join(timeout=300)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert answers[0].json()["choices"][0]["message"]["content"] == "during"
