@@ -95,6 +95,23 @@ def check_man_pages(venv: Path, env: dict[str, str]) -> None:
     print(f"wheel-smoke:   {len(pages)} pages in {man1}", flush=True)
 
 
+def check_completions(venv: Path, env: dict[str, str]) -> None:
+    """The completion scripts the wheel installed, where each shell's loader
+    looks, the same as `hermes-sup completion SHELL` prints."""
+    share = venv / "share"
+    for shell, path in {
+        "bash": share / "bash-completion" / "completions" / "hermes-sup",
+        "zsh": share / "zsh" / "site-functions" / "_hermes-sup",
+        "fish": share / "fish" / "vendor_completions.d" / "hermes-sup.fish",
+    }.items():
+        printed = run([str(venv / "bin" / "hermes-sup"), "completion", shell], cwd=venv, env=env)
+        if not path.is_file() or path.read_text() != printed:
+            raise SmokeFailed(
+                f"{path}: missing, or not what `hermes-sup completion {shell}` prints"
+            )
+    print(f"wheel-smoke:   completion scripts for bash, zsh and fish under {share}", flush=True)
+
+
 def smoke(work: Path) -> None:
     """Build, install and use the wheel under `work` (outside the checkout)."""
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -143,6 +160,7 @@ def smoke(work: Path) -> None:
 
     started = step("reading the man pages the wheel installed")
     check_man_pages(venv, env)
+    check_completions(venv, env)
     done(started)
 
     started = step("serving, and sending turns to the probe runtime")
