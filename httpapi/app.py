@@ -6,7 +6,8 @@ connect)` makes the shared `Api` (api.py: one `AsyncClient` made by
 and each route part, hands each what it uses, and lays out the route
 table. Every route but the health checks needs a bearer key from `keys`,
 compared in constant time. Browser origins are checked before anything
-else (origins.py).
+else (origins.py). Every answer carries Hermes's security headers
+(security_headers.py), a bug's 500 too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
+from starlette.types import ASGIApp
 
 from hermes_sup.client import AsyncClient
 
@@ -31,11 +33,20 @@ from .keys import KeyStore
 from .notices import notices
 from .responses import Responses
 from .runs import Runs
+from .security_headers import SecurityHeaders
 from .sessions import TENANT
 from .settings import ApiSettings as ApiSettings  # httpapi.ApiSettings is read from here
 from .web import web_app
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Endpoint(Starlette):
+    """Starlette, with the security headers outside its own error handling
+    (a handler's bug is answered there), so no answer goes without them."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return SecurityHeaders(super().build_middleware_stack())
 
 
 def create_app(
@@ -79,7 +90,7 @@ def create_app(
     ]
     if settings.web_dir is not None:
         routes.append(Mount("/", app=web_app(settings.web_dir), name="web"))
-    app = Starlette(
+    app = Endpoint(
         routes=routes,
         middleware=origins.middleware(settings.cors_origins),
         lifespan=lifespan,

@@ -3,7 +3,10 @@
 Streaming: a `chat.completion.chunk` with the assistant role, one chunk per
 piece of text the agent streams, tool activity as `event:
 hermes.tool.progress` lines (`tool`, `emoji`, `label`, `toolCallId`,
-`status` running, then `tool`, `toolCallId`, `status` completed), a last
+`status` running, then `tool`, `toolCallId`, `status` completed) for a
+client that asks for such frames (they carry no `choices`: an
+`X-Hermes-Events: 1` header, `?hermes_events=1`, or X-Hermes-Session-Id,
+as hermes-webui sends; writers.wants_custom_events), a last
 chunk with `finish_reason` and `usage`, then `data: [DONE]`. A failure
 after the stream has started ends it with `finish_reason: "error"`, an
 `error` object and `data: [DONE]`, as Hermes does. Not streaming: one
@@ -36,7 +39,8 @@ they come, and at the start of a whole answer's content.
 If the endpoint fell behind the supervisor and some of a stream's events
 were dropped (a `dropped` notice, PROTOCOL.md "Slow consumers"), the
 streamed text has a gap: an `event: hermes.stream.gap` line {count,
-reason, message} says so where it is, the stream ends as its turn ended
+reason, message} says so where it is (to a client that asks for such
+frames), the stream ends as its turn ended
 (`stop` for a reply), and its last chunk carries Hermes's `hermes` object
 with `partial: true`, `dropped` (how many events went missing) and `text`,
 the whole answer (said.py, the gap rule of every API). Not streaming, the
@@ -81,7 +85,7 @@ from .sessions import (
 )
 from .stream import SSE_HEADERS, stream
 from .turns import EventStream, OpenTurn, Pump, QueueSink, approval_denier, collect
-from .writers import ChatChunks
+from .writers import ChatChunks, wants_custom_events
 
 NOTE_LIMIT = 4 << 20  # a streamed answer longer than this leaves no note (continuity.py)
 
@@ -107,6 +111,7 @@ class ChatAnswer:
     model: str
     headers: dict[str, str]
     answered: Callable[[str], None]  # the reply the client now holds: a note of it
+    custom_events: bool = True  # frames without `choices` (writers.wants_custom_events)
 
 
 class Chat:
@@ -171,6 +176,7 @@ class Chat:
             model=api.model_of(body),
             headers=headers,
             answered=answered,
+            custom_events=wants_custom_events(request.headers, request.query_params),
         )
         if not streamed:
             return await self._complete(request, answer)
@@ -183,7 +189,9 @@ class Chat:
         sink = QueueSink(settings.stream_queue, settings.stall_timeout, f"chat {opened.key}")
         pump = Pump(opened, sink, self.api.tasks, on_event=approval_denier(opened))
         said = Said(resumed=opened.resumed)
-        writer = ChatChunks(said, answer.completion_id, answer.created, answer.model)
+        writer = ChatChunks(
+            said, answer.completion_id, answer.created, answer.model, answer.custom_events
+        )
 
         def ended() -> None:
             if writer.noted is not None and len(writer.noted) <= NOTE_LIMIT:

@@ -15,6 +15,16 @@ from hermes_sup.local.version import version
 from .api import Api
 from .errors import ApiError
 
+# A run's Idempotency-Key holds as long as the supervisor's turn journal
+# keeps its turn: the session's newest turns (PROTOCOL.md, "Turn ids"), a
+# count, not a time, and across restarts of the endpoint and the supervisor.
+RUNS_IDEMPOTENCY = {
+    "supported": True,
+    "durable": True,
+    "retention_seconds": None,
+    "retention_turns": 128,
+}
+
 
 class Info:
     """The routes that describe the endpoint (no turn runs for them)."""
@@ -85,6 +95,7 @@ def capabilities_of(api: Api, agent: dict[str, Any]) -> dict[str, Any]:
         "run_events": ("GET", "/v1/runs/{run_id}/events"),
         "run_approval": ("POST", "/v1/runs/{run_id}/approval"),
         "run_stop": ("POST", "/v1/runs/{run_id}/stop"),
+        "run_media": ("GET", "/v1/runs/{run_id}/media/{media_id}"),
     }
     return {
         "object": "hermes.api_server.capabilities",
@@ -111,10 +122,16 @@ def capabilities_of(api: Api, agent: dict[str, Any]) -> dict[str, Any]:
             "responses_api": True,
             "responses_streaming": True,
             "run_submission": True,
+            "runs_idempotency": RUNS_IDEMPOTENCY,
             "run_status": True,
             "run_events_sse": True,
             "run_stop": True,
+            # Upstream's POST /v1/runs/{id}/steer: not served (runs.py).
+            "run_steer": False,
             "run_approval_response": True,
+            # approval.request names its request, and an answer naming it
+            # reaches it or none (runs.py): hermes-webui then sends the id.
+            "approval_identity_v1": True,
             "tool_progress_events": True,
             "approval_events": True,
             "session_resources": False,

@@ -1,19 +1,24 @@
 """The runs API: a turn started now and followed by id, as Hermes's API
 server serves it (hermes-webui uses it for approvals and stop).
 
-    POST /v1/runs                    202 {run_id, status: "started"}
+    POST /v1/runs                    202 {run_id, status: "started", replayed}
     GET  /v1/runs/{id}               {object: "hermes.run", run_id, status, ...}
     GET  /v1/runs/{id}/events        SSE: `data: {"event": ..., "run_id", "timestamp", ...}`
-    POST /v1/runs/{id}/approval      {choice} -> {object: "hermes.run.approval_response", ...}
+    POST /v1/runs/{id}/approval      {choice, request_id?} -> {object: "hermes.run.approval_response", ...}
     POST /v1/runs/{id}/stop          {run_id, status: "stopping"}
+
+Upstream Hermes's newer runs API also has `POST /v1/runs/{id}/steer`; it is
+not served here (the supervisor's protocol has no way yet to hand a running
+turn new input), and /v1/capabilities says so (`run_steer: false`).
 
 A run's turn goes on whether or not anyone follows its events. Its events
 are kept (up to `run_events` of them, consecutive text deltas merged) so
 a subscriber that comes late, or a second one, sees the run from its start; each subscriber has a bounded
 queue, and one that falls behind by more than that is cut off (its stream
 ends with a comment saying so) rather than let memory grow. Status:
-queued, running, waiting_for_approval, stopping, then completed, failed or
-cancelled. Ended runs are kept for `run_ttl` seconds, at most `max_runs` of
+queued, running, waiting_for_approval, stopping, then completed, failed,
+cancelled or interrupted (the supervisor running its turn stopped before
+it ended: `run.interrupted` {error}). Ended runs are kept for `run_ttl` seconds, at most `max_runs` of
 each key's.
 A turn's output lines (a command's) are part of the answer's text: each a
 `message.delta` with its newline, and the start of `run.completed`'s `output`.
@@ -32,7 +37,15 @@ after the endpoint restarted and forgot the run: its status (queued,
 running, completed with its `output`, failed, cancelled), read back from the
 supervisor's turn journal, with `recovered: true`; its events are gone.
 With an `Idempotency-Key`, `POST /v1/runs` sent again gets the same run id
-and starts nothing new, before or after a restart.
+and starts nothing new, before or after a restart: it is answered 202
+{run_id, status (the run's now), replayed: true} with `Idempotency-Replayed:
+true`, as upstream answers a replay.
+
+An approval answer may name the request it answers (`approval.request`'s
+`request_id`, also given as `approval_id`): as upstream's `request_id`, or
+as hermes-webui's `approval_id`, where `""` means none (webui sends that
+when the server does not advertise `approval_identity_v1`; Hermes 0.19
+reads no id at all). A named answer reaches that request or none (409).
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ from hermes_sup.client import (
     Duplicate,
     Event,
     Queued,
+    Reply,
     Running,
 )
 from hermes_sup.protocol.chat_identity import ChatIdentityError, check_chat_identity
@@ -90,10 +104,13 @@ from .writers import RunEvents
 
 log = logging.getLogger("hermes_sup.httpapi")
 
-ENDED = ("completed", "failed", "cancelled")
+ENDED = ("completed", "failed", "cancelled", "interrupted")
+ENDS = tuple(f"run.{status}" for status in ENDED[1:])  # a run's last event, but completed
 MEDIA = "media"  # a file made for the user (worker/media.py)
 CHOICE_ALIASES = {"approve": "once", "approved": "once", "allow": "once"}
 CHOICES = ("once", "session", "always", "deny")
+MAX_REQUEST_ID = 256  # characters of an approval request's id, as upstream bounds it
+REPLAYED_HEADER = "Idempotency-Replayed"
 _CLOSE = object()  # a subscriber's stream ends after what it already has
 _DROPPED = object()  # a subscriber fell too far behind
 
@@ -157,12 +174,12 @@ class Run:
         """One of its turn's events (writers.RunEvents): the run's status
         follows its end, then the event is published."""
         name = event["event"]
-        if name in ("run.completed", "run.failed", "run.cancelled"):
+        if name == "run.completed" or name in ENDS:
             self.approvals.clear()
         if name == "run.completed":
             self.set_status("completed", output=event["output"], usage=event["usage"])
-        elif name == "run.failed":
-            self.set_status("failed", error=event["error"])
+        elif name in ("run.failed", "run.interrupted"):
+            self.set_status(name.removeprefix("run."), error=event["error"])
         elif name == "run.cancelled":
             self.set_status("cancelled")
         self.publish(name, **{k: v for k, v in event.items() if k != "event"})
@@ -221,6 +238,62 @@ RUN_FIELDS = (
 )
 # run_<32 hex>, and `.` and its session's id (base64url) when the run named one.
 _RUN_ID = re.compile(r"run_([0-9a-f]{32})(?:\.([A-Za-z0-9_-]+))?")
+
+
+def accepted(
+    request: Request, ref: SessionRef, run_id: str, status: str, *, replayed: bool
+) -> Response:
+    """202 for POST /v1/runs: a new run (`started`), or, `replayed`, the
+    run an Idempotency-Key named already, with its status now."""
+    # The session's own key, as /v1/notices names it.
+    headers = {"X-Hermes-Sup-Session": ref.key}
+    if replayed:
+        headers[REPLAYED_HEADER] = "true"
+    key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
+    if key_header:
+        headers[SESSION_KEY_HEADER] = key_header
+    body = {"run_id": run_id, "status": status, "replayed": replayed}
+    return JSONResponse(body, 202, headers=headers)
+
+
+def status_of(first: Event) -> str:
+    """A replayed run's status from the first answer its turn gave again
+    (the run's own events then say the rest)."""
+    if isinstance(first, Queued):
+        return "queued"
+    if isinstance(first, Reply):
+        data = first.data if isinstance(first.data, dict) else {}
+        if data.get("cancelled") or data.get("interrupted"):
+            return "cancelled"
+        return "completed" if first.ok else "failed"
+    return "running"
+
+
+def named_request(body: dict[str, Any]) -> str | None:
+    """The approval request an answer names, if any: upstream's
+    `request_id`, or hermes-webui's `approval_id`, whose `""` names none."""
+    request_id = body.get("request_id")
+    approval_id = body.get("approval_id")
+    if approval_id == "" or (isinstance(approval_id, str) and not approval_id.strip()):
+        approval_id = None
+    for value in (request_id, approval_id):
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value.strip() or len(value) > MAX_REQUEST_ID:
+            raise ApiError(
+                400,
+                f"Approval request_id is invalid: expected the request's id "
+                f"(a string of 1 to {MAX_REQUEST_ID} characters)",
+                "invalid_approval_request",
+            )
+    if request_id is not None and approval_id is not None and request_id != approval_id:
+        raise ApiError(
+            400,
+            "request_id and approval_id name two different approval requests",
+            "invalid_approval_request",
+        )
+    named = request_id if request_id is not None else approval_id
+    return named.strip() if isinstance(named, str) else None
 
 
 def run_turn_id(request: Request, run_id: str) -> str:
@@ -314,7 +387,7 @@ class Runs:
             run_id = f"{run_id}.{encode_id(ref.original)}"  # its session, found again from it
         known = self.by_id.get(run_id)
         if known is not None and known.owner == tenant.prefix:
-            return JSONResponse({"run_id": run_id, "status": "started"}, 202)
+            return accepted(request, known.ref, run_id, known.status, replayed=True)
         model = api.model_of(body)
         self._sweep(tenant.prefix)
         context = turn_context(instructions, history, conversation)
@@ -333,12 +406,9 @@ class Runs:
             return True
 
         Pump(opened, record, api.tasks)
-        # The session's own key, as /v1/notices names it.
-        headers = {"X-Hermes-Sup-Session": ref.key}
-        key_header = request.headers.get(SESSION_KEY_HEADER, "").strip()
-        if key_header:
-            headers[SESSION_KEY_HEADER] = key_header
-        return JSONResponse({"run_id": run_id, "status": "started"}, 202, headers=headers)
+        if opened.resumed:  # the run an endpoint restarted since had started
+            return accepted(request, ref, run_id, status_of(opened.first), replayed=True)
+        return accepted(request, ref, run_id, "started", replayed=False)
 
     def _record(self, run: Run, item: Event | ClientError) -> None:
         """A turn's event, as the run's status and events (writers.RunEvents)."""
@@ -410,8 +480,14 @@ class Runs:
         if kind in ("queued", "running"):
             return {**described, "status": kind}
         if kind == "interrupted":
-            error = "the run was interrupted: the supervisor running it stopped"
-            return {**described, "status": "failed", "error": error}
+            # Cut by a restart before it ended: upstream's `interrupted`.
+            error = "the run was interrupted: the supervisor running it stopped before it ended"
+            return {
+                **described,
+                "status": "interrupted",
+                "error": error,
+                "last_event": "run.interrupted",
+            }
         if kind != "ended":
             return None  # unknown: never started, or forgotten
         outcome = state.get("outcome") or {}
@@ -468,15 +544,15 @@ class Runs:
         if run.ended or not run.approvals:
             raise ApiError(409, f"Run has no pending approval: {run.id}", "approval_not_pending")
         every = body.get("all") in (True, "true", 1) or body.get("resolve_all") in (True, "true", 1)
-        # An answer may name its request (approval.request's approval_id):
+        # An answer may name its request (approval.request's request_id):
         # then it reaches that one or none, never a later command.
-        named = body.get("approval_id")
+        named = named_request(body)
         targets: list[str | None]
         if named is not None:
-            if not isinstance(named, str) or named not in run.approvals:
+            if named not in run.approvals:
                 raise ApiError(
                     409,
-                    f"Run has no pending approval {str(named)[:80]!r}: {run.id}",
+                    f"Run has no pending approval {named[:80]!r}: {run.id}",
                     "approval_not_pending",
                 )
             targets = [named]
@@ -492,12 +568,15 @@ class Runs:
             resolved += 1
         if not run.approvals:
             run.set_status("stopping" if run.stopping else "running")
-        run.publish("approval.responded", choice=choice, resolved=resolved)
+        # The request it named, when it named one, as upstream says it.
+        which = {} if named is None else {"request_id": named}
+        run.publish("approval.responded", choice=choice, **which, resolved=resolved)
         return JSONResponse(
             {
                 "object": "hermes.run.approval_response",
                 "run_id": run.id,
                 "choice": choice,
+                **which,
                 "resolved": resolved,
             }
         )

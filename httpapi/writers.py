@@ -15,6 +15,7 @@ Responses, runs.py records a run's events for its subscribers.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from hermes_sup.client import (
@@ -38,6 +39,58 @@ W = TypeVar("W")
 REASONING = "reasoning"  # a piece of the model's reasoning (the Hermes runtime's event)
 TOOL_PROGRESS = "tool_progress"
 CLARIFY = "clarify"  # a question the agent asks its user (worker/hermes.py)
+# What a run says of the subagents Hermes's delegate tool starts: their start
+# and end reach the worker as tool progress (tools/delegate_tool.py), and a
+# run publishes them, with these fields, as upstream's runs API does
+# (gateway/platforms/api_server_runs.py, `_SUBAGENT_EVENT_KEYS`). The
+# child's own text, thinking and tool calls stay off the wire, as there.
+SUBAGENT_EVENTS = ("subagent.start", "subagent.complete")
+INTERRUPTED = "interrupted"  # the supervisor's code for a turn its restart cut
+SUBAGENT_FIELDS = (
+    "goal",
+    "task_count",
+    "task_index",
+    "subagent_id",
+    "child_session_id",
+    "delegation_id",
+    "parent_id",
+    "depth",
+    "model",
+    "tool_count",
+    "status",
+    "summary",
+    "duration_seconds",
+    "input_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "api_calls",
+    "cost_usd",
+    "files_read",
+    "files_written",
+    "output_tail",
+)
+SUBAGENT_TEXT = ("preview", "goal", "summary", "output_tail")  # free text: secrets redacted
+SUBAGENT_TEXT_LIMIT = 4000  # characters of one free-text field a run keeps
+
+
+# A chat stream's own frames (`hermes.tool.progress`, the gap notice) carry
+# no `choices`: a plain OpenAI client (the `llm` CLI) fails on one, so only
+# a client that asks gets them. It asks with this header or query flag, or
+# by naming its conversation with X-Hermes-Session-Id, which no plain
+# OpenAI client sends and Hermes's own (hermes-webui's chat backend) does.
+CUSTOM_EVENTS_HEADER = "X-Hermes-Events"
+CUSTOM_EVENTS_QUERY = "hermes_events"
+_ASKS_BY_CONVERSATION = "X-Hermes-Session-Id"
+_YES = ("1", "true", "yes", "on")
+
+
+def wants_custom_events(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
+    """Whether a chat client asked for Hermes's custom SSE frames
+    (`headers` as case-insensitive as Starlette's)."""
+    if headers.get(_ASKS_BY_CONVERSATION, "").strip():
+        return True
+    flags = (headers.get(CUSTOM_EVENTS_HEADER, ""), query.get(CUSTOM_EVENTS_QUERY, ""))
+    return any(flag.strip().lower() in _YES for flag in flags)
 
 
 class SseEvent(NamedTuple):
@@ -160,13 +213,19 @@ def stream_gaps(ending: Ending) -> dict[str, Any]:
 
 class ChatChunks(TurnWriter[SseEvent]):
     """`chat.completion.chunk` events, Hermes's `hermes.tool.progress` lines,
-    a last chunk with `finish_reason` and `usage`, then `[DONE]` (chat.py)."""
+    a last chunk with `finish_reason` and `usage`, then `[DONE]` (chat.py).
+    `custom`: the client asked for the frames without `choices` (tool
+    progress, the gap notice; `wants_custom_events`); without them a gap is
+    still stated, in the last chunk's `hermes` object."""
 
-    def __init__(self, said: Said, completion_id: str, created: int, model: str) -> None:
+    def __init__(
+        self, said: Said, completion_id: str, created: int, model: str, custom: bool = True
+    ) -> None:
         super().__init__(said)
         self.completion_id = completion_id
         self.created = created
         self.model = model
+        self.custom = custom
         self.tools = ToolProgress()
         # The text a client now holds whole, once the turn succeeded without
         # a gap: where its conversation goes on (continuity.py).
@@ -188,7 +247,7 @@ class ChatChunks(TurnWriter[SseEvent]):
         return [SseEvent(self.chunk({"content": piece}))]
 
     def _progress(self, item: ToolStart | ToolComplete) -> list[SseEvent]:
-        progress = self.tools.payload(item)
+        progress = self.tools.payload(item) if self.custom else None
         return [] if progress is None else [SseEvent(progress, "hermes.tool.progress")]
 
     def on_tool_start(self, item: ToolStart) -> list[SseEvent]:
@@ -198,7 +257,7 @@ class ChatChunks(TurnWriter[SseEvent]):
         return self._progress(item)
 
     def on_dropped(self, item: Dropped) -> list[SseEvent]:
-        return [SseEvent(gap_notice(item, "stream"), GAP_EVENT)]
+        return [SseEvent(gap_notice(item, "stream"), GAP_EVENT)] if self.custom else []
 
     def on_end(self, ending: Ending) -> list[SseEvent]:
         reply = ending.reply
@@ -452,7 +511,10 @@ class RunEvents(TurnWriter[dict[str, Any]]):
                     "pattern_keys": keys,
                     "allow_permanent": item.allow_permanent,
                     "choices": list(item.choices),
+                    # The request an answer may name: `approval_id` as
+                    # hermes-webui reads it, `request_id` as upstream names it.
                     "approval_id": item.id,
+                    "request_id": item.id,
                 }
             ]
         if isinstance(item, ApprovalTimeout):
@@ -477,6 +539,8 @@ class RunEvents(TurnWriter[dict[str, Any]]):
                     "text": preview if isinstance(preview, str) else "",
                 }
             ]
+        if item.type == TOOL_PROGRESS and d.get("event") in SUBAGENT_EVENTS:
+            return [subagent_event(d)]
         if item.type == CLARIFY:
             asked = d.get("choices")  # the next message answers it
             choices = [str(c) for c in asked] if isinstance(asked, list) else []
@@ -493,7 +557,11 @@ class RunEvents(TurnWriter[dict[str, Any]]):
             last: dict[str, Any] = {"event": "run.cancelled"}
         elif reply is None:
             assert ending.failure is not None
-            last = {"event": "run.failed", "error": ending.failure[0]}
+            message, code = ending.failure
+            # A turn its supervisor's restart cut (PROTOCOL.md, "Turn ids")
+            # reads `interrupted`, as upstream's runs cut by a restart do.
+            ended = "run.interrupted" if code == INTERRUPTED else "run.failed"
+            last = {"event": ended, "error": message}
         elif not reply.ok:
             last = {"event": "run.failed", "error": reply.text}
         else:
@@ -510,3 +578,29 @@ class RunEvents(TurnWriter[dict[str, Any]]):
         if ending.dropped:
             last["dropped"] = ending.dropped
         return [last]
+
+
+def _redacted(text: str) -> str:
+    """Free text a subagent wrote (its summary, its output's tail), with the
+    secrets Hermes's own redaction finds masked, as upstream's runs stream
+    does; without hermes-agent here, as it came."""
+    try:
+        from agent.redact import redact_sensitive_text
+    except ImportError:
+        return text
+    return str(redact_sensitive_text(text, force=True))
+
+
+def subagent_event(data: dict[str, Any]) -> dict[str, Any]:
+    """A `subagent.start` or `subagent.complete` tool-progress event (worker/
+    hermes.py's `_on_tool_progress` data) as a run's event: its preview and
+    the known fields it has, free text bounded and redacted."""
+    event: dict[str, Any] = {"event": data["event"]}
+    for key in ("preview", *SUBAGENT_FIELDS):
+        value = data.get(key)
+        if value is None:
+            continue
+        if key in SUBAGENT_TEXT:
+            value = _redacted(str(value)[:SUBAGENT_TEXT_LIMIT])
+        event[key] = value
+    return event
