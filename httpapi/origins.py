@@ -49,8 +49,9 @@ HEADERS = (
     "Idempotency-Key",
     "X-Hermes-Session-Id",
     "X-Hermes-Session-Key",
+    "X-Hermes-Events",  # asks for Hermes's own SSE frames on chat (writers.py)
 )
-EXPOSED = ("X-Hermes-Session-Id", "X-Hermes-Session-Key")
+EXPOSED = ("X-Hermes-Session-Id", "X-Hermes-Session-Key", "Idempotency-Replayed")
 MAX_AGE = 600  # seconds a browser may keep a preflight's answer, as in Hermes
 
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
