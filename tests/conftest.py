@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 import psutil
@@ -59,6 +60,13 @@ from .waiting import load_factor
 # `service_python` (test_service.py) builds a venv to run `serve` as
 # another user.
 E2E_FIXTURES = frozenset({"supervisor_factory", "bench", "service_python"})
+
+# For a module of tests of the real Hermes agent. Its package is looked up,
+# not imported: every run collects these modules, and Hermes's import takes
+# a second that a run which deselects them should not pay.
+needs_hermes = pytest.mark.skipif(
+    find_spec("run_agent") is None, reason="hermes-agent is not installed"
+)
 
 # Examples per property test in each tier. `full` keeps what the property
 # tests asked for before profiles (300-400); `fast` finds the common bugs
