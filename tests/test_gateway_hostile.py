@@ -166,6 +166,7 @@ print(asyncio.run(proxy(None, "hi", "", [], None, "s"))["final_response"])
 """
 
 
+@pytest.mark.slow  # Hermes's gateway imported in a new interpreter, each case
 @pytest.mark.parametrize(
     ("change", "said"),
     [

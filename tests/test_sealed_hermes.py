@@ -29,8 +29,8 @@ from .conftest import needs_hermes
 
 pytestmark = [
     needs_hermes,
-    # Each test but the module list's preloads Hermes in a new interpreter
-    # (seconds each) or starts a sealed supervisor: not for the fast tier.
+    # Each test but the module list's imports Hermes, preloads it in a new
+    # interpreter (seconds each) or starts a sealed supervisor.
     pytest.mark.slow,
 ]
 
