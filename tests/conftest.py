@@ -89,8 +89,8 @@ def register_hypothesis_profiles() -> None:
 
     Neither has a deadline, and neither fails a test for slow data
     generation: both measure the machine's load, not the code."""
-    # Imported here, not at the top: a run that collects no property test
-    # (one file, the CLI's tests) does not pay for hypothesis's import.
+    # Before any test module: a property test takes the profile loaded when
+    # its module is imported (hypothesis reads the default at decoration).
     from hypothesis import HealthCheck, settings
 
     common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
