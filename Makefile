@@ -71,9 +71,22 @@ wheel-smoke: install
 	$(BIN)/python .ci/wheel_smoke.py
 
 # The fast tier: in-process tests and fakes, no supervisor (tests marked e2e
-# start the real processes); well under a minute.
+# start the real processes, tests marked slow take seconds each), property
+# tests with hypothesis's fast profile (tests/conftest.py); under a minute.
+# It says how long it took beside how long collecting it takes (collected
+# once more, alone): a ratio that grows is the tests slowing, not the machine.
+FAST_TIER := -m "not e2e and not slow" --hypothesis-profile fast
 test-fast: install
-	$(BIN)/python -m pytest -n $(JOBS) -m "not e2e"
+	@start=$$(date +%s.%N); \
+	count=$$($(BIN)/python -m pytest $(FAST_TIER) --collect-only -q | tail -n 1); \
+	collected=$$(date +%s.%N); \
+	$(BIN)/python -m pytest -n $(JOBS) $(FAST_TIER); status=$$?; \
+	awk -v start=$$start -v collected=$$collected -v done=$$(date +%s.%N) \
+		-v count="$${count%%[/ ]*}" -v load="$$(cut -d' ' -f1 /proc/loadavg)" 'BEGIN { \
+		c = collected - start; t = done - collected; \
+		printf "fast tier: %s tests in %.1f s, collection %.1f s, ratio %.1f (load %s)\n", \
+			count, t, c, t / c, load }'; \
+	exit $$status
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -15,6 +15,17 @@ CPU (starting slowly, not stuck).
 A test that uses a fixture which starts real processes of ours (a
 supervisor, and so its zygote and workers) is marked e2e here, whether it
 says so or not: `pytest -m "not e2e"` then starts none of them.
+
+Hypothesis runs under one of two profiles: `full` (the default, what CI
+runs) hunts with many examples, `fast` (`make test-fast`,
+`--hypothesis-profile fast`) with few, so that a property test costs the
+fast tier about what a plain test does, loaded machine or not.
+
+A suite started with SIGINT ignored (`nohup make test &`, a job runner, a
+background job of a script) would hand that ignore to every process a test
+starts, and a test that stops a command with SIGINT would wait for it in
+vain: the ignore is replaced here by a handler, which exec resets to the
+default in every child.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 import psutil
@@ -48,6 +60,57 @@ from .waiting import load_factor
 # `service_python` (test_service.py) builds a venv to run `serve` as
 # another user.
 E2E_FIXTURES = frozenset({"supervisor_factory", "bench", "service_python"})
+
+# For a module of tests of the real Hermes agent. Its package is looked up,
+# not imported: every run collects these modules, and Hermes's import takes
+# a second that a run which deselects them should not pay.
+needs_hermes = pytest.mark.skipif(
+    find_spec("run_agent") is None, reason="hermes-agent is not installed"
+)
+
+# Examples per property test in each tier. `full` keeps what the property
+# tests asked for before profiles (300-400); `fast` finds the common bugs
+# and leaves the long hunt to the full tier.
+FULL_EXAMPLES = 300
+FAST_EXAMPLES = 25
+
+
+# tryfirst: the profiles must exist before hypothesis's own plugin loads
+# the one `--hypothesis-profile` names.
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the hypothesis profiles, and give children SIGINT's default."""
+    register_hypothesis_profiles()
+    let_children_take_sigint()
+
+
+def register_hypothesis_profiles() -> None:
+    """`full` (loaded by default) and `fast`; `--hypothesis-profile` picks one.
+
+    Neither has a deadline, and neither fails a test for slow data
+    generation: both measure the machine's load, not the code."""
+    # Before any test module: a property test takes the profile loaded when
+    # its module is imported (hypothesis reads the default at decoration).
+    from hypothesis import HealthCheck, settings
+
+    common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+    settings.register_profile("full", max_examples=FULL_EXAMPLES, **common)
+    settings.register_profile("fast", max_examples=FAST_EXAMPLES, **common)
+    settings.load_profile("full")  # the plugin loads --hypothesis-profile after this
+
+
+def let_children_take_sigint() -> None:
+    """Replace an inherited SIGINT ignore by a handler that does nothing.
+
+    This process still ignores SIGINT, as whoever started it wanted; a
+    caught signal, unlike an ignored one, is reset to the default by exec,
+    so a command a test starts and then stops with SIGINT stops."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, ignore_signal)
+
+
+def ignore_signal(signum: int, frame: object) -> None:
+    """A SIGINT to the test process itself, which its starter ignored."""
 
 
 # tryfirst: the marks must be on before `-m` deselects by them.

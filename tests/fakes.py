@@ -6,11 +6,12 @@ Endpoints that record what was sent to whom.
 A worker here is a `FakeProcess` (the Popen-like `ProcessHandle`, plus the
 `set_exited` the reaper calls): signals are recorded, nothing is sent. A
 fork is a future that the test resolves (`forked`); an exit is what the
-reaper would report (`exit`). The lifecycle's clock is a `Clock` that moves
-only when the test moves it, so "soon after its start" and "after the
-cool-down" are decided by the test, not by how busy the machine is; the
-timers the parts arm on the event loop (turn timeout, cancel grace, retry)
-run on a real loop, with short settings.
+reaper would report (`exit`). Time is a `Clock` that moves only when the
+test moves it: the lifecycle's clock, and the event loop's, on which the
+parts arm their timers (back-off retry, turn timeout, cancel grace). So
+"soon after its start", "after the cool-down" and "the retry has fired"
+are decided by the test (`await rig.advance(seconds)`), never by how busy
+the machine is, and no test waits on the real clock.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
+import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -176,7 +178,9 @@ class FakePool:
 
 
 class Clock:
-    """The lifecycle's `time`: monotonic time stands still until `advance`."""
+    """The lifecycle's `time` and the event loop's: monotonic time stands
+    still until `advance`. Wall time (`time`) is the real one: it only
+    stamps records."""
 
     def __init__(self) -> None:
         self.now = time.monotonic()
@@ -189,6 +193,29 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class ClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose time is a `Clock`: a timer fires once the test
+    has moved the clock past it, and never because the machine was slow.
+
+    Between moves, a loop with nothing ready and a timer not yet due
+    sleeps in its selector, and wakes to find it still not due: a scenario
+    that waits for a timer without moving the clock hangs (until the
+    run's bound), it never passes by luck."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def time(self) -> float:
+        return self.clock.now
+
+
+# Seconds of real time a scenario may take before it is called hung. Its
+# timers are on the test's clock, so this bounds only a bug (a wait for
+# something that never comes), however loaded the machine.
+HUNG_AFTER = 60.0
 
 
 class Rig:
@@ -231,12 +258,33 @@ class Rig:
         self._pids = itertools.count(5_000_001)  # above any real pid (pid_max <= 2**22)
 
     def run(self, scenario: Coroutine[Any, Any, None]) -> None:
-        """Run a test's scenario on a fresh event loop (bounded, never hangs)."""
+        """Run a test's scenario on a fresh loop on the test's clock; a
+        scenario still running after HUNG_AFTER real seconds is cancelled."""
+        loop = ClockLoop(self.clock)
+        task = loop.create_task(scenario)
+        # A thread of real time: the loop's own timers would wait for the clock.
+        watchdog = threading.Timer(HUNG_AFTER, loop.call_soon_threadsafe, (task.cancel,))
+        watchdog.start()
+        try:
+            loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            raise AssertionError(f"the scenario hung: not done in {HUNG_AFTER:g}s") from None
+        finally:
+            watchdog.cancel()
+            # As asyncio.run ends: what the parts started and left is cancelled.
+            left = asyncio.all_tasks(loop)
+            for other in left:
+                other.cancel()
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
-        async def bounded() -> None:
-            await asyncio.wait_for(scenario, 5.0)
-
-        asyncio.run(bounded())
+    async def advance(self, seconds: float) -> None:
+        """Move the clock by `seconds`, and let the timers now due (and
+        what they start) run."""
+        self.clock.advance(seconds)
+        await settle()
 
     # ---------------------------------------------------------- clients
 

@@ -23,7 +23,7 @@ def approval_of(client, req: str) -> dict:
 
 def test_approve_with_no_request_waiting_is_refused(supervisor) -> None:
     with supervisor.client() as client:
-        req = client.submit(Kind.SEND, {"text": "sleep 3"}, session="calm")
+        req = client.submit(Kind.SEND, {"text": "sleep 600"}, session="calm")  # till cancelled
         while client.answer(req, timeout=20).body["data"]["state"] != "running":
             pass
         with pytest.raises(SupervisorError) as err:
@@ -31,7 +31,7 @@ def test_approve_with_no_request_waiting_is_refused(supervisor) -> None:
         assert err.value.code == "nothing_to_approve"
         assert "no approval request waiting" in err.value.message
         client.cancel("calm")
-        final(client, req)
+        assert final(client, req).body["text"] == "cancelled"
 
 
 def test_an_answer_goes_only_to_the_request_it_names(supervisor, workdir) -> None:

@@ -8,11 +8,6 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from bench.http_latency import round_trips, turns_per_second
-from bench.http_profile import summarize_profile
-from bench.http_stack import Stack
-from bench.http_streams import streams, verdict
-
 from .conftest import wait_gone
 
 # Starts a real supervisor, its workers, the endpoint and the floor apps.
@@ -20,6 +15,13 @@ pytestmark = pytest.mark.e2e
 
 
 def test_http_bench_measures_every_path_and_leaves_nothing() -> None:
+    # The benchmark's modules are imported by the tests that use them: their
+    # HTTP clients (aiohttp, httpx) are most of what collecting this module
+    # costs, and every run collects it.
+    from bench.http_latency import round_trips, turns_per_second
+    from bench.http_stack import Stack
+    from bench.http_streams import streams
+
     stack = Stack()
     try:
         rt = round_trips(stack, rounds=5, warmup=2)
@@ -55,6 +57,8 @@ def test_http_bench_measures_every_path_and_leaves_nothing() -> None:
 
 
 def test_profile_summary_charges_samples_to_the_deepest_known_frame() -> None:
+    from bench.http_profile import summarize_profile
+
     loop = "<module> (httpapi/__main__.py:5);run (httpapi/serve.py:148);_run_once (asyncio/base_events.py:1922)"
     raw = "\n".join(
         [
@@ -70,6 +74,8 @@ def test_profile_summary_charges_samples_to_the_deepest_known_frame() -> None:
 
 
 def test_a_stream_is_judged_by_order_and_end() -> None:
+    from bench.http_streams import verdict
+
     expected = ["w0", " w1", " w2"]
     assert verdict(expected, expected, ended=True) == "complete"
     assert verdict(["w0 w1", " w2"], expected, ended=True) == "complete"  # merged

@@ -82,7 +82,8 @@ def test_list_table_is_sorted_with_whole_keys_and_totals(supervisor) -> None:
     with supervisor.client() as client:
         for key in ("zeta", "alpha", long_key):
             client.run(key, "pid")
-        req = client.submit(Kind.SEND, {"text": "sleep 3"}, session="middle")
+        # Busy until the test ends its turn, however long `list` takes.
+        req = client.submit(Kind.SEND, {"text": "sleep 600"}, session="middle")
         while client.next().body.get("data", {}).get("state") != "running":
             pass
         result = hs(supervisor, "list")
@@ -94,9 +95,9 @@ def test_list_table_is_sorted_with_whole_keys_and_totals(supervisor) -> None:
         assert keys[1:3] == ["alpha", long_key]  # whole: cut only on a narrow terminal
         assert "4 session(s): 1 busy, 3 idle" in lines[-1] and "runtime probe" in lines[-1]
         assert "\x1b[" not in result.stdout  # no colour when not a terminal
+        client.cancel("middle", req)
         while client.next().kind is Kind.EVENT:
             pass
-    del req
 
 
 def test_list_json_filters_and_numbers(supervisor) -> None:

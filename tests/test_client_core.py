@@ -186,7 +186,7 @@ def test_the_core_does_no_io() -> None:
         assert not imported & {"zmq", "socket", "asyncio", "threading", "selectors"}, name
 
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 # Field names the typed events read, so that wrong types under them get tried.
@@ -205,7 +205,6 @@ TYPES = st.sampled_from(
 )  # fmt: skip
 
 
-@settings(max_examples=400, deadline=None)
 @given(
     etype=TYPES,
     data=ANY,
@@ -224,7 +223,6 @@ def test_any_schema_valid_event_becomes_an_event_without_raising(
     assert isinstance(event, Event) and event.type == etype and event.session == "s"
 
 
-@settings(max_examples=300, deadline=None)
 @given(frames=st.lists(st.binary(max_size=64), max_size=4))
 def test_the_core_drops_garbage_frames_without_raising(frames) -> None:
     core = ClientCore(KEY)

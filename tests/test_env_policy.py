@@ -41,6 +41,7 @@ def test_the_supervisor_refuses_them_and_serves_on(supervisor_factory) -> None:
         assert client.run("yolo", "env HERMES_YOLO_MODE").text == ""
 
 
+@pytest.mark.slow  # imports Hermes here, and starts serve
 def test_hermes_agents_own_modules_are_not_preloaded(tmp_path: Path) -> None:
     pytest.importorskip("run_agent", reason="hermes-agent is not installed")
     base = Settings(state_dir=tmp_path / "s", data_dir=tmp_path / "d")

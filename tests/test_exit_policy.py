@@ -5,8 +5,8 @@ endpoints (no process is started)."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +16,7 @@ from hermes_sup.protocol import ErrorCode, Kind
 from hermes_sup.supervisor.spawner import ZygoteError
 from hermes_sup.supervisor.states import Event, State, backoff_delay, exit_event
 
-from .fakes import Rig, exited_with, killed_by
+from .fakes import Rig, exited_with, killed_by, settle
 
 # ------------------------------------------------------------------ policy
 
@@ -123,13 +123,34 @@ def test_a_worker_that_dies_before_its_hello_backs_off_doubling_and_the_waiting_
         backoff = [d for d in h.statuses(req) if d["state"] == "backoff"]
         assert backoff == [{"state": "backoff", "retry_in": 0.01, "reason": "exited with status 1"}]
         assert h.finals(req) == [] and list(session.queue)[0].id == req  # still waiting
-        await asyncio.sleep(0.05)  # the retry timer (0.01 s) has fired
+        await h.advance(0.05)  # the retry timer (0.01 s) has fired
         assert len(h.spawn_requests("a")) == 2 and session.state is State.STARTING
         await h.forked("a")
         h.exit("a", exited_with(1))  # again, still before its hello
         retry_in = [d["retry_in"] for d in h.statuses(req) if d["state"] == "backoff"]
         assert retry_in == [0.01, 0.02]
         assert h.turns.queued_total == 1 and h.finals(req) == []
+
+    h.run(scenario())
+
+
+def test_a_back_off_ends_on_the_clock_however_slow_the_machine(rig) -> None:
+    """A machine that stalls (here a real pause of three back-offs)
+    does not end the back-off early, and one that is busy does not make it
+    late: the retry comes when the clock reaches it, and only then."""
+    h = rig(backoff_base=1 / 64)  # binary fractions: the clock's sums are exact
+
+    async def scenario() -> None:
+        h.send("a", "hi")
+        await h.forked("a")
+        h.exit("a", exited_with(1))
+        time.sleep(0.05)  # the machine stalls: real time passes, the clock does not
+        await settle()
+        assert len(h.spawn_requests("a")) == 1
+        await h.advance(1 / 128)
+        assert len(h.spawn_requests("a")) == 1 and h.table.require("a").state is State.BACKOFF
+        await h.advance(1 / 128)
+        assert len(h.spawn_requests("a")) == 2 and h.table.require("a").state is State.STARTING
 
     h.run(scenario())
 
@@ -142,7 +163,7 @@ def test_after_too_many_fast_failures_the_session_fails_and_its_turns_say_how_ma
         second = h.send("a", "two")
         await h.forked("a")
         h.exit("a", exited_with(1))
-        await asyncio.sleep(0.05)  # retried
+        await h.advance(0.05)  # retried
         await h.forked("a")
         h.exit("a", killed_by(signal.SIGSEGV))
         session = h.table.require("a")
@@ -154,7 +175,7 @@ def test_after_too_many_fast_failures_the_session_fails_and_its_turns_say_how_ma
             assert "(2 fast failures in a row)" in error["message"]
             assert "wait 300s" in error["message"]
         assert not session.queue and h.turns.queued_total == 0
-        await asyncio.sleep(0.05)
+        await h.advance(0.05)
         assert len(h.spawn_requests("a")) == 2  # no retry once failed
 
     h.run(scenario())
@@ -223,7 +244,7 @@ def test_a_handed_turn_whose_worker_failed_to_boot_waits_for_the_next_worker(rig
         assert [t.id for t in session.queue] == [req] and h.turns.queued_total == 1
         assert h.finals(req) == []
         assert [d["state"] for d in h.statuses(req)][-1] == "backoff"
-        await asyncio.sleep(0.05)  # retried: failing fast, so no handover this time
+        await h.advance(0.05)  # retried: failing fast, so no handover this time
         assert "turn" not in h.spawn_requests("a")[1]
         await h.started("a")
         h.reply("a", "done")
@@ -247,7 +268,7 @@ def test_a_handed_turn_whose_worker_crashed_before_its_hello_fails_once(rig) -> 
         assert error["code"] == ErrorCode.WORKER_DIED.value
         assert f"(pid {proc.pid})" in error["message"]
         assert not session.queue and session.current is None and h.turns.queued_total == 0
-        await asyncio.sleep(0.05)
+        await h.advance(0.05)
         assert len(h.spawn_requests("a")) == 1  # nothing waits: no retry
 
     h.run(scenario())

@@ -210,12 +210,14 @@ def test_idle_sessions_hibernate_but_busy_ones_do_not(supervisor_factory) -> Non
     sup = supervisor_factory("--idle-timeout", "1")
     with sup.client() as client:
         client.run("idle", "pid")
-        req = client.submit(Kind.SEND, {"text": "sleep 3"}, session="busy")
+        # Busy until the test ends its turn, however long the wait below.
+        req = client.submit(Kind.SEND, {"text": "sleep 600"}, session="busy")
         wait_running(client, req)
         assert until(lambda: row(client, "idle")["state"] == "hibernated", timeout=5)
         assert "idle for" in row(client, "idle")["last_exit"]
         assert row(client, "busy")["state"] == "busy"
-        assert final(client, req).body["text"] == "slept 3"
+        client.cancel("busy", req)
+        assert final(client, req).body["text"] == "cancelled"
         # The busy-to-idle transition reset its clock: culled a second later, not at once.
         assert row(client, "busy")["state"] == "idle"
         assert until(lambda: row(client, "busy")["state"] == "hibernated", timeout=5)

@@ -163,6 +163,7 @@ print(asyncio.run(proxy(None, "hi", "", [], None, "s"))["final_response"])
 """
 
 
+@pytest.mark.slow  # Hermes's gateway imported in a new interpreter, each case
 @pytest.mark.parametrize(
     ("change", "said"), [("signature", "GatewayRunner._run_agent_via_proxy takes")]
 )

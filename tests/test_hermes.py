@@ -15,13 +15,13 @@ import pytest
 from hermes_sup.client import SupervisorError
 from hermes_sup.protocol import Kind, session_dir_name
 
+from .conftest import needs_hermes
 from .fake_model import FakeModel
 from .test_faults import final, until, wait_running
 from .test_isolation import _text
 from .waiting import wait_for
 
-pytest.importorskip("run_agent", reason="hermes-agent is not installed")
-pytestmark = pytest.mark.e2e
+pytestmark = [needs_hermes, pytest.mark.e2e]
 
 PROBE = (
     "run: pwd; echo key=$HERMES_SESSION_KEY; echo home=$HERMES_HOME; "
@@ -36,14 +36,33 @@ def model():
     fake.close()
 
 
+# Seconds Hermes waits for an approval's answer: long where the test
+# answers (however late a loaded machine lets it), short where the test is
+# of nobody answering.
+ANSWERED_APPROVALS = 600
+UNANSWERED_APPROVALS = 3
+
+
 @pytest.fixture
 def hermes(supervisor_factory, model, workdir, request):
     """A supervisor running the hermes runtime against the fake model, with
     its own HOME (which must stay untouched) and a template HERMES_HOME.
     Parametrize it indirectly with extra `serve` arguments."""
+    return start_hermes(supervisor_factory, model, workdir, request, ANSWERED_APPROVALS)
+
+
+@pytest.fixture
+def hermes_unanswered(supervisor_factory, model, workdir, request):
+    """`hermes` for tests of approvals nobody answers: they time out in
+    UNANSWERED_APPROVALS seconds."""
+    return start_hermes(supervisor_factory, model, workdir, request, UNANSWERED_APPROVALS)
+
+
+def start_hermes(supervisor_factory, model, workdir, request, approval_timeout: int):
+    """The supervisor of `hermes`, its approvals waiting `approval_timeout` seconds."""
     template = workdir / "template"
     template.mkdir()
-    (template / "config.yaml").write_text("approvals:\n  timeout: 3\n")
+    (template / "config.yaml").write_text(f"approvals:\n  timeout: {approval_timeout}\n")
     config = workdir / "agent.toml"
     config.write_text(
         f'model = "fake-model"\nbase_url = "{model.url}"\nprovider = "custom"\n'
@@ -225,7 +244,8 @@ def test_approval_deny_then_once(hermes) -> None:
         assert err.value.code == "nothing_to_approve"
 
 
-def test_no_answer_to_an_approval_means_deny_and_the_front_end_is_told(hermes) -> None:
+def test_no_answer_to_an_approval_means_deny_and_the_front_end_is_told(hermes_unanswered) -> None:
+    hermes = hermes_unanswered
     with hermes.client(timeout=120) as client:
         client.run("quiet", "run: mkdir -p target && echo made")
         target = session_dir(hermes, "quiet") / "workspace" / "target"
@@ -318,9 +338,10 @@ def test_an_operator_answers_an_approval_in_attach(hermes) -> None:
             child.close(force=True)
 
 
-def test_each_approval_timeout_is_reported_when_it_happens_with_its_id(hermes) -> None:
+def test_each_approval_timeout_is_reported_when_it_happens_with_its_id(hermes_unanswered) -> None:
+    hermes = hermes_unanswered
     """Two dangerous commands in one turn, nobody answers: each request times
-    out in turn (approvals.timeout is 3 s here), and each timeout names its
+    out in turn (approvals.timeout is UNANSWERED_APPROVALS here), and each timeout names its
     request before the next one is asked, not only when the turn ends."""
     with hermes.client(timeout=120) as client:
         client.run("twice", "run: mkdir -p a b && echo made")

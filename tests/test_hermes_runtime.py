@@ -14,11 +14,11 @@ import pytest
 
 from hermes_sup.client.errors import TurnFailed
 
+from .conftest import needs_hermes
 from .fake_model import FakeModel
 from .test_hermes import session_dir
 
-pytest.importorskip("run_agent", reason="hermes-agent is not installed")
-pytestmark = pytest.mark.e2e
+pytestmark = [needs_hermes, pytest.mark.e2e]
 
 HISTORY = [
     {"role": "system", "content": "left out, as Hermes's API server leaves it"},

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hermes_sup.client import Overloaded, SupervisorError, Timeout
@@ -616,7 +616,6 @@ def _check_short_path(frames: list[bytes]) -> None:
     body_field=st.sampled_from(["type", "data", "turn", "replayed", "other"]),
     body_value=_VALUES,
 )
-@settings(max_examples=400, deadline=None)
 def test_the_short_path_for_events_accepts_only_what_decode_accepts(
     field: str, value: object, body_field: str, body_value: object
 ) -> None:

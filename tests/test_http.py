@@ -16,9 +16,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import psutil
 import pytest
 
@@ -28,6 +28,9 @@ from hermes_sup.httpapi.turns import Pump, QueueSink, open_turn
 from tests.conftest import wait_gone
 from tests.test_clients import free_port
 from tests.waiting import load_factor
+
+if TYPE_CHECKING:
+    import openai
 
 READY = re.compile(r"http_ready url=(\S+)")
 
@@ -52,6 +55,8 @@ class Endpoint:
         return self.log_path.read_text(errors="replace")
 
     def openai(self) -> openai.OpenAI:
+        import openai  # here: its import is most of this module's collection
+
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0)
 
 
@@ -806,6 +811,8 @@ def test_the_endpoint_on_its_own_against_a_remote_supervisor(supervisor_factory,
         )  # fmt: skip
     try:
         url = wait_ready(log_path, proc)
+        import openai
+
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(
             model="m",

@@ -14,10 +14,11 @@ import pytest
 
 from hermes_sup.httpapi.keys import KeyStore
 
+from .conftest import needs_hermes
 from .fake_model import FakeModel, _text
 from .test_http import wait_ready
 
-pytest.importorskip("run_agent", reason="hermes-agent is not installed")
+pytestmark = needs_hermes
 
 
 @pytest.fixture

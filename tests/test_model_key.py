@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from .conftest import needs_hermes
 from .test_sealed_hermes import _memory_mentions, _sealed_supervisor
 
-pytest.importorskip("run_agent", reason="hermes-agent is not installed")
+pytestmark = needs_hermes
 
 KEY_ENV = "HERMES_SUP_TEST_MODEL_KEY"
 

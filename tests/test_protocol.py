@@ -7,7 +7,7 @@ import sys
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hermes_sup.protocol import (
@@ -59,7 +59,6 @@ def test_unicode_and_nested_data_survive() -> None:
     assert decode(encode(msg, KEY), KEY).body["data"] == data
 
 
-@settings(max_examples=300, deadline=None)
 @given(key=st.binary(max_size=200), payload=st.binary(max_size=400))
 def test_signature_is_standard_hmac_sha256(key: bytes, payload: bytes) -> None:
     """`sign` caches each key's pads; it must stay HMAC-SHA256 for every key
@@ -221,7 +220,6 @@ def test_replay_guard_forgets_expired_ids() -> None:
 frame = st.binary(max_size=256)
 
 
-@settings(max_examples=400, deadline=None)
 @given(st.lists(frame, max_size=5))
 def test_garbage_frames_only_ever_raise_remote_errors(frames: list[bytes]) -> None:
     with pytest.raises(RemoteProtocolError):
@@ -242,7 +240,6 @@ msgpack_values = st.recursive(
 )
 
 
-@settings(max_examples=400, deadline=None)
 @given(
     st.dictionaries(
         st.sampled_from(["id", "kind", "ts", "session", "re", "body", "extra"]),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hermes_sup.cluster.merge import merge_sessions, merge_status
@@ -24,7 +24,6 @@ NAMES = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
 @given(keys=KEYS, names=NAMES, data=st.data())
 def test_only_the_keys_of_a_node_that_leaves_move(keys, names, data) -> None:
     capacities = {n: data.draw(st.integers(1, 8)) for n in names}
@@ -39,7 +38,6 @@ def test_only_the_keys_of_a_node_that_leaves_move(keys, names, data) -> None:
             assert after[key] != gone and after[key] is not None
 
 
-@settings(max_examples=100, deadline=None)
 @given(keys=KEYS, names=NAMES, data=st.data())
 def test_a_node_that_joins_takes_keys_only_for_itself(keys, names, data) -> None:
     nodes = [Candidate(n) for n in names[1:]]

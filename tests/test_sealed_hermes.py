@@ -25,7 +25,14 @@ import pytest
 
 from hermes_sup.worker import hermes_seal
 
-pytest.importorskip("run_agent", reason="hermes-agent is not installed")
+from .conftest import needs_hermes
+
+pytestmark = [
+    needs_hermes,
+    # Each test but the module list's imports Hermes, preloads it in a new
+    # interpreter (seconds each) or starts a sealed supervisor.
+    pytest.mark.slow,
+]
 
 # Preload under base/{home,workspace,user}; swap home for the session's
 # (a .env, a config.yaml); set the worker's own environment; replay (unless
@@ -208,7 +215,7 @@ def test_preload_refuses_a_home_with_files_and_hermes_imported_before(tmp_path: 
     with pytest.raises(hermes_seal.SealError, match="every session"):
         hermes_seal.preload(paths)
     (paths.home / ".env").unlink()
-    # This test process imported hermes (importorskip above), not under P.
+    importlib.import_module("run_agent")  # Hermes imported here, not under P
     with pytest.raises(hermes_seal.SealError, match="imported before the sealed preload"):
         hermes_seal.preload(paths)
 
@@ -300,8 +307,9 @@ def _sealed_supervisor(
 
     template = workdir / "template"
     template.mkdir()
+    # Every approval here is answered: no timeout a loaded machine could reach.
     (template / "config.yaml").write_text(
-        "approvals:\n  timeout: 5\nmodel:\n  context_length: 131072\nterminal:\n  timeout: 77\n"
+        "approvals:\n  timeout: 600\nmodel:\n  context_length: 131072\nterminal:\n  timeout: 77\n"
     )
     # What a new session's first worker must load from its home, as unsealed.
     (template / ".env").write_text("SEALED_TEMPLATE=from-template\n")

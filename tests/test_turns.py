@@ -5,7 +5,6 @@ fake endpoints (no process, no socket)."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from collections.abc import Callable
 
@@ -93,7 +92,7 @@ def test_a_session_failing_fast_gets_its_first_turn_after_the_hello(rig) -> None
         await h.forked("b")
         h.exit("b", exited_with(1))
         assert h.table.require("b").fast_failures == 1
-        await asyncio.sleep(0.05)  # the retry
+        await h.advance(0.05)  # the retry
         assert "turn" not in h.spawn_requests("b")[1]
         await h.started("b")
         assert [m.id for m in h.to_worker("b", Kind.TURN)] == [req]
@@ -157,7 +156,7 @@ def test_a_turn_over_its_timeout_is_cancelled_and_a_worker_ignoring_it_is_killed
     async def scenario() -> None:
         req = h.send("a", "forever")
         proc = await h.started("a")
-        await asyncio.sleep(0.015)  # the turn timeout (0.01 s) has fired
+        await h.advance(0.015)  # the turn timeout (0.01 s) has fired
         (error,) = h.finals(req)
         assert error.body["code"] == ErrorCode.TURN_TIMEOUT.value
         assert "0.01s turn timeout" in error.body["message"]
@@ -165,7 +164,7 @@ def test_a_turn_over_its_timeout_is_cancelled_and_a_worker_ignoring_it_is_killed
         assert proc.signals == []  # it has cancel_grace to stop
         h.event("a", "late news")  # what it still says is not passed on
         assert [m.kind for m in h.answers(req)].count(Kind.EVENT) == 2  # queued, running
-        await asyncio.sleep(0.05)  # cancel_grace has passed: killed, with its group
+        await h.advance(0.05)  # cancel_grace has passed: killed, with its group
         assert proc.signals == [signal.SIGKILL]
         assert proc.group_signals == [signal.SIGKILL]
         session = h.table.require("a")
@@ -185,7 +184,7 @@ def test_a_worker_that_stops_its_timed_out_turn_keeps_running(rig) -> None:
         req = h.send("a", "slow")
         behind = h.send("a", "next")
         proc = await h.started("a")
-        await asyncio.sleep(0.015)
+        await h.advance(0.015)
         (error,) = h.finals(req)
         h.reply("a", "cancelled", re=req)  # the worker gives up the turn
         assert h.finals(req) == [error]  # its late answer is dropped
@@ -194,7 +193,7 @@ def test_a_worker_that_stops_its_timed_out_turn_keeps_running(rig) -> None:
         assert [m.id for m in h.to_worker("a", Kind.TURN)] == [req, behind]
         h.reply("a", "quick")
         assert [m.body for m in h.finals(behind)] == [{"text": "quick"}]
-        await asyncio.sleep(0.05)
+        await h.advance(0.05)
         assert proc.signals == [] and proc.group_signals == []
 
     h.run(scenario())
@@ -211,7 +210,7 @@ def test_a_turn_resent_by_a_reconnected_client_answers_it_and_never_runs_twice(r
         await h.started("a")
         h.endpoints.gone.add(ALICE)  # alice gave up and closed; she resends as bob
         h.send("a", "hi", client=BOB, id=req)
-        await asyncio.sleep(settle_resend())
+        await h.advance(settle_resend())
         assert h.answers(req, BOB)[-1].body["data"] == {"state": "duplicate"}
         h.event("a", "progress")
         h.reply("a", "done")
@@ -231,7 +230,7 @@ def test_a_turn_resent_while_it_waits_is_queued_and_run_only_once(rig) -> None:
         req = h.send("a", "hi")
         h.send("a", "hi", id=req)  # the same client, say after a timeout
         h.send("a", "hi", client=BOB, id=req)  # and another one
-        await asyncio.sleep(settle_resend())
+        await h.advance(settle_resend())
         assert h.turns.queued_total == 1 and len(h.table.require("a").queue) == 1
         await h.started("a")
         h.reply("a", "done")

@@ -14,12 +14,12 @@ import pytest
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.worktrees import branch_for
 
+from .conftest import needs_hermes
 from .fake_model import FakeModel
 from .test_hermes import collect
 from .test_worktrees import make_repo
 
-pytest.importorskip("run_agent", reason="hermes-agent is not installed")
-pytestmark = pytest.mark.e2e
+pytestmark = [needs_hermes, pytest.mark.e2e]
 
 
 @pytest.fixture
