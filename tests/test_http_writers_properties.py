@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hermes_sup.client import Dropped, Event, Output, Reply, Token
@@ -59,10 +59,6 @@ def turns(draw: st.DrawFn) -> Turn:
     return Turn([*sent, Reply("reply", text=text)], lost)
 
 
-FAST = settings(max_examples=150, deadline=None)
-
-
-@FAST
 @given(turns())
 def test_chat_ends_with_the_whole_text_and_states_a_gap_iff_one_happened(turn: Turn) -> None:
     writer = ChatChunks(Said(), "c", 1, "m")
@@ -78,7 +74,6 @@ def test_chat_ends_with_the_whole_text_and_states_a_gap_iff_one_happened(turn: T
     assert said == turn.whole
 
 
-@FAST
 @given(turns())
 def test_responses_end_with_the_whole_text_and_state_a_gap_iff_one_happened(turn: Turn) -> None:
     base: dict[str, Any] = {"id": "r", "object": "response", "output": []}
@@ -97,7 +92,6 @@ def test_responses_end_with_the_whole_text_and_state_a_gap_iff_one_happened(turn
     assert final.get("hermes") == ({"dropped": turn.dropped} if turn.dropped else None)
 
 
-@FAST
 @given(turns())
 def test_runs_end_with_the_whole_text_and_state_a_gap_iff_one_happened(turn: Turn) -> None:
     writer = RunEvents()
