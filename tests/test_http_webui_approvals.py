@@ -1,6 +1,7 @@
 """hermes-webui's approvals on the runs backend
-(`HERMES_WEBUI_GATEWAY_USE_RUNS_API=1`), against a real supervisor (probe
-runtime, whose `ask COMMAND` waits for an approval) and endpoint.
+(`HERMES_WEBUI_GATEWAY_USE_RUNS_API=1`), against a real supervisor and
+endpoint: the probe runtime, whose `ask COMMAND` waits for an approval,
+and the real Hermes agent (the fake model server), whose `rm -rf` does.
 
 Each request is the one hermes-webui sends (nesquena/hermes-webui):
 `api/config.py`'s capability probe, `api/gateway_chat.py`'s run start and
@@ -20,11 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import pytest
 
 from tests import test_http
 
 endpoint = test_http.endpoint
 endpoint_factory = test_http.endpoint_factory
+
+try:  # the Hermes test's fixture: without hermes-agent, that test alone is skipped
+    from tests.test_http_hermes import hermes_http  # noqa: F401
+except pytest.skip.Exception:
+
+    @pytest.fixture
+    def hermes_http() -> None:
+        pytest.skip("hermes-agent is not installed")
+
 
 ENDS = ("run.completed", "run.failed", "run.cancelled")
 
@@ -171,3 +182,29 @@ def test_a_late_answer_from_a_second_webui_tab_is_refused(endpoint) -> None:
     for named in (request["approval_id"], ""):
         status, body = webui.respond(seen.run_id, named, "deny")
         assert status == 409 and body["error"]["code"] == "approval_not_pending"
+
+
+def test_webuis_session_and_always_approvals_hold_in_hermes(hermes_http) -> None:  # noqa: F811
+    """With the real Hermes agent (`rm -rf` needs approval): once asks again
+    next time; session and always let the same kind of command run on in that
+    session without asking, as Hermes's own approvals do."""
+    url, key, _ = hermes_http
+
+    def run(webui: Webui, command: str, choice: str = "deny", named: bool = True) -> WebuiRun:
+        seen = webui.run(f"run: {command}", choice, identity_v1=named)
+        assert all(status == 200 for status, _ in seen.answers), seen.answers
+        assert seen.events[-1]["event"] == "run.completed", seen.events
+        return seen
+
+    for choice, named in (("session", True), ("always", False)):
+        webui = Webui(url, key, f"wh-{choice}")
+        run(webui, "mkdir -p a b c && echo made")
+        once = run(webui, "rm -rf a", "once", named)
+        assert len(once.answers) == 1  # asked, answered
+        asked = run(webui, "rm -rf b", choice, named)
+        assert len(asked.answers) == 1  # once held for one command only: asked again
+        kept = run(webui, "rm -rf c")  # would be denied if asked
+        assert kept.answers == [], kept.events
+        listed = run(webui, "ls")
+        output = listed.events[-1]["output"]
+        assert '"output": ""' in output, output  # a, b and c all gone
