@@ -5,8 +5,9 @@ piece of text the agent streams, tool activity as `event:
 hermes.tool.progress` lines (`tool`, `emoji`, `label`, `toolCallId`,
 `status` running, then `tool`, `toolCallId`, `status` completed) for a
 client that asks for such frames (they carry no `choices`: an
-`X-Hermes-Events: 1` header, `?hermes_events=1`, or X-Hermes-Session-Id,
-as hermes-webui sends; writers.wants_custom_events), a last
+`X-Hermes-Events: 1` header, `?hermes_events=1`, or X-Hermes-Session-Id
+with an `Accept` that takes `text/event-stream`, as hermes-webui sends;
+not the openai SDK's `application/json`; writers.wants_custom_events), a last
 chunk with `finish_reason` and `usage`, then `data: [DONE]`. A failure
 after the stream has started ends it with `finish_reason: "error"`, an
 `error` object and `data: [DONE]`, as Hermes does. Not streaming: one

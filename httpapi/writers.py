@@ -74,23 +74,44 @@ SUBAGENT_TEXT_LIMIT = 4000  # characters of one free-text field a run keeps
 
 
 # A chat stream's own frames (`hermes.tool.progress`, the gap notice) carry
-# no `choices`: a plain OpenAI client (the `llm` CLI) fails on one, so only
-# a client that asks gets them. It asks with this header or query flag, or
-# by naming its conversation with X-Hermes-Session-Id, which no plain
-# OpenAI client sends and Hermes's own (hermes-webui's chat backend) does.
+# no `choices`: a plain OpenAI client (the `llm` CLI, the openai SDK's usual
+# `chunk.choices[0]`) fails on one, so only a client that asks gets them. It
+# asks with this header or query flag, or by naming its conversation with
+# X-Hermes-Session-Id while reading the stream as events, as Hermes's own
+# hermes-webui chat backend does (`Accept: text/event-stream`). The openai
+# SDK, and litellm, langchain and `llm` on it, say `Accept:
+# application/json` even when streaming: naming a conversation (as a front
+# end serving many people should) does not give them frames they fail on.
 CUSTOM_EVENTS_HEADER = "X-Hermes-Events"
 CUSTOM_EVENTS_QUERY = "hermes_events"
 _ASKS_BY_CONVERSATION = "X-Hermes-Session-Id"
 _YES = ("1", "true", "yes", "on")
+_EVENT_STREAM_RANGES = ("text/event-stream", "text/*", "*/*")
+
+
+def _reads_events(accept: str) -> bool:
+    """Whether an `Accept` header takes `text/event-stream` (no header
+    takes anything); a range with `q=0` refuses it."""
+    if not accept.strip():
+        return True
+    for part in accept.split(","):
+        media, *params = (piece.strip().lower() for piece in part.split(";"))
+        if media not in _EVENT_STREAM_RANGES:
+            continue
+        refused = any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params)
+        if not refused:
+            return True
+    return False
 
 
 def wants_custom_events(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
     """Whether a chat client asked for Hermes's custom SSE frames
     (`headers` as case-insensitive as Starlette's)."""
-    if headers.get(_ASKS_BY_CONVERSATION, "").strip():
-        return True
     flags = (headers.get(CUSTOM_EVENTS_HEADER, ""), query.get(CUSTOM_EVENTS_QUERY, ""))
-    return any(flag.strip().lower() in _YES for flag in flags)
+    if any(flag.strip().lower() in _YES for flag in flags):
+        return True
+    named = bool(headers.get(_ASKS_BY_CONVERSATION, "").strip())
+    return named and _reads_events(headers.get("Accept", ""))
 
 
 class SseEvent(NamedTuple):
