@@ -14,7 +14,6 @@ from hermes_sup.supervisor import configfile, sealing
 from hermes_sup.supervisor.config import Settings
 from hermes_sup.supervisor.environment import parse_options
 from hermes_sup.supervisor.session import Session
-from hermes_sup.worker import seal
 
 
 def test_the_sealed_key_takes_off_auto_or_on(tmp_path: Path) -> None:
