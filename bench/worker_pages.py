@@ -29,6 +29,17 @@ without it only the smaps columns are filled.
 `--python LABEL=PATH` runs the same with another interpreter's venv (one
 with hermes-sup and hermes-agent installed), so that Python versions are
 compared in one run.
+
+`--objects` says which Python objects sit on the copied pages, in a
+bench-only stand-in for the zygote: a process that preloads as the sealed
+zygote does (hermes under fixed paths, the base modules, the warm-ups,
+gc.freeze) and forks a child that runs the same tool-call turn through the
+Hermes runtime (unsealed: the stand-in is not a supervisor). The parent
+finds the child's copied pages; the child then unfreezes its gc and lists
+every object (and the untracked ones they refer to: code, strings) by the
+pages it lies on. A page counts once for each type found on it, so the
+counts overlap; `code by file` names the modules whose code objects are on
+copied pages.
 """
 
 from __future__ import annotations
@@ -178,6 +189,133 @@ def classify(worker: int, zygote: int | None) -> dict[str, Any]:
     }
 
 
+def copied_pages(child: int, parent: int) -> set[int]:
+    """The page numbers the child holds copies of (the parent has a
+    different frame there)."""
+    copied: set[int] = set()
+    pmaps = read_smaps(parent)
+    for m in read_smaps(child):
+        if not (m.kib.get("Private_Clean", 0) + m.kib.get("Private_Dirty", 0)):
+            continue
+        mine = _frames(child, m.start, m.end)
+        for z in pmaps:
+            lo, hi = max(z.start, m.start), min(z.end, m.end)
+            if lo >= hi:
+                continue
+            theirs = _frames(parent, lo, hi)
+            first = (lo - m.start) // PAGE
+            for i, zframe in enumerate(theirs):
+                frame = mine[first + i]
+                if frame and zframe and frame != zframe:
+                    copied.add(lo // PAGE + i)
+    return copied
+
+
+def objects_on(pages: set[int]) -> dict[str, Any]:
+    """Which objects of this process lie on `pages` (see --objects)."""
+    import gc
+
+    gc.unfreeze()
+    tracked = gc.get_objects()
+    found: dict[int, object] = {id(o): o for o in tracked}
+    for o in tracked:
+        for r in gc.get_referents(o):
+            if id(r) not in found and not gc.is_tracked(r):
+                found[id(r)] = r
+    by_type: dict[str, set[int]] = defaultdict(set)
+    code_files: dict[str, set[int]] = defaultdict(set)
+    covered: set[int] = set()
+    for address, obj in found.items():
+        try:
+            size = sys.getsizeof(obj)
+        except TypeError:
+            continue
+        hit = {p for p in range(address // PAGE, (address + size - 1) // PAGE + 1) if p in pages}
+        if not hit:
+            continue
+        covered |= hit
+        kind = type(obj).__name__
+        by_type[kind] |= hit
+        if kind == "code":
+            parts = Path(getattr(obj, "co_filename", "?")).parts
+            top = (
+                parts[parts.index("site-packages") + 1]
+                if "site-packages" in parts
+                else "/".join(parts[-2:])
+            )
+            code_files[top.removesuffix(".py")] |= hit
+    return {
+        "copied_pages": len(pages),
+        "pages_with_objects": len(covered),
+        "by_type": dict(
+            sorted(((k, len(v)) for k, v in by_type.items()), key=lambda kv: -kv[1])[:25]
+        ),
+        "code_by_file": dict(
+            sorted(((k, len(v)) for k, v in code_files.items()), key=lambda kv: -kv[1])[:15]
+        ),
+    }
+
+
+def objects_child(model_url: str, scratch: Path) -> int:
+    """The stand-in zygote of --objects (a process of its own)."""
+    import gc
+    from types import SimpleNamespace
+
+    from hermes_sup.worker import hermes_seal, zygote
+    from hermes_sup.worker.main import prepare
+
+    paths = SimpleNamespace(home=scratch / "home", workspace=scratch / "ws", user=scratch / "user")
+    for p in (paths.home, paths.workspace, paths.user):
+        p.mkdir(parents=True, exist_ok=True)
+    zygote.one_malloc_arena()
+    hermes_seal.preload(paths)
+    zygote._preload(list(zygote.BASE_PRELOAD))
+    prepare()
+    gc.collect()
+    gc.freeze()
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            from hermes_sup.worker.hermes import HermesRuntime
+            from hermes_sup.worker.runtime import SessionInfo
+
+            config = {"model": "fake-model", "base_url": model_url, "provider": "custom"}
+            info = SessionInfo("objects", Path(paths.workspace), Path(paths.home), config=config)
+            HermesRuntime(info).run_turn(TOOL_TURN, lambda kind, data: None)
+            os.write(ready_w, b"x")
+            os.read(go_r, 1)
+            pages = {int(x) for x in (scratch / "pages").read_text().split()}
+            (scratch / "objects.json").write_text(json.dumps(objects_on(pages)))
+        finally:
+            os._exit(0)
+    os.read(ready_r, 1)
+    time.sleep(1.0)
+    (scratch / "pages").write_text("\n".join(map(str, copied_pages(pid, os.getpid()))))
+    os.write(go_w, b"x")
+    os.waitpid(pid, 0)
+    return 0
+
+
+def objects(model_url: str, python: str) -> dict[str, Any]:
+    """--objects on one interpreter."""
+    import subprocess
+
+    scratch = Path(tempfile.mkdtemp(prefix="hsb-objects-", dir="/var/tmp"))
+    try:
+        subprocess.run(
+            [python, "-m", "bench.worker_pages", "--objects-child", model_url, str(scratch)],
+            check=True,
+            timeout=START_TIMEOUT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return dict(json.loads((scratch / "objects.json").read_text()))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _agent_config(root: Path, model_url: str) -> Path:
     """The fake model, default toolsets (none named: those of Hermes's API
     server), a template home whose config.yaml names the context length."""
@@ -281,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", action="append", default=[], metavar="LABEL=PATH")
     parser.add_argument("--serve-arg", action="append", default=[], help="passed to serve")
     parser.add_argument("--out", default=str(RESULTS / "worker_pages.json"))
+    parser.add_argument("--objects", action="store_true", help="the objects on copied pages")
+    parser.add_argument("--objects-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.objects_child:
+        return objects_child(args.objects_child[0], Path(args.objects_child[1]))
     pythons = {f"python{sys.version_info[0]}.{sys.version_info[1]}": sys.executable}
     for entry in args.python:
         label, _, path = entry.partition("=")
@@ -291,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for label, python in pythons.items():
             print(f"{label} ...", file=sys.stderr, flush=True)
+            if args.objects:
+                found = objects(model.url, python)
+                results["runs"][label] = found
+                print(f"## {label}\n{json.dumps(found, indent=1)}", flush=True)
+                continue
             run = measure(python, args.sessions, model.url, args.serve_arg)
             results["runs"][label] = run
             print(report(label, run), flush=True)
