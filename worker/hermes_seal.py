@@ -453,8 +453,10 @@ def _warm_model_client(notes: dict[str, str]) -> None:
                 http_client=httpx.Client(transport=httpx.MockTransport(canned)),
             ) as client:
                 messages: list[dict[str, Any]] = [{"role": "user", "content": "warm-up"}]
+                # Plain dicts, as Hermes sends them (not the SDK's TypedDicts).
+                create: Any = client.chat.completions.create
                 for _reply in range(2):
-                    stream = client.chat.completions.create(
+                    stream = create(
                         model="warm-up", messages=messages, tools=[_WARM_TOOL], stream=True
                     )
                     for chunk in stream:
