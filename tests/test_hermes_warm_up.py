@@ -125,3 +125,52 @@ def test_a_session_that_names_its_scanner_keeps_it(tmp_path: Path, monkeypatch: 
     monkeypatch.delenv("TIRITH_ENABLED", raising=False)
     hermes_seal._no_tirith_download()
     assert "TIRITH_ENABLED" not in os.environ
+
+
+# _no_tirith_download for homes whose config.yaml says something of tirith
+# (each its own HERMES_HOME); prints what it set, by case.
+TIRITH_CASES = r"""
+import json, os, sys
+from pathlib import Path
+from hermes_sup.worker import hermes_seal
+
+base = Path(sys.argv[1])
+cases = {
+    "silent": "",
+    "fail closed": "security:\n  tirith_fail_open: false\n",
+    "own path": "security:\n  tirith_path: /opt/scanner/tirith\n",
+    "installed in home": "",
+}
+seen = {}
+for name, config in cases.items():
+    home = base / name.replace(" ", "-")
+    (home / "bin").mkdir(parents=True)
+    (home / "config.yaml").write_text(config)
+    if name == "installed in home":
+        (home / "bin" / "tirith").write_text("#!/bin/sh\n")
+        (home / "bin" / "tirith").chmod(0o755)
+    os.environ["HERMES_HOME"] = str(home)
+    os.environ.pop("TIRITH_ENABLED", None)
+    hermes_seal._no_tirith_download()
+    seen[name] = os.environ.get("TIRITH_ENABLED")
+print(json.dumps(seen))
+"""
+
+
+def test_the_scanner_is_switched_off_only_where_hermes_would_download_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HERMES_", "TIRITH_"))}
+    env["PATH"] = "/usr/bin:/bin"  # no tirith on it
+    out = subprocess.run(
+        [sys.executable, "-c", TIRITH_CASES, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "silent": "0",
+        "fail closed": None,
+        "own path": None,
+        "installed in home": None,
+    }
