@@ -29,14 +29,18 @@ the session's contents. That is `replay`:
 - plugins are discovered again if the session's home or config names any;
 - the variables the import set in the zygote's os.environ (the worker's
   environment is replaced by the session's, so they are gone) are set
-  again.
+  again;
+- Hermes's pre-exec scanner (tirith) is switched off where it is not
+  installed and the session left it to Hermes, which would otherwise try
+  to download it through a network the worker does not have.
 
 `preload` also runs, once, what every session's first agent would run
 and that depends on nothing of the session: the CA bundle check
 (after which workers skip it, `HERMES_SKIP_SSL_GUARD=1`, unless the
 session names a CA bundle of its own), the environment probe, and the
 SSL contexts an agent's clients make (each parses the whole CA bundle:
-see `_SSLPool`).
+see `_SSLPool`), and a model turn's streaming through the openai client,
+from a canned reply (`_warm_model_client`).
 
 A new hermes-agent version needs this re-checked (the replay refuses to
 run when the statements it re-runs are not where it expects them).
@@ -225,6 +229,7 @@ def preload(
     if os.environ.get(SSL_POOL_ENV, "1") != "0":
         _pool_ssl_contexts(done.ca_checked, done.warm_ups)
     _gateway_statements()  # compiled once, shared by every worker
+    _warm_model_client(done.warm_ups)
     _check_left_behind(done.paths)
     after = dict(os.environ)
     done.env = {
@@ -367,6 +372,140 @@ def _pool_ssl_contexts(checked: list[dict[str, str | None]], notes: dict[str, st
     notes["ssl_pool"] = f"{SSL_POOL_SIZE} contexts for each of {', '.join(sorted(files))}"
 
 
+# The canned model the warm-up streams from: a `terminal` tool call, then
+# once the tool's result is in the conversation, a short text reply.
+_WARM_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "terminal",
+        "description": "run a command",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    },
+}
+WARM_ROUNDS = 3  # past the interpreter's warm-up of each function a turn runs
+
+
+def _warm_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {
+        "id": "warm-up",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "warm-up",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+def _warm_model_client(notes: dict[str, str]) -> None:
+    """Stream a tool-call turn and its answer through the openai client
+    (httpx, pydantic, the SSE decoder), from a canned reply in this process:
+    no network, no thread, no file, nothing of Hermes. Code run once before
+    the fork is specialised and its lazily made objects (validators, compiled
+    patterns, type caches) exist, in pages every worker shares; run first in
+    each worker's turn instead, it writes to those pages, and each write is
+    a page copied for that worker (bench/worker_pages.py: 2-3 MiB of a live
+    worker). Only libraries that capture nothing per session run here."""
+    import json
+
+    try:
+        import httpx
+        import openai
+    except ImportError as exc:
+        notes["model_client"] = f"not warmed: {exc}"
+        return
+    call = [
+        _warm_chunk(
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "warm-up",
+                        "type": "function",
+                        "function": {"name": "terminal", "arguments": ""},
+                    }
+                ],
+            }
+        ),
+        _warm_chunk(
+            {"tool_calls": [{"index": 0, "function": {"arguments": '{"command": "true"}'}}]}
+        ),
+        _warm_chunk({}, "tool_calls"),
+    ]
+    answer = [_warm_chunk({"role": "assistant", "content": "warm"}), _warm_chunk({}, "stop")]
+
+    def canned(request: httpx.Request) -> httpx.Response:
+        messages = json.loads(request.content).get("messages", [])
+        chunks = answer if any(m.get("role") == "tool" for m in messages) else call
+        body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+        return httpx.Response(
+            200, content=body + b"data: [DONE]\n\n", headers={"content-type": "text/event-stream"}
+        )
+
+    try:
+        for _ in range(WARM_ROUNDS):
+            with openai.OpenAI(
+                api_key="warm-up",
+                base_url="http://warm-up.invalid/v1",
+                http_client=httpx.Client(transport=httpx.MockTransport(canned)),
+            ) as client:
+                messages: list[dict[str, Any]] = [{"role": "user", "content": "warm-up"}]
+                # Plain dicts, as Hermes sends them (not the SDK's TypedDicts).
+                create: Any = client.chat.completions.create
+                for _reply in range(2):
+                    stream = create(
+                        model="warm-up", messages=messages, tools=[_WARM_TOOL], stream=True
+                    )
+                    for chunk in stream:
+                        chunk.model_dump()
+                    messages.append({"role": "tool", "tool_call_id": "warm-up", "content": "{}"})
+    except Exception as exc:  # a client version this does not fit: workers pay as before
+        notes["model_client"] = f"not warmed: {type(exc).__name__}: {exc}"
+        return
+    notes["model_client"] = "warmed"
+
+
+# Hermes's pre-exec scanner: where it is not installed, Hermes downloads it
+# from GitHub at a session's first command. A sealed worker's only way out is
+# the supervisor's proxy, so that attempt can only fail, and each session
+# logs it. Settings (Hermes's own, tools/tirith_security.py) that name a
+# scanner or say what to do without one are the session's to keep.
+TIRITH_SETTINGS = ("TIRITH_ENABLED", "TIRITH_BIN")
+
+
+def _no_tirith_download() -> None:
+    """Switch Hermes's scanner off in this sealed worker (TIRITH_ENABLED=0,
+    Hermes's own setting) when it is not installed where Hermes looks first
+    (on PATH, or in the home's bin/) and nothing of the session chose
+    otherwise: no TIRITH_* variable, no `security.tirith_path` of its own,
+    and `security.tirith_fail_open` not false (a session that wants commands
+    blocked without a scanner keeps Hermes's behaviour, download try and
+    all). Hermes allows every command a missing scanner cannot check
+    (fail-open, its default): so does this, without the try."""
+    if any(name in os.environ for name in TIRITH_SETTINGS):
+        return
+    from hermes_cli.config import load_config
+
+    try:
+        security = load_config().get("security") or {}
+    except Exception:
+        return  # a config Hermes cannot read: Hermes will say so itself
+    if not isinstance(security, dict) or security.get("tirith_enabled") is False:
+        return
+    if security.get("tirith_path", "tirith") != "tirith":
+        return  # an explicit path: Hermes never downloads over it
+    if security.get("tirith_fail_open", True) is False:
+        return
+    if shutil.which("tirith") or os.access(
+        Path(os.environ["HERMES_HOME"]) / "bin" / "tirith", os.X_OK
+    ):
+        return
+    os.environ["TIRITH_ENABLED"] = "0"
+
+
 def _probe_environment(notes: dict[str, str]) -> None:
     """Hermes's environment probe (the python/pip line of the system prompt),
     once, in this thread: the zygote must never start a thread."""
@@ -424,6 +563,7 @@ def replay(paths: SealedPathsLike, template: str | os.PathLike[str] | None = Non
     run_agent = sys.modules["run_agent"]
     load_hermes_dotenv(hermes_home=home, project_env=Path(run_agent.__file__ or "").parent / ".env")
     _skip_ssl_guard_if_checked()
+    _no_tirith_download()
 
 
 def _yolo() -> bool:
