@@ -104,7 +104,7 @@ def _with_peers(instructions: str | None, workspace: Path) -> str | None:
         return instructions  # no other session is live on the repository
     note = (
         "Other sessions are working on this same git repository right now, each in its own "
-        f"worktree and branch (listed in {PEERS_PATH}, refreshed every turn). Do not assume "
+        f"copy of it and on its own branch (listed in {PEERS_PATH}, refreshed every turn). Do not assume "
         "you are alone: coordinate through commits on your own branch.\n" + peers
     )
     return f"{instructions}\n\n{note}" if instructions else note
