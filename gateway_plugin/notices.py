@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -46,7 +45,6 @@ RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before reconnecting, backing off
 MAX_PER_MINUTE = 20
 MAX_SEEN = 10_000  # notice ids remembered, to hand each on once
 ATTR = "_hermes_sup_notices"
-STARTED = "_hermes_sup_starts_notices"
 
 
 class Notices:
@@ -202,29 +200,3 @@ def notices_of(runner: Any, layout: Layout, url: str, headers: dict[str, str]) -
         reader = Notices(runner, layout, url, headers)
         setattr(runner, ATTR, reader)
     return reader
-
-
-def open_at_start(runner: Any, layout: Layout) -> Notices | None:
-    """Open the runner's notice stream now, in proxy mode (None otherwise):
-    notices kept while the gateway was down reach their chats with no chat
-    speaking first."""
-    url = runner._get_proxy_url()
-    if not url:
-        return None
-    key = os.getenv("GATEWAY_PROXY_KEY", "").strip()
-    return notices_of(runner, layout, url, {"Authorization": f"Bearer {key}"} if key else {})
-
-
-def start_with_gateway(runner_cls: Any, layout: Layout) -> None:
-    """Make the runner's `start` open the notice stream once it has started."""
-    if getattr(runner_cls.start, STARTED, False):
-        return
-    original = runner_cls.start
-
-    async def start(self: Any, *args: Any, **kwargs: Any) -> Any:
-        started = await original(self, *args, **kwargs)
-        open_at_start(self, layout)
-        return started
-
-    setattr(start, STARTED, True)
-    runner_cls.start = start

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from .cut import InFlight, ledger_path
 from .layouts import Layout, TurnCall
 from .notices import notices_of
 from .resume import message_to_send
@@ -163,6 +164,9 @@ class ChatTurn:
             )
         run_id = started.json()["run_id"]
         self.run_id = str(run_id)
+        # Written down until its end is had: a gateway that dies first
+        # delivers its answer when it starts again (cut.py).
+        InFlight(ledger_path()).add(self.run_id, self.session_key)
         sup_key = started.headers.get("X-Hermes-Sup-Session")
         if sup_key and self.session_key:
             reader.record(sup_key, self.session_key, self.source)
@@ -397,6 +401,8 @@ async def run_turn(runner: Any, layout: Layout, call: TurnCall) -> dict[str, Any
         log.error("hermes-sup: turn failed: %s", exc)
         return _failed(f"hermes-sup: {exc}")
     finally:
+        if turn.run_id is not None:
+            InFlight(ledger_path()).remove(turn.run_id)  # its end is had, or it was stopped
         if turn.answers:
             # Requests still waiting in the chat are moot: release them
             # (their answers are never posted) and take their prompts down.

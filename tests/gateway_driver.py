@@ -21,11 +21,15 @@ crash: marks the sessions active in the last 120 s `resume_pending`
 turn (`_schedule_resume_pending_sessions`), waiting for those turns to end;
 what the chats were sent then is "resumed" in the report.
 
-With "listen" ({"<platform>:<chat>": [SUBSTRING, ...]}), the gateway opens
-the plugin's notice stream as GatewayRunner.start() does with the plugin,
+With "listen" ({"<platform>:<chat>": [SUBSTRING, ...]}), the gateway does
+what the plugin does when GatewayRunner.start() has started it (its notice
+stream opens, the turns a restart cut are recovered),
 and waits, with no chat speaking, until each chat was sent text holding each
 of its substrings (a miss is recorded in "errors"), no turn runs and the
 endpoint keeps no notice unacknowledged.
+
+With "crash", the gateway dies (no shutdown of any kind) once every chat's
+turn has its run on the endpoint, after printing its report.
 """
 
 from __future__ import annotations
@@ -164,9 +168,9 @@ async def listen(runner: GatewayRunner, adapters: dict[str, FakeAdapter], wanted
     """The gateway started, as the plugin's start: the notice stream opens;
     returns when every chat was sent what it waits for and no turn runs."""
     from hermes_sup.gateway_plugin.layouts import LAYOUT
-    from hermes_sup.gateway_plugin.notices import open_at_start
+    from hermes_sup.gateway_plugin.starting import on_gateway_start
 
-    open_at_start(runner, getattr(GatewayRunner._run_agent_via_proxy, LAYOUT))
+    on_gateway_start(runner, getattr(GatewayRunner._run_agent_via_proxy, LAYOUT))
 
     def missing() -> list[str]:
         return [
@@ -196,6 +200,17 @@ async def listen(runner: GatewayRunner, adapters: dict[str, FakeAdapter], wanted
     ERRORS.append(f"the endpoint still keeps {kept} notice(s): not acknowledged")
 
 
+async def crash(runs: int) -> None:
+    """Die, once `runs` runs are in flight, as a killed gateway does."""
+    from hermes_sup.gateway_plugin.cut import InFlight, ledger_path
+
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while len(InFlight(ledger_path()).read()) < runs and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    print(json.dumps({"sent": SENT, "errors": ERRORS, "took": TOOK, "resumed": {}}), flush=True)
+    os._exit(0)
+
+
 async def main() -> None:
     logging.basicConfig(level=os.environ.get("DRIVER_LOG_LEVEL", "WARNING"), stream=sys.stderr)
     plan = json.loads(sys.argv[1])
@@ -219,6 +234,8 @@ async def main() -> None:
     if "listen" in plan:
         await listen(runner, adapters, plan["listen"])
     await asyncio.gather(*(chat(runner, adapters, c) for c in plan["chats"]))
+    if plan.get("crash"):
+        await crash(len(plan["chats"]))
     # Let the last answers' background sends finish before reporting.
     await asyncio.sleep(0.5)
     print(json.dumps({"sent": SENT, "errors": ERRORS, "took": TOOK, "resumed": resumed}))

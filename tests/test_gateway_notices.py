@@ -69,3 +69,28 @@ def test_notices_sent_while_the_gateway_was_down_reach_their_chats(endpoint, wor
     # start is handed nothing again.
     third = run_gateway(endpoint, home, quiet, listen={})
     assert third["errors"] == [] and third["sent"] == {}, third
+
+
+def test_answers_of_turns_a_gateway_crash_cut_reach_their_chats(endpoint, workdir) -> None:
+    """8 chats' turns are running when the gateway dies; started again with
+    no chat speaking, it sends each chat its turn's answer."""
+    pytest.importorskip("gateway.run", reason="needs hermes-agent (the hermes extra)")
+    home = workdir / "gateway-home"
+    chats = [
+        {"platform": p, "chat_id": c, "user_id": f"u{c}",
+         "steps": [{"say": f"sleep 3.{c}", "wait": "busy"}]}
+        for p, c in CHATS
+    ]  # fmt: skip
+    cut = run_gateway(endpoint, home, chats, crash=True)
+    assert cut["errors"] == [], "\n".join(cut["errors"]) + cut["log"]
+    assert not [t for sent in cut["sent"].values() for _, t in sent if "slept" in t], cut["sent"]
+
+    quiet = [{**c, "steps": []} for c in chats]
+    wanted = {f"{p}:{c}": [f"slept 3.{c}"] for p, c in CHATS}
+    back = run_gateway(endpoint, home, quiet, listen=wanted)
+    assert back["errors"] == [], "\n".join(back["errors"]) + back["log"]
+    for platform, chat in CHATS:
+        texts = [t for _, t in back["sent"][f"{platform}:{chat}"]]
+        assert [t for t in texts if "slept" in t] == [f"slept 3.{chat}"], texts
+    ledger = home / "hermes-sup" / "runs-in-flight.json"
+    assert json.loads(ledger.read_text()) == {}  # each one told once
