@@ -21,14 +21,20 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from .notices import origin_of
+
 log = logging.getLogger("hermes_sup.gateway_plugin")
 
 LEDGER = "runs-in-flight.json"
+# This gateway process: its own runs in flight are not cut, whenever the
+# recovery reads them (a turn may start while the gateway is starting).
+INCARNATION = uuid.uuid4().hex
 MAX_RUNS = 1000  # runs written down at most (the oldest forgotten, logged)
 REQUEST_TIMEOUT = 30.0
 LOST = (
@@ -50,7 +56,8 @@ class InFlight:
         self.path = path
 
     def read(self) -> dict[str, dict[str, Any]]:
-        """Run id -> {"session_key", "at"}; empty when none (or unreadable, logged)."""
+        """Run id -> {"session_key", "at", "gateway"}; empty when none (or
+        unreadable, logged)."""
         try:
             runs = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -65,7 +72,7 @@ class InFlight:
     def add(self, run_id: str, session_key: str) -> None:
         """Write down a run just started for the gateway session `session_key`."""
         runs = self.read()
-        runs[run_id] = {"session_key": session_key, "at": time.time()}
+        runs[run_id] = {"session_key": session_key, "at": time.time(), "gateway": INCARNATION}
         while len(runs) > MAX_RUNS:
             oldest = min(runs, key=lambda r: float(runs[r].get("at") or 0))
             log.warning("hermes-sup: run %s forgotten (over %d in flight)", oldest, MAX_RUNS)
@@ -93,6 +100,8 @@ async def recover(runner: Any, url: str, headers: dict[str, str]) -> None:
     ledger = InFlight(ledger_path())
     async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT, read=None)) as http:
         for run_id, entry in ledger.read().items():
+            if entry.get("gateway") == INCARNATION:
+                continue  # a run of this gateway's, followed by its turn
             session_key = str(entry.get("session_key") or "")
             try:
                 text = await _fate(http, f"{url}/v1/runs/{run_id}", headers)
@@ -148,14 +157,7 @@ async def _follow(
 async def _tell(runner: Any, session_key: str, text: str) -> bool:
     """Send `text` to the chat of the gateway session `session_key`, found
     in Hermes's session store; whether it was sent."""
-    store = getattr(runner, "session_store", None)
-    try:
-        store._ensure_loaded()
-        entry = store._entries.get(session_key)
-    except Exception as exc:  # the store's trouble: no chat found
-        log.warning("hermes-sup: session store lookup of %s failed: %s", session_key, exc)
-        return False
-    source = getattr(entry, "origin", None)
+    source = origin_of(runner, session_key)
     adapter = None
     for platform, candidate in getattr(runner, "adapters", {}).items():
         if source is not None and platform == source.platform:

@@ -121,14 +121,7 @@ class Notices:
         known = self.chats.get(sup_key)
         if known is not None:
             return known
-        store = getattr(self.runner, "session_store", None)
-        try:
-            store._ensure_loaded()
-            entry = store._entries.get(client_key)
-        except Exception as exc:  # the store's trouble: no chat found
-            log.warning("hermes-sup: session store lookup of %s failed: %s", client_key, exc)
-            return None
-        origin = getattr(entry, "origin", None)
+        origin = origin_of(self.runner, client_key)
         if origin is None:
             return None
         self.chats[sup_key] = (client_key, origin)
@@ -191,6 +184,20 @@ class Notices:
             await adapter.send(source.chat_id, text, metadata=metadata)
         except Exception as exc:  # the chat's loss, not the gateway's
             log.warning("hermes-sup message for %s not delivered: %s", source.chat_id, exc)
+
+
+def origin_of(runner: Any, session_key: str) -> Any:
+    """The chat (Hermes's SessionSource) of the gateway session `session_key`
+    in Hermes's own session store, which survives a restart; None if it
+    holds none."""
+    store: Any = getattr(runner, "session_store", None)
+    try:
+        store._ensure_loaded()
+        entry = store._entries.get(session_key)
+    except Exception as exc:  # the store's trouble (or none): no chat found
+        log.warning("hermes-sup: session store lookup of %s failed: %s", session_key, exc)
+        return None
+    return getattr(entry, "origin", None)
 
 
 def notices_of(runner: Any, layout: Layout, url: str, headers: dict[str, str]) -> Notices:

@@ -116,7 +116,8 @@ def guarded_protocol(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if shares is not None:
-                self.app = shared(self.app, shares, self)
+                # uvicorn's own attribute, set by its __init__ (untyped there).
+                self.app = shared(self.app, shares, self)  # type: ignore[has-type]
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
