@@ -7,6 +7,7 @@ every check counts answers, none times them."""
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import httpx
 
 from hermes_sup.httpapi.keys import KeyStore
 from tests import test_http
+from tests.test_http_hostile import closed_by_peer
 from tests.waiting import wait_for
 
 CAP = 64  # connections; a quarter of them kept for keys with nothing open
@@ -54,10 +56,22 @@ def slow_post(base: str, key: str) -> socket.socket:
     return sock
 
 
+def read_answer(sock: socket.socket) -> bytes:
+    """One whole answer (its head, and its body by its Content-Length)."""
+    answer = b""
+    while b"\r\n\r\n" not in answer and (piece := sock.recv(65536)):
+        answer += piece
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = re.search(rb"(?i)content-length: *(\d+)", head)
+    while length and len(body) < int(length.group(1)) and (piece := sock.recv(65536)):
+        body += piece
+    return head + b"\r\n\r\n" + body
+
+
 def answered(socks: list[socket.socket]) -> dict[socket.socket, bytes]:
     """What each of `socks` that has an answer waiting says (the rest have none)."""
     ready, _, _ = select.select(socks, [], [], 0)
-    return {sock: sock.recv(65536) for sock in ready}
+    return {sock: read_answer(sock) for sock in ready}
 
 
 def collect_answers(socks: list[socket.socket], count: int) -> dict[socket.socket, bytes]:
@@ -146,7 +160,7 @@ def test_a_body_slower_than_the_minimum_rate_is_cut(supervisor, workdir) -> None
                 nonlocal answer
                 ready, _, _ = select.select([sock], [], [], 0.5)
                 if ready:
-                    answer = sock.recv(65536)
+                    answer = read_answer(sock)
                     return True
                 sock.sendall(b" ")  # one byte every half second: 2 bytes/s
                 return False
@@ -167,3 +181,31 @@ def test_a_body_slower_than_the_minimum_rate_is_cut(supervisor, workdir) -> None
                 headers={"Authorization": f"Bearer {key}"},
             )  # fmt: skip
             assert done.status_code == 200, done.text
+
+
+def test_a_key_at_its_connection_cap_makes_room_from_its_own_idle_ones(supervisor, workdir) -> None:
+    """Four connections a key: three busy and one idle, a fifth gets in (the
+    idle one is closed); four busy, a fifth is answered 429."""
+    key = KeyStore(supervisor.data_dir).generate("test")
+    models = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n"
+    with endpoint_with(
+        supervisor, workdir, "--key-connections", "4", "--body-timeout", "600",
+        "--min-body-rate", "0",
+    ) as base:  # fmt: skip
+        url = httpx.URL(base)
+        busy = [slow_post(base, key) for _ in range(3)]
+        try:
+            idle = socket.create_connection((url.host, url.port), timeout=30)
+            busy.append(idle)
+            idle.sendall(models.encode())
+            assert read_answer(idle).startswith(b"HTTP/1.1 200")  # kept alive, idle now
+            busy.append(slow_post(base, key))
+            wait_for(lambda: closed_by_peer(idle), 30, what="the idle one closed")
+            refused = slow_post(base, key)
+            busy.append(refused)
+            (answer,) = collect_answers([refused], 1).values()
+            assert answer.startswith(b"HTTP/1.1 429") and b"holds 4 connections" in answer
+            assert answered([s for s in busy if s not in (idle, refused)]) == {}
+        finally:
+            for sock in busy:
+                sock.close()
