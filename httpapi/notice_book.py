@@ -11,7 +11,8 @@ what came after it, then each new one (notices.py): at least once.
 
 Bounded: a key keeps at most `MAX_KEPT` notices, a session at most
 `MAX_PER_SESSION` of them (a session that floods pushes out its own, not
-its neighbours'); each dropped unread is logged. Each shelf is a file in
+its neighbours'), each at most 64 KiB (the supervisor drops a larger one,
+supervisor/turns.py); each dropped unread is logged. Each shelf is a file in
 the endpoint's data (`<data dir>/http/notices/`), rewritten when notices
 leave it and appended to when one comes, so a restarted endpoint has them
 too. Which key a notice is of: the namespace of its session's key

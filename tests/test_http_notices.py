@@ -99,6 +99,12 @@ def test_a_flooding_session_pushes_out_only_its_own_notices(endpoint) -> None:
     assert sum(n["client_key"] == "loud" for n in kept) == 100
     assert [n["notice"]["text"] for n in kept if n["client_key"] == "quiet"] == ["quiet"]
     assert endpoint.log().count("http_notice_dropped") == 30
+    # One too large for the supervisor (64 KiB) never comes; the next one does.
+    big = "x" * 100_000
+    _output(endpoint, "quiet", f'notice {{"kind": "message", "text": "{big}"}}')
+    _output(endpoint, "quiet", 'notice {"kind": "message", "text": "small"}')
+    (last,) = read_notices(endpoint, 1, after=str(kept[-1]["cursor"]))
+    assert last["notice"]["text"] == "small" and last["cursor"] == kept[-1]["cursor"] + 1
 
 
 def test_bad_cursors_are_refused_with_what_is_wrong(endpoint) -> None:
