@@ -34,6 +34,7 @@ from typing import Any
 from hermes_sup.client import ClientError
 
 from .errors import ApiError
+from .keys import in_a_namespace
 from .logsafe import kv
 
 log = logging.getLogger("hermes_sup.httpapi")
@@ -195,11 +196,12 @@ def _private(path: str, flags: int) -> int:
 
 
 def prefix_of(session_key: str) -> str | None:
-    """The key namespace (`NAME+NS+`) a session key is in, if any."""
-    parts = session_key.split("+", 2)
-    if len(parts) < 3 or not parts[0] or not parts[1]:
+    """The key namespace (`NAME+NS+`, keys.py) a session key is in, if any:
+    it names the shelf's file, so nothing else does."""
+    if not in_a_namespace(session_key):
         return None
-    return f"{parts[0]}+{parts[1]}+"
+    name, namespace, _ = session_key.split("+", 2)
+    return f"{name}+{namespace}+"
 
 
 class NoticeBook:
@@ -210,7 +212,12 @@ class NoticeBook:
         self.shelves: dict[str, Shelf] = {}
         self.task: asyncio.Task[None] | None = None
         if directory is not None:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as exc:  # kept in memory only: lost with the endpoint
+                log.warning(kv("http_notices_unsaved", path=directory, error=exc))
+                self.directory = None
+                return
             for path in sorted(directory.glob("*.jsonl")):
                 self.shelf(path.stem)
 
