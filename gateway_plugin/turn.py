@@ -46,8 +46,6 @@ PROMPT_TIMEOUT = 15.0
 # Approval requests of one turn waiting at once (each waits in a thread of
 # its own); more are denied at once: a worker cannot flood the gateway.
 MAX_WAITING_APPROVALS = 8
-# Seconds a turn waits for the gateway's notice stream to connect.
-NOTICES_WAIT = 5.0
 # The longest identity value the endpoint takes (protocol/chat_identity.py).
 MAX_VALUE = 512
 
@@ -146,14 +144,10 @@ class ChatTurn:
         ]
         if past:
             body["conversation_history"] = past  # used only by a worker that has none
-        # Notices are not stored: the gateway reads them from before its
-        # first run on (a moment's wait, at most, for its first connection).
+        # The notice reader (opened when the gateway started, or now by a
+        # gateway that was started another way): the endpoint keeps the
+        # session's notices until it reads them, so no turn waits for it.
         reader = notices_of(self.runner, self.layout, self.url, self.headers)
-        if not reader.connected.is_set():
-            try:
-                await asyncio.wait_for(reader.connected.wait(), NOTICES_WAIT)
-            except TimeoutError:
-                log.warning("hermes-sup: the notice stream is not connected yet")
         headers = dict(self.headers)
         if self.session_key:
             headers["X-Hermes-Session-Key"] = self.session_key
