@@ -1,21 +1,26 @@
-"""What a chat's worker says after its turn: delivered to that chat only.
+"""What a chat's worker says after its turn: delivered to that chat only, at least once.
 
 A background process started with `notify_on_complete` ends after the turn
-that started it. The worker sends a notice; the endpoint streams a key's
-notices (`GET /v1/notices`); this task, one per gateway, reads them and
-hands each to Hermes's own completion delivery, which starts a turn in the
-chat with Hermes's notification text (the agent then tells the chat what
-the process did), as the in-process gateway does.
+that started it. The worker sends a notice; the endpoint keeps a key's
+notices until they are acknowledged and streams them (`GET /v1/notices`);
+this task, one per gateway, opened when the gateway starts (not at its
+first turn), reads them from the last cursor it acknowledged and hands each
+to Hermes's own completion delivery, which starts a turn in the chat with
+Hermes's notification text (the agent then tells the chat what the process
+did), as the in-process gateway does. A notice is acknowledged once it was
+handed on, or dropped with a log line: a gateway restarted before that is
+handed it again, and one handed twice (a reconnect) is known by its id.
 
 A message the agent sends on its own (a cron job's output) is sent to the
 chat as it is.
 
-Which chat: the notice names only the hermes-sup session it came from, and
-the plugin maps that to the gateway session that ran its turns (recorded
-as each run starts). A notice of a session this gateway never ran a turn
-for, or one claiming a platform or chat, routes nowhere else: the routing
-fields of the worker's event are dropped and the session key set by the
-plugin; Hermes then finds the chat in its own session store.
+Which chat: the notice names only the hermes-sup session it came from and
+the gateway session key the plugin named that session by (`client_key`).
+The chat of that key is the one the plugin recorded as its runs started,
+else the one in Hermes's own session store (which survives a restart); a
+key the store does not hold routes nowhere (logged). The routing fields of
+the worker's event are dropped and the session key set by the plugin, so
+a notice claiming another platform or chat reaches only its own.
 """
 
 from __future__ import annotations
@@ -38,8 +43,7 @@ RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before reconnecting, backing off
 # A session's notices taken per minute; more are dropped (a worker that
 # floods its chat, or starts turn after turn in it, is stopped here).
 MAX_PER_MINUTE = 20
-HOLD = 30.0  # seconds a notice of a session not yet known waits for it
-MAX_HELD = 100  # such notices kept, per session, and sessions
+MAX_SEEN = 10_000  # notice ids remembered, to hand each on once
 ATTR = "_hermes_sup_notices"
 
 
@@ -54,9 +58,8 @@ class Notices:
         # hermes-sup session key -> the gateway session (key, source) it serves
         self.chats: dict[str, tuple[str, Any]] = {}
         self.recent: dict[str, list[float]] = {}  # notice times, per session
-        # Notices of a session not yet recorded (its first run's answer may
-        # come after the notice): held a while, for when it is.
-        self.held: dict[str, list[tuple[float, Any]]] = {}
+        self.seen: dict[str, None] = {}  # ids handed on, oldest first
+        self.cursor = 0  # the last cursor acknowledged
         self.connected = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -66,23 +69,23 @@ class Notices:
         if len(self.chats) > 100_000:
             self.chats.clear()  # bounded: the next turn of a chat records it again
         self.chats[sup_key] = (gateway_key, source)
-        for _, item in self.held.pop(sup_key, []):
-            asyncio.get_running_loop().create_task(self._deliver(item))
 
     async def _run(self) -> None:
         tries = 0
         while True:  # for as long as the gateway's loop runs
             try:
                 async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as http:
+                    url = f"{self.url}/v1/notices"
+                    params = {"after": str(self.cursor)}
                     async with http.stream(
-                        "GET", f"{self.url}/v1/notices", headers=self.headers
+                        "GET", url, params=params, headers=self.headers
                     ) as stream:
                         if stream.status_code == 200:
                             tries = 0
                             self.connected.set()
                             async for line in stream.aiter_lines():
                                 if line.startswith("data: "):
-                                    await self._deliver(json.loads(line[6:]))
+                                    await self._take(http, json.loads(line[6:]))
                         else:
                             log.warning("hermes-sup notices: %s", stream.status_code)
             except (httpx.HTTPError, ValueError) as exc:
@@ -91,13 +94,46 @@ class Notices:
             await asyncio.sleep(RETRY[min(tries, len(RETRY) - 1)])
             tries += 1
 
-    async def _deliver(self, item: Any) -> None:
-        if not isinstance(item, dict) or not isinstance(item.get("notice"), dict):
+    async def _take(self, http: httpx.AsyncClient, item: Any) -> None:
+        """Hand one notice on (once), then acknowledge it."""
+        if not isinstance(item, dict):
+            return
+        notice_id = str(item.get("id") or "")
+        if notice_id not in self.seen:
+            await self._deliver(item)
+            self.seen[notice_id] = None
+            if len(self.seen) > MAX_SEEN:
+                del self.seen[next(iter(self.seen))]
+        cursor = item.get("cursor")
+        if isinstance(cursor, int) and cursor > self.cursor:
+            self.cursor = cursor
+            # Not acknowledged (the endpoint away a moment): handed again
+            # later, and known then by its id.
+            acked = await http.post(
+                f"{self.url}/v1/notices/ack", json={"cursor": cursor}, headers=self.headers
+            )
+            if acked.status_code != 200:
+                log.warning("hermes-sup notice %s not acknowledged: %s", cursor, acked.status_code)
+
+    def _chat_of(self, sup_key: str, client_key: str) -> tuple[str, Any] | None:
+        """The gateway session and chat of a hermes-sup session: recorded by
+        a run of this gateway, else from Hermes's session store."""
+        known = self.chats.get(sup_key)
+        if known is not None:
+            return known
+        origin = origin_of(self.runner, client_key)
+        if origin is None:
+            return None
+        self.chats[sup_key] = (client_key, origin)
+        return client_key, origin
+
+    async def _deliver(self, item: dict[str, Any]) -> None:
+        if not isinstance(item.get("notice"), dict):
             return
         notice, sup_key = item["notice"], str(item.get("session_key") or "")
-        known = self.chats.get(sup_key)
+        known = self._chat_of(sup_key, str(item.get("client_key") or ""))
         if known is None:
-            self._hold(sup_key, item)
+            log.warning("hermes-sup notice of %s: no chat of this gateway; dropped", sup_key)
             return
         chat, source = known
         if not self._admit(sup_key):
@@ -109,6 +145,7 @@ class Notices:
             await self._send(source, notice["text"])
             return
         if notice.get("kind") != "process" or not isinstance(notice.get("event"), dict):
+            log.warning("hermes-sup notice of %s: of no kind known; dropped", sup_key)
             return
         from tools.process_registry import format_process_notification
 
@@ -118,20 +155,12 @@ class Notices:
         if not text:
             return
         try:
-            await self.runner._deliver_completion_notification(text, event)
+            delivered = await self.runner._deliver_completion_notification(text, event)
         except Exception as exc:  # the chat's loss, not the gateway's
             log.warning("hermes-sup notice for %s not delivered: %s", chat, exc)
-
-    def _hold(self, sup_key: str, item: Any) -> None:
-        """Keep a notice of a session not (yet) known for HOLD seconds."""
-        now = time.monotonic()
-        for key in [k for k, v in self.held.items() if now - v[-1][0] > HOLD]:
-            del self.held[key]  # never recorded: not a session of this gateway
-        waiting = self.held.setdefault(sup_key, [])
-        if len(waiting) < MAX_HELD and len(self.held) <= MAX_HELD:
-            waiting.append((now, item))
-        else:
-            log.warning("hermes-sup notice of %s: no chat of this gateway; dropped", sup_key)
+            return
+        if delivered is False:
+            log.warning("hermes-sup notice for %s not delivered (the platform refused)", chat)
 
     def _admit(self, sup_key: str) -> bool:
         now = time.monotonic()
@@ -157,8 +186,22 @@ class Notices:
             log.warning("hermes-sup message for %s not delivered: %s", source.chat_id, exc)
 
 
+def origin_of(runner: Any, session_key: str) -> Any:
+    """The chat (Hermes's SessionSource) of the gateway session `session_key`
+    in Hermes's own session store, which survives a restart; None if it
+    holds none."""
+    store: Any = getattr(runner, "session_store", None)
+    try:
+        store._ensure_loaded()
+        entry = store._entries.get(session_key)
+    except Exception as exc:  # the store's trouble (or none): no chat found
+        log.warning("hermes-sup: session store lookup of %s failed: %s", session_key, exc)
+        return None
+    return getattr(entry, "origin", None)
+
+
 def notices_of(runner: Any, layout: Layout, url: str, headers: dict[str, str]) -> Notices:
-    """The runner's notice reader (started at its first turn)."""
+    """The runner's notice reader (started with the gateway, or at its first turn)."""
     reader: Notices | None = getattr(runner, ATTR, None)
     if reader is None or reader.task.done():
         reader = Notices(runner, layout, url, headers)

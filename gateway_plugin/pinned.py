@@ -73,6 +73,11 @@ def install(runner_cls: type | None = None) -> Layout | None:
     # Set on the runner class itself: in 0.21 this overrides the mixin's
     # method for the runner, and the mixin stays as Hermes shipped it.
     runner._run_agent_via_proxy = replacement
+    if callable(getattr(runner, "start", None)):
+        from .starting import start_with_gateway
+
+        # Notices, and the turns a restart cut, from the gateway's start on.
+        start_with_gateway(runner, layout)
     _deliver_only_what_workers_sent()
     log.info("hermes-sup gateway plugin: turns in proxy mode go to hermes-sup (%s)", layout.name)
     return layout

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from .cut import InFlight, ledger_path
 from .layouts import Layout, TurnCall
 from .notices import notices_of
 from .resume import message_to_send
@@ -45,8 +46,6 @@ PROMPT_TIMEOUT = 15.0
 # Approval requests of one turn waiting at once (each waits in a thread of
 # its own); more are denied at once: a worker cannot flood the gateway.
 MAX_WAITING_APPROVALS = 8
-# Seconds a turn waits for the gateway's notice stream to connect.
-NOTICES_WAIT = 5.0
 # The longest identity value the endpoint takes (protocol/chat_identity.py).
 MAX_VALUE = 512
 
@@ -145,14 +144,10 @@ class ChatTurn:
         ]
         if past:
             body["conversation_history"] = past  # used only by a worker that has none
-        # Notices are not stored: the gateway reads them from before its
-        # first run on (a moment's wait, at most, for its first connection).
+        # The notice reader (opened when the gateway started, or now by a
+        # gateway that was started another way): the endpoint keeps the
+        # session's notices until it reads them, so no turn waits for it.
         reader = notices_of(self.runner, self.layout, self.url, self.headers)
-        if not reader.connected.is_set():
-            try:
-                await asyncio.wait_for(reader.connected.wait(), NOTICES_WAIT)
-            except TimeoutError:
-                log.warning("hermes-sup: the notice stream is not connected yet")
         headers = dict(self.headers)
         if self.session_key:
             headers["X-Hermes-Session-Key"] = self.session_key
@@ -163,6 +158,9 @@ class ChatTurn:
             )
         run_id = started.json()["run_id"]
         self.run_id = str(run_id)
+        # Written down until its end is had: a gateway that dies first
+        # delivers its answer when it starts again (cut.py).
+        InFlight(ledger_path()).add(self.run_id, self.session_key)
         sup_key = started.headers.get("X-Hermes-Sup-Session")
         if sup_key and self.session_key:
             reader.record(sup_key, self.session_key, self.source)
@@ -397,6 +395,8 @@ async def run_turn(runner: Any, layout: Layout, call: TurnCall) -> dict[str, Any
         log.error("hermes-sup: turn failed: %s", exc)
         return _failed(f"hermes-sup: {exc}")
     finally:
+        if turn.run_id is not None:
+            InFlight(ledger_path()).remove(turn.run_id)  # its end is had, or it was stopped
         if turn.answers:
             # Requests still waiting in the chat are moot: release them
             # (their answers are never posted) and take their prompts down.

@@ -25,7 +25,10 @@ responses unless granted more.
     bodies.py    request bodies as JSON, refused when too deep or not text
     errors.py    OpenAI-style errors and statuses
     logsafe.py   log lines that no client string can break
-    guard.py     uvicorn's protocol with a header timeout and a connection cap
+    notices.py   GET /v1/notices and its acknowledgement: notices at least once
+    notice_book.py  each key's notices, kept until acknowledged
+    guard.py     uvicorn's protocol with a header timeout, a connection cap and a minimum body rate
+    shares.py    each key's fair share of requests and connections
     serve.py     running it with uvicorn: beside `serve`, or on its own
 
 Starlette and uvicorn come with the `http` extra. Only app.py, serve.py and

@@ -23,6 +23,7 @@ from hermes_sup.local.version import version
 from .bodies import parse_body
 from .continuity import Continuations
 from .errors import ApiError, from_client_error
+from .guard import BodyDeadline
 from .idempotency import IdempotencyCache
 from .keys import KeyStore, Tenant
 from .logsafe import kv
@@ -50,6 +51,8 @@ class Settings(Protocol):
     def max_body(self) -> int: ...
     @property
     def body_timeout(self) -> float: ...
+    @property
+    def min_body_rate(self) -> int: ...
     @property
     def stall_timeout(self) -> float: ...
     @property
@@ -178,20 +181,30 @@ class Api:
                 )
         body = bytearray()
         # A body that trickles in is given up on, as a request's head is
-        # (guard.py). A bare timer: asyncio.timeout costs every request more.
+        # (guard.py): past the body timeout, or once it falls below the
+        # minimum rate. A bare timer: asyncio.timeout costs every request more.
         task = asyncio.current_task()
         assert task is not None
+        loop = asyncio.get_running_loop()
+        deadline = BodyDeadline(
+            self.settings.body_timeout, self.settings.min_body_rate, loop.time()
+        )
         late = False
+        timer: asyncio.TimerHandle
 
         def too_late() -> None:
-            nonlocal late
+            nonlocal late, timer
+            if loop.time() < deadline.due():  # bytes came since it was armed
+                timer = loop.call_at(deadline.due(), too_late)
+                return
             late = True
             task.cancel()
 
-        timer = asyncio.get_running_loop().call_later(self.settings.body_timeout, too_late)
+        timer = loop.call_at(deadline.due(), too_late)
         try:
             async for piece in request.stream():  # chunked bodies carry no length
                 body += piece
+                deadline.add(len(piece))
                 if len(body) > limit:
                     raise ApiError(
                         413, f"Request body too large (limit {limit} bytes).", "body_too_large"
@@ -200,11 +213,7 @@ class Api:
             if not late:
                 raise
             task.uncancel()
-            raise ApiError(
-                408,
-                f"The request body did not arrive within {self.settings.body_timeout:g} s",
-                "body_timeout",
-            ) from None
+            raise _too_late(deadline, loop.time()) from None
         finally:
             timer.cancel()
         return parse_body(bytes(body))
@@ -293,6 +302,20 @@ class Api:
             self._labelled.clear()
         self._labelled.add(ref.key)
         return opened
+
+
+def _too_late(deadline: BodyDeadline, now: float) -> ApiError:
+    """The 408 for a body cut for its rate or its timeout."""
+    if deadline.too_slow(now):
+        return ApiError(
+            408,
+            f"The request body arrived at {deadline.rate(now):.0f} bytes/s, under the "
+            f"minimum of {deadline.min_rate} bytes/s",
+            "body_too_slow",
+        )
+    return ApiError(
+        408, f"The request body did not arrive within {deadline.timeout:g} s", "body_timeout"
+    )
 
 
 def _peer(request: Request) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,7 +29,8 @@ from .chat import Chat
 from .errors import EXCEPTION_HANDLERS
 from .info import Info
 from .keys import KeyStore
-from .notices import notices
+from .notice_book import NoticeBook
+from .notices import Notices
 from .responses import Responses
 from .runs import Runs
 from .security_headers import SecurityHeaders
@@ -39,6 +39,8 @@ from .settings import ApiSettings as ApiSettings  # httpapi.ApiSettings is read 
 from .web import web_app
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+NOTICES_DIR = "notices"
 
 
 class Endpoint(Starlette):
@@ -58,6 +60,8 @@ def create_app(
     chat = Chat(api)
     responses = Responses(api)
     runs = Runs(api, responses.find)  # a run may continue a stored response
+    book = NoticeBook(keys.dir.parent / NOTICES_DIR)  # beside the keys, in the data dir
+    notices = Notices(api, book)
 
     def authed(handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
@@ -68,7 +72,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        book.start(api.client)  # notices are kept from the start, streamed or not
         yield
+        await book.close()
         await api.close()
 
     routes: list[BaseRoute] = [
@@ -86,7 +92,8 @@ def create_app(
         Route("/v1/runs/{run_id}/approval", authed(runs.approval), methods=["POST"]),
         Route("/v1/runs/{run_id}/stop", authed(runs.stop), methods=["POST"]),
         Route("/v1/runs/{run_id}/media/{media_id}", authed(runs.media)),
-        Route("/v1/notices", authed(partial(notices, api))),
+        Route("/v1/notices", authed(notices.stream)),
+        Route("/v1/notices/ack", authed(notices.ack), methods=["POST"]),
     ]
     if settings.web_dir is not None:
         routes.append(Mount("/", app=web_app(settings.web_dir), name="web"))

@@ -25,6 +25,12 @@ pick itself (httptools if installed, else h11):
   answered 503 and closed.
 - uvicorn's own error answers (a request that is not HTTP, the 503 above)
   are OpenAI-shaped JSON, as every other error of the endpoint is.
+- Each request that carries a bearer key counts against that key's share
+  (shares.py): a cap on its open requests and connections, and slots kept
+  for keys with nothing open and for `/health`.
+- A request's body must keep up a minimum rate (`BodyDeadline`, read by
+  api.py): one byte every few seconds, under the body timeout, would hold
+  its connection for the whole timeout.
 """
 
 from __future__ import annotations
@@ -39,12 +45,16 @@ from typing import Any
 
 from .errors import ApiError
 from .logsafe import kv
+from .shares import Shares, shared
 
 log = logging.getLogger("hermes_sup.httpapi")
 
 HEADER_TIMEOUT = 10.0  # seconds for a request's head, from when the connection is idle
 MAX_CONNECTIONS = 4096
 FD_RESERVE = 64  # descriptors kept for everything but client connections
+# A body's first seconds are not held to the minimum rate: a client may
+# send its head before it has the body ready.
+BODY_GRACE = 5.0
 
 
 def default_max_connections() -> int:
@@ -71,13 +81,21 @@ def raw_answer(error: ApiError) -> bytes:
 _REASONS = {400: "Bad Request", 503: "Service Unavailable"}
 
 
+def connection_cap(max_connections: int | None) -> int:
+    """The cap on open connections a setting of `max_connections` means."""
+    return max_connections if max_connections is not None else default_max_connections()
+
+
 def guarded_protocol(
-    header_timeout: float = HEADER_TIMEOUT, max_connections: int | None = None
+    header_timeout: float = HEADER_TIMEOUT,
+    max_connections: int | None = None,
+    shares: Shares | None = None,
 ) -> type[asyncio.Protocol]:
-    """The protocol class to give uvicorn.Config as `http`."""
+    """The protocol class to give uvicorn.Config as `http`; with `shares`,
+    each key's requests are counted in its share."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    cap = max_connections if max_connections is not None else default_max_connections()
+    cap = connection_cap(max_connections)
     busy_answer = raw_answer(
         ApiError(
             503,
@@ -93,7 +111,13 @@ def guarded_protocol(
         """uvicorn's protocol, guarded as the module docstring says."""
 
         _head_timer: asyncio.TimerHandle | None = None
-        _idle_since = 0.0
+        idle_since = 0.0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if shares is not None:
+                # uvicorn's own attribute, set by its __init__ (untyped there).
+                self.app = shared(self.app, shares, self)  # type: ignore[has-type]
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -110,13 +134,15 @@ def guarded_protocol(
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+            if shares is not None:
+                shares.drop(self)
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
             self.transport.write(raw_answer(ApiError(400, msg, "invalid_http_request")))
             self.transport.close()
 
-        def _busy(self) -> bool:
+        def is_busy(self) -> bool:
             """Whether a request's head has come and its answer not ended."""
             cycle = self.cycle
             return cycle is not None and not cycle.response_complete
@@ -124,13 +150,17 @@ def guarded_protocol(
         def _wait_for_head(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            self._idle_since = time.monotonic()
+            self.idle_since = time.monotonic()
             self._head_timer = self.loop.call_later(header_timeout, self._head_too_slow)
 
         def _head_too_slow(self) -> None:
             self._head_timer = None
-            if not self._busy() and not self.transport.is_closing():
+            if not self.is_busy() and not self.transport.is_closing():
                 self.transport.close()  # its answer's end arms the timer again otherwise
+
+        def close(self) -> None:
+            """Close the connection (its share makes room)."""
+            self.transport.close()
 
         def _make_room(self) -> None:
             """One connection too many: close the longest idle ones (this
@@ -139,8 +169,8 @@ def guarded_protocol(
             excess = len(open_) - cap
             if excess <= 0:
                 return
-            idle = [c for c in open_ if c is not self and not c._busy()]
-            for conn in heapq.nsmallest(excess, idle, key=lambda c: c._idle_since):
+            idle = [c for c in open_ if c is not self and not c.is_busy()]
+            for conn in heapq.nsmallest(excess, idle, key=lambda c: c.idle_since):
                 conn.transport.close()
                 excess -= 1
             if excess > 0:
@@ -149,3 +179,35 @@ def guarded_protocol(
                 self.transport.close()
 
     return GuardedProtocol
+
+
+class BodyDeadline:
+    """When a request's body, arriving now, is too late: after `timeout`
+    seconds in all, or once it falls below `min_rate` bytes a second (after
+    BODY_GRACE seconds). A timer armed for the earliest such moment moves on
+    as bytes come, so a body that keeps up costs one timer, not one a piece."""
+
+    def __init__(self, timeout: float, min_rate: int, now: float) -> None:
+        self.start = now
+        self.timeout = timeout
+        self.min_rate = min_rate
+        self.received = 0
+
+    def add(self, count: int) -> None:
+        """`count` more bytes of the body came."""
+        self.received += count
+
+    def due(self) -> float:
+        """The moment the body is too late, as it stands."""
+        last = self.start + self.timeout
+        if self.min_rate <= 0:
+            return last
+        return min(last, self.start + BODY_GRACE + self.received / self.min_rate)
+
+    def too_slow(self, now: float) -> bool:
+        """Whether the body is cut for its rate (rather than its timeout)."""
+        return self.min_rate > 0 and now - self.start < self.timeout
+
+    def rate(self, now: float) -> float:
+        """Bytes a second so far."""
+        return self.received / max(now - self.start, 1e-9)

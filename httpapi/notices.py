@@ -1,110 +1,113 @@
-"""GET /v1/notices: what a key's sessions say outside their turns.
+"""GET /v1/notices and POST /v1/notices/ack: what a key's sessions say
+outside their turns, at least once.
 
 A session's agent may speak after its turn ended: a background process it
-started with `notify_on_complete` finished. The worker sends that as a
-notice (PROTOCOL.md, "Notices"); this stream hands a key the notices of its
-own sessions, as SSE `data: {"session_key", "notice"}` lines, from the moment
-it connects (none are stored for later). A messaging gateway keeps one open
-and starts the turn the notice calls for in the session's chat: which chat
-that is, the gateway decides from the session key, never from the notice.
+started with `notify_on_complete` finished, a cron job ran. The worker sends
+that as a notice (PROTOCOL.md, "Notices"); the endpoint keeps each on its
+key's shelf until the key acknowledges it (notice_book.py). The stream hands
+a key its own sessions' notices as SSE events, `id: <cursor>` and
+`data: {"id", "cursor", "session_key", "client_key", "notice"}`: first the
+ones kept after the cursor it names (`?after=N`, or the `Last-Event-ID` a
+reconnecting SSE client sends; without either, every one kept), then each
+as it comes. A messaging gateway keeps one open, starts the turn the notice
+calls for in the session's chat (which chat: it decides from `client_key`,
+the session id it named the session by, never from the notice) and then
+acknowledges the cursor, so a notice that came while it was down, or that
+it had not handled when it went down, is handed to it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
-
-from hermes_sup.client import ClientError
+from starlette.responses import JSONResponse, Response
 
 from .api import Api
 from .errors import ApiError
-from .logsafe import kv
+from .notice_book import NoticeBook, Shelf
 from .sessions import tenant_of
 from .stream import SSE_HEADERS
 from .turns import EventStream
 
-log = logging.getLogger("hermes_sup.httpapi")
-
-NOTICE = "notice"
 KEEPALIVE = 15.0  # seconds between keepalive comments on a quiet stream
 MAX_STREAMS = 4  # notice streams of one key open at once
 OPEN: Counter[str] = Counter()  # open streams, by key namespace
 
 
-async def notices(api: Api, request: Request) -> Response:
-    """The key's sessions' notices, as they come (429 past MAX_STREAMS of
-    one key open at once: each holds one of the endpoint's watches, which
-    every key shares)."""
-    tenant = tenant_of(request)
-    if OPEN[tenant.prefix] >= MAX_STREAMS:
-        raise ApiError(
-            429, f"at most {MAX_STREAMS} notice streams of one key at once", "too_many_streams"
+class Notices:
+    """The notice routes of one endpoint, over its book."""
+
+    def __init__(self, api: Api, book: NoticeBook) -> None:
+        self.api = api
+        self.book = book
+
+    async def stream(self, request: Request) -> Response:
+        """The key's sessions' notices after a cursor, then as they come
+        (429 past MAX_STREAMS of one key open at once)."""
+        tenant = tenant_of(request)
+        after = _cursor(request.query_params.get("after"), "after")
+        if after is None:
+            after = _cursor(request.headers.get("Last-Event-ID"), "Last-Event-ID")
+        if OPEN[tenant.prefix] >= MAX_STREAMS:
+            raise ApiError(
+                429, f"at most {MAX_STREAMS} notice streams of one key at once", "too_many_streams"
+            )
+        shelf = self.book.shelf(tenant.prefix)
+        return EventStream(
+            _counted(shelf, after or 0), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    return EventStream(
-        _stream(api, tenant.prefix), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+
+    async def ack(self, request: Request) -> Response:
+        """Forget the key's notices up to the cursor the body names."""
+        body = await self.api.read_json(request)
+        cursor = body.get("cursor")
+        if isinstance(cursor, bool) or not isinstance(cursor, int) or cursor < 0:
+            raise ApiError(
+                400, "'cursor' must be a notice's cursor: a whole number, 0 or more",
+                "invalid_cursor", headers=None,
+            )  # fmt: skip
+        shelf = self.book.shelf(tenant_of(request).prefix)
+        acked = shelf.ack(cursor)
+        return JSONResponse({"acked": acked, "kept": len(shelf.entries)})
 
 
-async def _stream(api: Api, prefix: str) -> AsyncIterator[bytes]:
-    OPEN[prefix] += 1  # counted while its body runs: one never started holds none
+def _cursor(raw: str | None, where: str) -> int | None:
+    if raw is None or raw == "":
+        return None
     try:
-        async for chunk in _notices(api, prefix):
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ApiError(400, f"{where} must be a notice's cursor (0 or more)", "invalid_cursor")
+    return value
+
+
+async def _counted(shelf: Shelf, after: int) -> AsyncIterator[bytes]:
+    OPEN[shelf.prefix] += 1  # counted while its body runs: one never started holds none
+    try:
+        async for chunk in _notices(shelf, after):
             yield chunk
     finally:
-        OPEN[prefix] -= 1
-        if OPEN[prefix] <= 0:
-            del OPEN[prefix]
+        OPEN[shelf.prefix] -= 1
+        if OPEN[shelf.prefix] <= 0:
+            del OPEN[shelf.prefix]
 
 
-async def _notices(api: Api, prefix: str) -> AsyncIterator[bytes]:
-    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1000)
-
-    async def read() -> None:
+async def _notices(shelf: Shelf, after: int) -> AsyncIterator[bytes]:
+    if after >= shelf.next_cursor:
+        after = 0  # a cursor never given: the shelf was lost since, so all it has now
+    yield b": notices\n\n"
+    while True:
+        changed = shelf.changed  # taken before reading: a notice after it sets it
+        for entry in shelf.after(after):
+            yield f"id: {entry.cursor}\ndata: {json.dumps(entry.line())}\n\n".encode()
+            after = entry.cursor
         try:
-            async for event in api.client().watch(None, types=[NOTICE]):
-                key = event.session or ""
-                if event.type != NOTICE or not key.startswith(prefix):
-                    continue  # another key's session
-                line = json.dumps({"session_key": key, "notice": _plain(event.data)})
-                try:
-                    queue.put_nowait(f"data: {line}\n\n".encode())
-                except asyncio.QueueFull:
-                    log.warning(kv("http_notice_dropped", session=key))
-        except ClientError as exc:
-            log.warning(kv("http_notices_ended", error=exc))
-        finally:
-            if not queue.full():
-                queue.put_nowait(None)  # the stream ends (the supervisor went away)
-
-    reader = asyncio.get_running_loop().create_task(read())
-    try:
-        yield b": notices\n\n"
-        while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), KEEPALIVE)
-            except TimeoutError:
-                yield b": keepalive\n\n"
-                continue
-            if item is None:
-                return
-            yield item
-    finally:
-        reader.cancel()
-
-
-def _plain(value: Any) -> Any:
-    """JSON-safe: bytes a worker put in a notice are not sent on."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
+            await asyncio.wait_for(changed.wait(), KEEPALIVE)
+        except TimeoutError:
+            yield b": keepalive\n\n"

@@ -51,11 +51,12 @@ from hermes_sup.local import addresses
 from hermes_sup.local.settings import SettingError, from_text
 
 from .app import create_app
-from .guard import guarded_protocol
+from .guard import connection_cap, guarded_protocol
 from .keys import KeyStore
 from .logsafe import kv
 from .origins import origins_from_env, parse_origins
 from .settings import API_SETTINGS, RETRY_GRACE_ENV, ApiSettings
+from .shares import ShareLimits, Shares
 
 __all__ = [
     "RETRY_GRACE_ENV",
@@ -178,7 +179,9 @@ def uvicorn_config(app: Any, settings: ApiSettings, log_level: str = "info") -> 
 
     return uvicorn.Config(
         app,
-        http=guarded_protocol(settings.header_timeout, settings.max_connections),
+        http=guarded_protocol(
+            settings.header_timeout, settings.max_connections, shares_of(app, settings)
+        ),
         timeout_keep_alive=KEEP_ALIVE,
         log_level=log_level,
         access_log=False,
@@ -186,6 +189,20 @@ def uvicorn_config(app: Any, settings: ApiSettings, log_level: str = "info") -> 
         timeout_graceful_shutdown=5,
         log_config=None,  # our logging setup, on stderr like the supervisor's
     )
+
+
+def shares_of(app: Any, settings: ApiSettings) -> Shares:
+    """Each key's share of the endpoint (shares.py), its refusals logged
+    with the key's name when `app` is the endpoint's."""
+    api = getattr(getattr(app, "state", None), "api", None)
+    keys = getattr(api, "keys", None)
+
+    def name_of(token: str) -> str | None:
+        tenant = keys.check(token) if keys is not None else None
+        return tenant.name if tenant is not None else None
+
+    limits = ShareLimits(settings.key_requests, settings.key_connections)
+    return Shares(limits, connection_cap(settings.max_connections), name_of)
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -44,6 +44,32 @@ class ApiSettings:
             "--body-timeout", "seconds a request body may take to arrive", exclusive=True
         ),
     )
+    # Below it a body holds its connection for nothing (guard.py, BodyDeadline).
+    min_body_rate: int = field(
+        default=1024,
+        metadata=setting(
+            "--min-body-rate",
+            "bytes a second a request body must keep up after its first 5 s (slower is cut "
+            "with 408); 0 for none",
+            minimum=0,
+        ),
+    )
+    # shares.py's KEY_REQUESTS and KEY_CONNECTIONS.
+    key_requests: int = field(
+        default=256,
+        metadata=setting(
+            "--key-requests", "requests one key may have open at once (429 above)", minimum=1
+        ),
+    )
+    key_connections: int = field(
+        default=512,
+        metadata=setting(
+            "--key-connections",
+            "connections one key may hold; one more closes the key's longest idle, or is "
+            "answered 429",
+            minimum=1,
+        ),
+    )
     # guard.py's HEADER_TIMEOUT (a test holds them equal: guard.py needs
     # the http extra, this table must not).
     header_timeout: float = field(

@@ -20,6 +20,16 @@ crash: marks the sessions active in the last 120 s `resume_pending`
 (`suspend_recently_active`) and continues each with Hermes's own textless
 turn (`_schedule_resume_pending_sessions`), waiting for those turns to end;
 what the chats were sent then is "resumed" in the report.
+
+With "listen" ({"<platform>:<chat>": [SUBSTRING, ...]}), the gateway does
+what the plugin does when GatewayRunner.start() has started it (its notice
+stream opens, the turns a restart cut are recovered),
+and waits, with no chat speaking, until each chat was sent text holding each
+of its substrings (a miss is recorded in "errors"), no turn runs and the
+endpoint keeps no notice unacknowledged.
+
+With "crash", the gateway dies (no shutdown of any kind) once every chat's
+turn has its run on the endpoint, after printing its report.
 """
 
 from __future__ import annotations
@@ -154,6 +164,53 @@ async def restart(runner: GatewayRunner, adapters: dict[str, FakeAdapter]) -> No
     await asyncio.sleep(0.5)  # the answers' background sends
 
 
+async def listen(runner: GatewayRunner, adapters: dict[str, FakeAdapter], wanted: dict) -> None:
+    """The gateway started, as the plugin's start: the notice stream opens;
+    returns when every chat was sent what it waits for and no turn runs."""
+    from hermes_sup.gateway_plugin.layouts import LAYOUT
+    from hermes_sup.gateway_plugin.starting import on_gateway_start
+
+    on_gateway_start(runner, getattr(GatewayRunner._run_agent_via_proxy, LAYOUT))
+
+    def missing() -> list[str]:
+        return [
+            f"{key}: {text}"
+            for key, texts in wanted.items()
+            for text in texts
+            if not seen(key, "text", text, 0)
+        ]
+
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while time.monotonic() < deadline and (
+        missing() or any(a._active_sessions for a in adapters.values())
+    ):
+        await asyncio.sleep(0.05)
+    ERRORS.extend(f"not seen: {m}; got {SENT.get(m.split(': ')[0], [])}" for m in missing())
+    # and until the plugin acknowledged what it handed on (the endpoint keeps none)
+    import httpx
+
+    url = os.environ["GATEWAY_PROXY_URL"] + "/v1/notices/ack"
+    auth = {"Authorization": f"Bearer {os.environ['GATEWAY_PROXY_KEY']}"}
+    async with httpx.AsyncClient(timeout=30) as http:
+        while time.monotonic() < deadline:
+            kept = (await http.post(url, json={"cursor": 0}, headers=auth)).json()["kept"]
+            if kept == 0:
+                return
+            await asyncio.sleep(0.05)
+    ERRORS.append(f"the endpoint still keeps {kept} notice(s): not acknowledged")
+
+
+async def crash(runs: int) -> None:
+    """Die, once `runs` runs are in flight, as a killed gateway does."""
+    from hermes_sup.gateway_plugin.cut import InFlight, ledger_path
+
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while len(InFlight(ledger_path()).read()) < runs and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    print(json.dumps({"sent": SENT, "errors": ERRORS, "took": TOOK, "resumed": {}}), flush=True)
+    os._exit(0)
+
+
 async def main() -> None:
     logging.basicConfig(level=os.environ.get("DRIVER_LOG_LEVEL", "WARNING"), stream=sys.stderr)
     plan = json.loads(sys.argv[1])
@@ -174,7 +231,11 @@ async def main() -> None:
     if plan.get("restart"):
         await restart(runner, adapters)
         resumed = {key: list(sent) for key, sent in SENT.items()}
+    if "listen" in plan:
+        await listen(runner, adapters, plan["listen"])
     await asyncio.gather(*(chat(runner, adapters, c) for c in plan["chats"]))
+    if plan.get("crash"):
+        await crash(len(plan["chats"]))
     # Let the last answers' background sends finish before reporting.
     await asyncio.sleep(0.5)
     print(json.dumps({"sent": SENT, "errors": ERRORS, "took": TOOK, "resumed": resumed}))
