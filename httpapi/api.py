@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from hermes_sup.client import AsyncClient, ClientError, SessionConflict, Starting
 from hermes_sup.local.version import version
@@ -238,6 +239,28 @@ class Api:
         """The model a request names (echoed back), else ours."""
         model = body.get("model")
         return model if isinstance(model, str) and model else self.settings.model
+
+    async def whole_answer(
+        self,
+        request: Request,
+        body: dict[str, Any],
+        fields: Sequence[str],
+        first: str | None,
+        answer: Callable[[], Awaitable[Response]],
+    ) -> Response:
+        """A whole (not streamed) answer, kept for a repeat with its
+        Idempotency-Key (idempotency.py). A try that failed frees its turn id
+        for a retry (retries.py), unless the turn still runs (409)."""
+
+        async def tried() -> Response:
+            try:
+                return await answer()
+            except (ApiError, ClientError) as exc:
+                if not (isinstance(exc, ApiError) and exc.status == 409):
+                    self.retries.failed(first)
+                raise
+
+        return await self.idempotency.run(request, body, fields, tried)
 
     async def open_turn(
         self,

@@ -60,16 +60,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from hermes_sup.client import ClientError
-
 from .api import Api
 from .continuity import digest, new_conversation_id
-from .errors import ApiError
 from .idempotency import CHAT_FIELDS, HUNG_UP
 from .keys import Tenant
 from .retries import conversation_id, turn_id_of
@@ -131,16 +129,9 @@ class Chat:
         if streamed:
             return await self._answer(request, body, streamed, turn_id)
 
-        async def answer() -> Response:
-            try:
-                return await self._answer(request, body, streamed, turn_id)
-            except (ApiError, ClientError) as exc:
-                if not (isinstance(exc, ApiError) and exc.status == 409):  # 409: still running
-                    api.retries.failed(first)
-                raise
-
-        # A whole answer: a repeat with its Idempotency-Key gets it again (idempotency.py).
-        return await api.idempotency.run(request, body, CHAT_FIELDS, answer)
+        return await api.whole_answer(
+            request, body, CHAT_FIELDS, first, partial(self._answer, request, body, False, turn_id)
+        )
 
     async def _answer(
         self, request: Request, body: dict[str, Any], streamed: bool, turn_id: str | None

@@ -58,12 +58,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from hermes_sup.client import ClientError, ToolComplete, ToolStart
+from hermes_sup.client import ToolComplete, ToolStart
 
 from .api import Api
 from .errors import ApiError
@@ -270,16 +271,13 @@ class Responses:
         if asked.stream:
             return await self._start(request, body, asked, turn_id)
 
-        async def answer() -> Response:
-            try:
-                return await self._start(request, body, asked, turn_id)
-            except (ApiError, ClientError) as exc:
-                if not (isinstance(exc, ApiError) and exc.status == 409):  # 409: still running
-                    api.retries.failed(first)
-                raise
-
-        # A whole answer: a repeat with its Idempotency-Key gets it again.
-        return await api.idempotency.run(request, body, RESPONSES_FIELDS, answer)
+        return await api.whole_answer(
+            request,
+            body,
+            RESPONSES_FIELDS,
+            first,
+            partial(self._start, request, body, asked, turn_id),
+        )
 
     async def _start(
         self, request: Request, body: dict[str, Any], asked: ResponseRequest, turn_id: str | None
