@@ -123,7 +123,7 @@ def guarded_protocol(
             super().connection_made(transport)
             self._wait_for_head()
             if len(self.connections) > cap:
-                self._make_room()
+                make_room(self, cap, busy_answer)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -162,23 +162,24 @@ def guarded_protocol(
             """Close the connection (its share makes room)."""
             self.transport.close()
 
-        def _make_room(self) -> None:
-            """One connection too many: close the longest idle ones (this
-            new one is the newest), or refuse this one when none is idle."""
-            open_ = [c for c in self.connections if not c.transport.is_closing()]
-            excess = len(open_) - cap
-            if excess <= 0:
-                return
-            idle = [c for c in open_ if c is not self and not c.is_busy()]
-            for conn in heapq.nsmallest(excess, idle, key=lambda c: c.idle_since):
-                conn.transport.close()
-                excess -= 1
-            if excess > 0:
-                log.warning(kv("http_connection_refused", connections=len(open_), cap=cap))
-                self.transport.write(busy_answer)
-                self.transport.close()
-
     return GuardedProtocol
+
+
+def make_room(new: Any, cap: int, busy_answer: bytes) -> None:
+    """One connection too many (`new`, a GuardedProtocol, is the newest):
+    close the longest idle ones, or refuse `new` when none is idle."""
+    open_ = [c for c in new.connections if not c.transport.is_closing()]
+    excess = len(open_) - cap
+    if excess <= 0:
+        return
+    idle = [c for c in open_ if c is not new and not c.is_busy()]
+    for conn in heapq.nsmallest(excess, idle, key=lambda c: c.idle_since):
+        conn.transport.close()
+        excess -= 1
+    if excess > 0:
+        log.warning(kv("http_connection_refused", connections=len(open_), cap=cap))
+        new.transport.write(busy_answer)
+        new.transport.close()
 
 
 class BodyDeadline:
