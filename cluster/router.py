@@ -64,10 +64,11 @@ from hermes_sup.protocol import (
     sign,
 )
 
+from .homes import HomeStore
 from .links import NodeLink, reach
 from .nodes import NodeSpec
 from .router_watch import RouterSnapshot, RouterWatch
-from .routing import MOVED, NODE_LOST, Out, RoutingTable, TimeOut, ToClient, ToNode
+from .routing import MOVED, NODE_LOST, LookUp, Out, RoutingTable, TimeOut, ToClient, ToNode
 
 log = logging.getLogger("hermes_sup.router")
 
@@ -101,8 +102,10 @@ class Router:
         max_clients: int | None = None,
         client_queue: int = CLIENT_QUEUE,
         metrics: tuple[str, int] | None = None,
+        homes: HomeStore | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.homes = homes
         self.metrics = metrics
         self.watch: RouterWatch | None = None
         self.requests = 0  # taken from front ends (for the metrics)
@@ -114,7 +117,7 @@ class Router:
         self.limits = limits or Limits()
         self.max_clients = max_clients
         self.client_queue = client_queue
-        self.routing = RoutingTable(self._info)
+        self.routing = RoutingTable(self._info, homes=homes is not None)
         self.links: dict[str, NodeLink] = {}
         self.started = time.time()
         self.stopping = asyncio.Event()
@@ -298,6 +301,27 @@ class Router:
                     self._do(self.routing.on_unsent(out.node, out.re))
             elif type(out) is TimeOut:
                 asyncio.get_running_loop().call_later(out.seconds, self._time_out, out.id)
+            elif type(out) is LookUp:
+                self._tasks.append(asyncio.create_task(self._look_up(out)))
+
+    async def _look_up(self, out: LookUp) -> None:
+        """A key's home from the store (blocking I/O: in the executor)."""
+        assert self.homes is not None
+        me = asyncio.current_task()
+        try:
+            home = await asyncio.get_running_loop().run_in_executor(
+                None, self.homes.claim, out.key, out.data
+            )
+        except Exception as exc:  # the store away (the GCS restarting): the requests are told
+            log.warning(kv("router_home_unavailable", session=out.key, error=exc))
+            self._do(self.routing.on_home(out.key, None, str(exc) or type(exc).__name__))
+        else:
+            if home != out.data:
+                log.info(kv("router_home_elsewhere", session=out.key, home=home, placed=out.data))
+            self._do(self.routing.on_home(out.key, home))
+        finally:
+            if me in self._tasks:
+                self._tasks.remove(me)
 
     def _to_node(self, out: ToNode) -> bool:
         link = self.links.get(out.node)
@@ -381,6 +405,7 @@ def serve_router(
     max_clients: int | None = None,
     client_queue: int = CLIENT_QUEUE,
     metrics: tuple[str, int] | None = None,
+    homes: HomeStore | None = None,
 ) -> None:
     """Run a router in this process until it is stopped."""
     router = Router(
@@ -392,6 +417,7 @@ def serve_router(
         max_clients=max_clients,
         client_queue=client_queue,
         metrics=metrics,
+        homes=homes,
     )
     asyncio.run(router.run())
 
