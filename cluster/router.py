@@ -78,6 +78,9 @@ CLIENT_QUEUE = 100_000
 # Descriptors kept from client connections for node links (about 4 each).
 NODE_FDS = 256
 SNAPSHOT_EVERY = 1.0  # seconds between two snapshots for the metrics endpoint
+# Seconds between two pings of every linked node: a node with --lease-time
+# renews its lease only while a router reaches it (supervisor/node_lease.py).
+TOUCH_EVERY = 1.0
 
 NodeSource = Callable[[], list[NodeSpec]]
 Handler = Callable[[bytes, Message, bytes], None]
@@ -166,6 +169,7 @@ class Router:
             )
             self._fronts.listen(self._ctx, loop, self.on_front)
             self._tasks.append(asyncio.create_task(self._follow_membership()))
+            self._tasks.append(asyncio.create_task(self._keep_in_touch()))
             if self.metrics is not None:
                 self.watch = RouterWatch()
                 url = self.watch.serve(*self.metrics)
@@ -206,6 +210,15 @@ class Router:
             else:
                 self.set_nodes(specs)
             await asyncio.sleep(self.poll_interval)
+
+    async def _keep_in_touch(self) -> None:
+        """Ping every linked node each TOUCH_EVERY seconds: it tells a node
+        that routers still reach it (its answers are not waited for)."""
+        while True:
+            await asyncio.sleep(TOUCH_EVERY)
+            for link in list(self.links.values()):
+                if link.live:
+                    self._to_node(ToNode(link.name, Message(Kind.PING, {})))
 
     async def _snapshots(self) -> None:
         """What the metrics and health endpoint show, written once a second
