@@ -100,6 +100,16 @@ class RayUpSettings:
             minimum=1,
         ),
     )
+    lease_time: float = field(
+        default=5.0,
+        metadata=setting(
+            "--lease-time",
+            "with `data_dir`: seconds a node keeps its sessions once no router reaches it "
+            "(every node's `serve --lease-time`): a frozen or cut-off node's keys are served "
+            "by another node within about this plus the router's 4 s",
+            zero="off: a node's keys wait for its locks to be let go",
+        ),
+    )
     resource: str = field(
         default="",
         metadata=setting(
@@ -125,6 +135,17 @@ class RayUpSettings:
 
 
 RAY_SETTINGS: dict[str, Setting] = declare(RayUpSettings)
+
+
+def serve_args_for(settings: RayUpSettings) -> list[str]:
+    """Every node's `serve` arguments: the operator's, and the node lease
+    with a shared data directory (with data of its own, no other node
+    could take a node's keys: its lease would only stop its workers)."""
+    args = list(settings.serve_args)
+    if settings.data_dir is not None and settings.lease_time > 0:
+        args += ["--lease-time", f"{settings.lease_time:g}"]
+    return args
+
 
 # `ray down` and `ray nodes` take the same --address, required there.
 ADDRESS = click.option(
@@ -178,7 +199,7 @@ def up(ctx: click.Context, config: Path | None, **given: Any) -> None:
             settings.base_dir,
             settings.capacity,
             settings.data_dir,
-            list(settings.serve_args),
+            serve_args_for(settings),
             watchdog=watchdog,
             resource=settings.resource or None,
             host=settings.host or None,

@@ -168,3 +168,12 @@ def test_a_node_that_wakes_from_a_freeze_fences_itself_before_it_renews(tmp_path
     lease.tick()
     assert [key for key, _ in owner.lost] == ["held"]
     assert read_deadline(tmp_path, "x") == clock.now + 5.0  # renewed after, not before
+
+
+def test_ray_up_gives_nodes_a_lease_only_with_a_shared_data_directory() -> None:
+    from hermes_sup.cli.ray import RayUpSettings, serve_args_for
+
+    shared = RayUpSettings(data_dir=Path("/shared"), serve_args=("--runtime", "probe"))
+    assert serve_args_for(shared) == ["--runtime", "probe", "--lease-time", "5"]
+    assert serve_args_for(RayUpSettings(data_dir=Path("/shared"), lease_time=0)) == []
+    assert serve_args_for(RayUpSettings()) == []  # data of its own: nobody else could take it
