@@ -66,6 +66,7 @@ if TYPE_CHECKING:
         ToolStart,
         TurnStarted,
     )
+    from .failover import Routers
 
 _WHERE = {
     "AccessDenied": "errors",
@@ -97,6 +98,7 @@ _WHERE = {
     "ProtocolError": "errors",
     "Queued": "events",
     "Reply": "events",
+    "Routers": "failover",
     "Running": "events",
     "SessionConflict": "errors",
     "SessionFailed": "errors",
@@ -163,6 +165,7 @@ __all__ = [
     "ProtocolError",
     "Queued",
     "Reply",
+    "Routers",
     "Running",
     "SessionConflict",
     "SessionFailed",
