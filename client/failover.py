@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,7 +64,7 @@ class Routers:
     def local(cls, state_dirs: Sequence[Path | str], **kw: Any) -> Routers:
         """Routers on this host, by their state directories (each read when used:
         a router not running yet is skipped until it is)."""
-        return cls([lambda d=d: Connection.local(d) for d in state_dirs], **kw)
+        return cls([partial(Connection.local, d) for d in state_dirs], **kw)
 
     @classmethod
     def from_files(cls, paths: Sequence[Path | str], **kw: Any) -> Routers:
