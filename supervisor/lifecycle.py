@@ -422,7 +422,7 @@ class Lifecycle:
             except RemoteProtocolError as exc:
                 # Its lease is held elsewhere now (it was taken while the
                 # worker stopped): the waiting turns go there.
-                self.turns.fail_queue(session, exc.code, exc.message)
+                self.turns.fail_queue(session, exc.code, exc.message, exc.detail)
         self.pool.schedule_orphan_cull()
 
     def _answer_current(
@@ -469,7 +469,7 @@ class Lifecycle:
             self.make_room(session)
             self.start_worker(session)  # (its lease may be held elsewhere by now)
         except RemoteProtocolError as exc:
-            self.turns.fail_queue(session, exc.code, exc.message)
+            self.turns.fail_queue(session, exc.code, exc.message, exc.detail)
 
     # ------------------------------------------------------- leases, drain
 
