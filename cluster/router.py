@@ -68,7 +68,17 @@ from .homes import HomeStore
 from .links import NodeLink, reach
 from .nodes import NodeSpec
 from .router_watch import RouterSnapshot, RouterWatch
-from .routing import MOVED, NODE_LOST, LookUp, Out, RoutingTable, TimeOut, ToClient, ToNode
+from .routing import (
+    MOVED,
+    NODE_LOST,
+    LookUp,
+    Out,
+    Record,
+    RoutingTable,
+    TimeOut,
+    ToClient,
+    ToNode,
+)
 
 log = logging.getLogger("hermes_sup.router")
 
@@ -316,6 +326,24 @@ class Router:
                 asyncio.get_running_loop().call_later(out.seconds, self._time_out, out.id)
             elif type(out) is LookUp:
                 self._tasks.append(asyncio.create_task(self._look_up(out)))
+            elif type(out) is Record:
+                self._tasks.append(asyncio.create_task(self._record(out)))
+
+    async def _record(self, out: Record) -> None:
+        """Record the homes of a node's keys (blocking I/O: in the executor)."""
+        assert self.homes is not None
+        me = asyncio.current_task()
+        try:
+            held = await asyncio.get_running_loop().run_in_executor(
+                None, self.homes.claim_many, out.homes
+            )
+        except Exception as exc:  # the store away: the keys are looked up when asked
+            log.warning(kv("router_homes_unrecorded", keys=len(out.homes), error=exc))
+        else:
+            self._do(self.routing.on_homes(out.homes, held))
+        finally:
+            if me in self._tasks:
+                self._tasks.remove(me)
 
     async def _look_up(self, out: LookUp) -> None:
         """A key's home from the store (blocking I/O: in the executor)."""

@@ -16,6 +16,8 @@ gone) and returns what to do about it, in order:
     LookUp(key, data)                ask the home store (homes.py) where the
                                      key's history is, recording `data` if
                                      nowhere yet; then call on_home(key, home)
+    Record(homes)                    record these (key, data) homes where none
+                                     is yet; then call on_homes(what it holds)
 
 The router (router.py) carries them out. A ToNode that cannot be sent (the
 node's queue is full, or its connection went down before its monitor said
@@ -28,7 +30,11 @@ table has not seen waits for a LookUp, once per key, and then goes to a
 live node serving that home: where placement puts the key if that node
 does, else the best-scoring live node that does. If none does, the
 request is answered `home_unavailable` naming the home's node, and never
-sent on: a key has one history.
+sent on: a key has one history. A node with data of its own that comes up
+is asked for its sessions (`list`), and their homes recorded as that node
+where none is yet: keys made before homes were recorded, or while this
+router did not run, are known too. A key recorded elsewhere is logged:
+it has two histories (`route reconcile` lists them).
 
 A request in flight is a `Pending`, answered in one of four ways (`Mode`):
 
@@ -183,7 +189,14 @@ class LookUp(NamedTuple):
     data: str
 
 
-Out = ToClient | ToNode | TimeOut | LookUp
+class Record(NamedTuple):
+    """Record each (key, data) as the key's home where it has none; then
+    call on_homes(the homes the store holds for them)."""
+
+    homes: list[tuple[str, str]]
+
+
+Out = ToClient | ToNode | TimeOut | LookUp | Record
 
 
 class RoutingTable:
@@ -206,6 +219,8 @@ class RoutingTable:
         # recorded), and the requests waiting for a key's look-up.
         self.homes: OrderedDict[str, str] = OrderedDict()
         self.looking: dict[str, list[tuple[bytes, Message, bytes]]] = {}
+        # The router's own `list` of a node that came up, by request id.
+        self.seeding: dict[str, str] = {}
         self.wall = wall
         self.placement = placement or Placement()
         self.nodes: dict[str, Node] = {}
@@ -245,6 +260,10 @@ class RoutingTable:
         if node is None:
             return []
         node.live = True
+        if self.use_homes and node.spec.shared_data is None:
+            ask = Message(Kind.LIST, {})
+            if self._to_node(name, ask, ask.id):
+                self.seeding[ask.id] = name
         for p in self.pending.values():
             if p.mode is Mode.WATCH_ALL and name not in p.nodes:
                 if self._to_node(name, Message(Kind.WATCH, {}, id=p.id), p.id):
@@ -454,6 +473,32 @@ class RoutingTable:
             self._request(client, msg, payload, None)
         return self._take()
 
+    def _seed(self, name: str, msg: Message) -> None:
+        """A node's own sessions: their homes are that node, where none is yet."""
+        node = self.nodes.get(name)
+        rows = msg.body.get("sessions") if msg.kind is Kind.SESSIONS else None
+        if node is None or not isinstance(rows, list):
+            return
+        data = node.spec.data
+        keys = {
+            row["key"] for row in rows if isinstance(row, dict) and isinstance(row.get("key"), str)
+        }
+        fresh = [(key, data) for key in sorted(keys) if self.homes.get(key) != data]
+        if fresh:
+            self._out.append(Record(fresh))
+
+    def on_homes(self, recorded: list[tuple[str, str]], held: dict[str, str]) -> list[Out]:
+        """What the store holds for keys a node has (`recorded`: the homes
+        asked for): learned; a key it holds elsewhere has two histories."""
+        for key, data in recorded:
+            home = held.get(key)
+            if home is None:
+                continue
+            self._learn_home(key, home)
+            if home != data:
+                log.warning(kv("router_key_two_histories", session=key, home=home, also=data))
+        return self._take()
+
     def _learn_home(self, key: str, home: str) -> None:
         self.homes[key] = home
         self.homes.move_to_end(key)
@@ -509,6 +554,9 @@ class RoutingTable:
     def on_answer(self, node: str, msg: Message, payload: bytes) -> list[Out]:
         """A node's message (verified; `payload` as it came): to the client
         waiting on it, or merged."""
+        if msg.re in self.seeding:
+            self._seed(self.seeding.pop(msg.re), msg)
+            return self._take()
         p = self.pending.get(msg.re or "")
         if p is None or node not in p.nodes:
             return []  # an answer to a request given up on

@@ -190,7 +190,7 @@ def test_a_frozen_node_and_a_cut_off_node_are_replaced_with_each_turn_run_once(
             took, reply, sends = served_again(c, cut_key, "sh echo ran >> runs.txt", logs)
             assert reply.ok
             print(f"partition: served again after {took:.1f}s ({sends} sends)")
-            assert where(c, cut_key) == ["b"]
+            assert where(c, cut_key) == ["b"], f"{c.sessions()}\n{logs()}"
         finally:
             proxy.send_signal(signal.SIGCONT)
         router.wait_nodes({"a", "b"})

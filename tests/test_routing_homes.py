@@ -15,6 +15,7 @@ from hermes_sup.cluster.routing import (
     NODE_LOST,
     LookUp,
     Out,
+    Record,
     RoutingTable,
     ToClient,
     ToNode,
@@ -194,3 +195,37 @@ def test_reconcile_is_a_route_subcommand() -> None:
     result = CliRunner().invoke(route, ["reconcile", "--help"])
     assert result.exit_code == 0, result.output
     assert "two nodes" in result.output
+
+
+def test_a_node_with_its_own_data_that_comes_up_has_its_keys_homes_recorded(caplog) -> None:
+    store = MemoryHomes()
+    store.claim("old:1", "node:b")  # already somewhere else: two histories
+    routing = RoutingTable(lambda: {"role": "router"}, homes=True)
+    routing.set_node(spec("a"))
+    routing.set_node(spec("b"))
+    (ask_list,) = routing.on_node_up("a")
+    assert isinstance(ask_list, ToNode) and isinstance(ask_list.payload, Message)
+    assert ask_list.payload.kind is Kind.LIST
+    listed = Message(
+        Kind.SESSIONS,
+        {"sessions": [{"key": "old:1", "state": "exited"}, {"key": "old:2", "state": "idle"}]},
+        re=ask_list.payload.id,
+    )
+    (record,) = routing.on_answer("a", listed, payload(listed))
+    assert isinstance(record, Record)
+    assert record.homes == [("old:1", "node:a"), ("old:2", "node:a")]
+    with caplog.at_level("WARNING", logger="hermes_sup.router"):
+        assert routing.on_homes(record.homes, store.claim_many(record.homes)) == []
+    assert "router_key_two_histories session=old:1" in caplog.text
+    assert store.table == {"old:1": "node:b", "old:2": "node:a"}
+    # Known without a look-up; and refused, naming a, once a is away.
+    msg = send("old:2")
+    assert ask(routing, msg) == [ToNode("a", payload(msg), msg.id)]
+    routing.on_node_lost("a", "test")
+    routing.on_node_up("b")
+    (out,) = ask(routing, send("old:2"))
+    assert isinstance(out, ToClient) and out.msg.body["code"] == HOME_UNAVAILABLE
+    # A node on a shared data directory is not asked: any of its nodes serves its keys.
+    shared = RoutingTable(lambda: {"role": "router"}, homes=True)
+    shared.set_node(spec("n", "nfs"))
+    assert shared.on_node_up("n") == []
