@@ -9,13 +9,19 @@ holds its locks: its keys were hostage for as long as it lasted. So, with
 `--lease-time T`, a node also holds a lease on all its sessions at once,
 one small file in the shared data directory:
 
-    DATA/.node-leases/<node>    {"node", "deadline"}: the wall-clock time
-                                until which the node holds its sessions
+    DATA/.node-leases/<node>.json   {"node", "deadline", "heard"}: the
+                                    wall-clock time until which the node
+                                    holds its sessions, and when a router
+                                    last reached it
 
-The node renews it (deadline = now + T) every T/RENEWALS seconds, but only
-while it hears from a router: routers ping their nodes every second, and a
-node that heard none for T/2 stops renewing. So its deadline passes at most
-1.5 T after the last router reached it, or T after it froze.
+The node renews it (deadline = now + T) every T/RENEWALS seconds while it
+hears from a router: routers ping their nodes every second. A node that
+heard none for T/2 is cut off if the routers still reach another node (its
+file says it heard one within T/2): it stops renewing, so its deadline
+passes at most 1.5 T after the last router reached it, or T after it
+froze. If the routers reach no node (every router stopped, or being
+restarted) nobody is cut off from anyone: every node renews, and no
+session is given up for a router's absence.
 
 - The owner fences itself: once its own deadline is less than one renewal
   away (measured on its monotonic clock, so a node that wakes from a freeze
@@ -30,8 +36,8 @@ node that heard none for T/2 stops renewing. So its deadline passes at most
   fencing epoch, which a holder that wakes reads within one lease-watch
   pass (lease_watch.py) before anything else it does.
 
-A node that never heard a router writes no file and is never broken: its
-sessions are held by their locks alone, as without `--lease-time`.
+A node's lease is renewed from its start, before any router reached it,
+unless the routers already reach another node.
 """
 
 from __future__ import annotations
@@ -81,14 +87,36 @@ def node_expired(data_dir: Path, node: str, now: float | None = None) -> bool:
     return deadline is not None and (time.time() if now is None else now) > deadline + SKEW
 
 
-def write_deadline(data_dir: Path, node: str, deadline: float) -> None:
+def write_deadline(data_dir: Path, node: str, deadline: float, heard: float | None = None) -> None:
     """Write the node's lease file whole (a new file renamed into place:
     a reader sees the old deadline or the new)."""
     path = lease_path(data_dir, node)
     path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"node": node, "deadline": deadline}))
+    tmp.write_text(json.dumps({"node": node, "deadline": deadline, "heard": heard}))
     os.replace(tmp, path)
+
+
+def reached_elsewhere(data_dir: Path, node: str, now: float, within: float) -> list[str]:
+    """The other nodes whose lease files say a router reached them in the
+    last `within` seconds (wall clock), sorted."""
+    try:
+        paths = sorted((data_dir / NODE_LEASES).glob("*.json"))
+    except OSError:
+        return []
+    reached = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        heard = data.get("heard") if isinstance(data, dict) else None
+        other = data.get("node") if isinstance(data, dict) else None
+        if other == node or isinstance(heard, bool) or not isinstance(heard, (int, float)):
+            continue
+        if now - heard <= within:
+            reached.append(str(other))
+    return reached
 
 
 class NodeLease:
@@ -123,7 +151,7 @@ class NodeLease:
         self.heard = self.clock()
 
     def in_touch(self, now: float) -> bool:
-        """Whether a router reached us recently enough to renew."""
+        """Whether a router reached us recently (half a lease time)."""
         return self.heard is not None and now - self.heard <= self.lease_time / 2
 
     def tick(self) -> None:
@@ -138,10 +166,14 @@ class NodeLease:
                 f"this node's lease was last renewed {renewed:.1f}s ago (no router reached it)"
             )
             log.error(kv("node_lease_expired", node=self.node, sessions_given_up=given))
-        if not self.in_touch(now):
-            return
+        wall = self.wall()
+        if not self.in_touch(now) and reached_elsewhere(
+            self.data_dir, self.node, wall, self.lease_time / 2
+        ):
+            return  # the routers reach other nodes, not this one: cut off
+        heard = None if self.heard is None else wall - (now - self.heard)
         try:
-            write_deadline(self.data_dir, self.node, self.wall() + self.lease_time)
+            write_deadline(self.data_dir, self.node, wall + self.lease_time, heard)
         except OSError as exc:
             log.warning(kv("node_lease_unwritten", node=self.node, error=exc.strerror or exc))
             return

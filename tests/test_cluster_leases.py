@@ -124,8 +124,13 @@ def test_a_node_renews_only_while_routers_reach_it_and_fences_itself_first(
     tmp_path: Path,
 ) -> None:
     lease, clock, owner, sessions = node_lease(tmp_path)
+
+    def y_reached() -> None:  # the routers reach another node, y
+        write_deadline(tmp_path, "y", clock.now + 5.0, heard=clock.now)
+
+    y_reached()
     lease.tick()
-    assert read_deadline(tmp_path, "x") is None  # no router heard yet: no lease
+    assert read_deadline(tmp_path, "x") is None  # not reached, y is: no lease
 
     lease.heard_from_router()
     lease.tick()
@@ -134,6 +139,7 @@ def test_a_node_renews_only_while_routers_reach_it_and_fences_itself_first(
     for _ in range(10):
         clock.now += lease.every
         lease.heard_from_router()
+        y_reached()
         lease.tick()
     assert read_deadline(tmp_path, "x") == clock.now + 5.0
     assert owner.lost == []
@@ -143,6 +149,7 @@ def test_a_node_renews_only_while_routers_reach_it_and_fences_itself_first(
     last_heard = clock.now
     while not owner.lost:
         clock.now += lease.every
+        y_reached()
         lease.tick()
         assert clock.now - last_heard <= 1.5 * lease.lease_time
     deadline = read_deadline(tmp_path, "x")
@@ -156,6 +163,20 @@ def test_a_node_renews_only_while_routers_reach_it_and_fences_itself_first(
     lease.heard_from_router()
     lease.tick()
     assert read_deadline(tmp_path, "x") == clock.now + 5.0 and not lease.fenced
+
+
+def test_when_the_routers_reach_no_node_no_session_is_given_up(tmp_path: Path) -> None:
+    lease, clock, owner, _ = node_lease(tmp_path)
+    write_deadline(tmp_path, "y", clock.now + 5.0, heard=clock.now)
+    lease.heard_from_router()
+    lease.tick()
+    # Every router stops: y is not reached either (its last ping ages as
+    # ours does). Nobody is cut off from anyone: x keeps renewing.
+    for _ in range(60):
+        clock.now += lease.every
+        lease.tick()
+    assert owner.lost == []
+    assert read_deadline(tmp_path, "x") == clock.now + 5.0
 
 
 def test_a_node_that_wakes_from_a_freeze_fences_itself_before_it_renews(tmp_path: Path) -> None:
