@@ -490,3 +490,23 @@ def wait_for_text(url: str, text: str, status: int = 200) -> str:
         what=f"{text!r} at {url}",
         every=0.2,
     )
+
+
+def test_reconcile_finds_a_key_with_a_session_on_two_nodes(cluster) -> None:
+    """An older version started a key anew on another node while its node
+    was away: two sessions, two histories. `list` through the router shows
+    both, and `route reconcile` names the key, its nodes, and exits 1."""
+    sups, router = cluster
+    for sup in sups.values():  # each node's own session of one key, made directly
+        with sup.client() as direct:
+            assert direct.run("dup:1", "env HERMES_SESSION_KEY").text == "dup:1"
+    with Client(router.state_dir, timeout=30.0) as c:
+        assert c.run("one:1", "env HERMES_SESSION_KEY").text == "one:1"
+        rows = [(r["key"], r["node"]) for r in c.sessions()]
+    assert rows == [("dup:1", "a"), ("dup:1", "b"), ("one:1", owner("one:1"))]
+    found = hs("route", "--state-dir", str(router.state_dir), "reconcile")
+    assert found.returncode == 1, found.stderr + found.stdout
+    assert "dup:1: 2 sessions" in found.stdout
+    assert "  node a: idle" in found.stdout and "  node b: idle" in found.stdout
+    assert "one:1" not in found.stdout
+    assert "1 key(s) with more than one session" in found.stdout
