@@ -64,7 +64,8 @@ SKEW = 1.0  # seconds of clock difference between two nodes a taker allows for
 
 
 def lease_path(data_dir: Path, node: str) -> Path:
-    """The node lease file of `node` in a shared data directory."""
+    """The node lease file of `node` in a shared data directory (the node
+    agent's watchdog reads it too: cluster/watchdog.py, `lease_left`)."""
     return data_dir / NODE_LEASES / f"{node}.json"
 
 

@@ -198,3 +198,40 @@ def test_ray_up_gives_nodes_a_lease_only_with_a_shared_data_directory() -> None:
     assert serve_args_for(shared) == ["--runtime", "probe", "--lease-time", "5"]
     assert serve_args_for(RayUpSettings(data_dir=Path("/shared"), lease_time=0)) == []
     assert serve_args_for(RayUpSettings()) == []  # data of its own: nobody else could take it
+
+
+def test_the_agents_watchdog_kills_a_silent_supervisor_before_its_lease_runs_out(
+    tmp_path: Path,
+) -> None:
+    from hermes_sup.cluster.watchdog import Watchdog, WatchdogSettings, lease_left
+
+    # The agent reads the file the supervisor writes.
+    assert lease_left(tmp_path, "x") is None
+    write_deadline(tmp_path, "x", time.time() + 3.0)
+    left = lease_left(tmp_path, "x")
+    assert left is not None and 2.0 < left <= 3.0
+
+    killed: list[int] = []
+    answers = [True, False, False, False]
+    remaining: list[float | None] = [None]
+
+    def watchdog() -> Watchdog:
+        return Watchdog(
+            7,
+            WatchdogSettings(every=1.0, timeout=2.0, misses=3),
+            lambda timeout: answers.pop(0),
+            kill=lambda pid, sig: killed.append(pid),
+            lease_left=lambda: remaining[0],
+        )
+
+    # Far from its deadline (or no lease): the misses are counted as ever.
+    dog = watchdog()
+    remaining[0] = 30.0
+    assert [dog.check() for _ in range(3)] == [None, None, None] and killed == []
+    # Within one ping's time of it: the first miss kills.
+    answers[:] = [True, False]
+    dog = watchdog()
+    assert dog.check() is None
+    remaining[0] = 2.5
+    why = dog.check()
+    assert killed == [7] and why is not None and "node lease runs out in 2.5s" in why
