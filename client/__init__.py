@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .aio import AsyncClient, AsyncTurn
+    from .aio_failover import AsyncRouters
     from .blocking import Client, Turn
     from .connection import Connection, Curve, session_options
     from .core import Killed, Opened, Pong, Signalled
@@ -73,6 +74,7 @@ _WHERE = {
     "ApprovalRequest": "events",
     "ApprovalTimeout": "events",
     "AsyncClient": "aio",
+    "AsyncRouters": "aio_failover",
     "AsyncTurn": "aio",
     "Backoff": "events",
     "BadRequest": "errors",
@@ -140,6 +142,7 @@ __all__ = [
     "ApprovalRequest",
     "ApprovalTimeout",
     "AsyncClient",
+    "AsyncRouters",
     "AsyncTurn",
     "Backoff",
     "BadRequest",

@@ -40,6 +40,14 @@ NODE_LOST = "node_lost"
 ROUND_PAUSE = 0.5
 
 
+def fails_over(exc: ClientError) -> bool:
+    """Whether a request that failed so goes to the next router: the one in
+    use is not running, did not answer, or lost the node it ran on."""
+    if isinstance(exc, (NotRunning, Timeout)):
+        return True
+    return isinstance(exc, SupervisorError) and exc.code == NODE_LOST
+
+
 class Routers:
     """One cluster's routers, used one at a time; a request that finds the
     one in use gone is sent again through the next."""
@@ -107,10 +115,8 @@ class Routers:
                 time.sleep(ROUND_PAUSE)
             try:
                 return fn(self.client())
-            except (NotRunning, Timeout) as exc:
-                last = exc
-            except SupervisorError as exc:
-                if exc.code != NODE_LOST:
+            except ClientError as exc:
+                if not fails_over(exc):
                     raise
                 last = exc
             self._next()

@@ -4,13 +4,23 @@ the next, a turn under its one id, so it runs once."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from pathlib import Path
 
 import pytest
 
-from hermes_sup.client import Client, Connection, NoSuchSession, Routers, SupervisorError, Timeout
+from hermes_sup.client import (
+    AsyncClient,
+    AsyncRouters,
+    Client,
+    Connection,
+    NoSuchSession,
+    Routers,
+    SupervisorError,
+    Timeout,
+)
 
 from . import test_route
 from .test_route import NODES, RouterProcess
@@ -59,6 +69,25 @@ def test_node_lost_goes_round_and_any_other_error_is_the_answer() -> None:
     assert rs.failovers == 0
     with pytest.raises(ValueError, match="at least one router"):
         Routers([])
+
+
+def test_the_asyncio_form_fails_over_alike() -> None:
+    seen: list[str] = []
+
+    async def ask(c: AsyncClient) -> str:
+        seen.append(c.connection.endpoint)
+        if len(seen) == 1:
+            raise SupervisorError("node_lost", "the node died")
+        return "answered"
+
+    async def main() -> tuple[str, int]:
+        async with AsyncRouters(
+            [Connection(f"ipc:///nowhere/{n}", b"k" * 32) for n in "ab"], timeout=1.0
+        ) as rs:
+            return await rs.call(ask), rs.failovers
+
+    assert asyncio.run(main()) == ("answered", 1)
+    assert seen == ["ipc:///nowhere/a", "ipc:///nowhere/b"]
 
 
 @pytest.mark.e2e
