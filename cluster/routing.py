@@ -278,6 +278,8 @@ class RoutingTable:
         if node is not None:
             node.live = False
             self._place(node)
+        for ask in [a for a, asked in self.seeding.items() if asked == name]:
+            del self.seeding[ask]  # asked again when it comes back
         self._lose_node(name, why, node.spec.shared_data if node else None)
         return self._take()
 

@@ -223,6 +223,7 @@ def test_a_node_with_its_own_data_that_comes_up_has_its_keys_homes_recorded(capl
     assert ask(routing, msg) == [ToNode("a", payload(msg), msg.id)]
     routing.on_node_lost("a", "test")
     routing.on_node_up("b")
+    assert set(routing.seeding.values()) == {"b"}  # a's, unanswered, forgotten with it
     (out,) = ask(routing, send("old:2"))
     assert isinstance(out, ToClient) and out.msg.body["code"] == HOME_UNAVAILABLE
     # A node on a shared data directory is not asked: any of its nodes serves its keys.
