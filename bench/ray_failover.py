@@ -8,6 +8,11 @@ shared data directory, `ray up` with the default watchdog, a router).
               and how many of the frozen node's workers were still alive
               when its first key was served elsewhere (0: never a key on
               two nodes)
+    freeze    a whole node (its raylet and everything under it, its agent,
+              its supervisor and workers) is stopped for --freeze seconds:
+              the time to each of its keys answered again elsewhere (the
+              node lease, `ray up --lease-time`), and whether the frozen
+              node gave its sessions up on waking (`node_lease_expired`)
     join      a fourth raylet joins: the time until the router has its node
     restart   a raylet is removed and started again with its label: whether
               its node comes back under its name
@@ -21,6 +26,7 @@ connects on 127.0.0.1 only (Ray's own guess of the address too).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -53,6 +59,30 @@ def running(pids: set[int]) -> set[int]:
         except psutil.Error:
             continue
     return left
+
+
+def serve_again(
+    state_dir: Path, keys: list[str], stopped: float, workers: set[int]
+) -> tuple[dict[str, float], int | None]:
+    """Ask each key for its note until it answers (for up to 120 s): the
+    seconds from `stopped` to each key's answer, and how many of `workers`
+    ran when the first key answered."""
+    served: dict[str, float] = {}
+    alive_at_first: int | None = None
+    while len(served) < len(keys) and time.monotonic() < stopped + 120:
+        for key in keys:
+            if key in served:
+                continue
+            try:
+                with Client(state_dir, timeout=2.0) as c:
+                    text = c.run(key, "sh cat note.txt")
+            except (SupervisorError, Timeout):
+                continue
+            if "".join(str(e.data) for e in text.events if e.type == "output").strip():
+                served[key] = time.monotonic() - stopped
+                if alive_at_first is None:
+                    alive_at_first = len(running(workers))
+    return served, alive_at_first
 
 
 def main() -> None:
@@ -111,22 +141,8 @@ def main() -> None:
         workers = {p.pid for p in psutil.Process(pid).children(recursive=True)}
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        served: dict[str, float] = {}
-        alive_at_first: int | None = None
+        served, alive_at_first = serve_again(state_dir, doomed, stopped, workers)
         deadline = stopped + args.freeze
-        while len(served) < len(doomed) and time.monotonic() < stopped + 120:
-            for key in doomed:
-                if key in served:
-                    continue
-                try:
-                    with Client(state_dir, timeout=2.0) as c:
-                        text = c.run(key, "sh cat note.txt")
-                except (SupervisorError, Timeout):
-                    continue
-                if "".join(str(e.data) for e in text.events if e.type == "output").strip():
-                    served[key] = time.monotonic() - stopped
-                    if alive_at_first is None:
-                        alive_at_first = len(running(workers))
         killed = not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
         if time.monotonic() < deadline and not killed:
             time.sleep(deadline - time.monotonic())
@@ -137,6 +153,38 @@ def main() -> None:
             "frozen_workers_alive_at_first_takeover": alive_at_first,
             "watchdog_killed": "watchdog_killed"
             in (root / "n" / frozen / "supervisor.log").read_text(errors="replace"),
+        }
+        # A whole node frozen: its raylet (Ray may go on calling it alive),
+        # everything under it, its agent and its supervisor's tree.
+        wait_until(lambda: answering() == set(infos), "n2 back through the router", router, 120)
+        whole = "n3"
+        tree: set[int] = set()
+        for handles in nodes[whole].all_processes.values():
+            for handle in handles:
+                tree.add(handle.process.pid)
+        for top in [*tree, infos[whole]["agent_pid"], infos[whole]["pid"]]:
+            with contextlib.suppress(psutil.Error):
+                tree |= {top} | {p.pid for p in psutil.Process(top).children(recursive=True)}
+        on_whole = [k for k in keys if owner[k] == whole]
+        for one in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(one, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            whole_served, _ = serve_again(state_dir, on_whole, stopped, set())
+            if time.monotonic() < stopped + args.freeze:
+                time.sleep(stopped + args.freeze - time.monotonic())
+        finally:
+            for one in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(one, signal.SIGCONT)
+        wait_until(lambda: answering() == set(infos), "n3 back through the router", router, 120)
+        results["freeze"] = {
+            "keys_of_frozen_node": len(on_whole),
+            "served_again_s": sorted(round(v, 2) for v in whole_served.values()),
+            "all_served_s": round(max(whole_served.values()), 2) if whole_served else None,
+            "gave_up_on_waking": "node_lease_expired"
+            in (root / "n" / whole / "supervisor.log").read_text(errors="replace"),
         }
         joined = time.monotonic()
         add(cluster, "n4")

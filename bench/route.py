@@ -110,6 +110,8 @@ class Cluster:
             )  # fmt: skip
             connection = self.key(f"router-{name}", name)
             lines.append(f'[[node]]\nname = "{name}"\nconnection = "{connection}"\n')
+            if shared:  # one data directory: a dead node's keys are served by the other
+                lines[-1] += 'shared_data = "d"\n'
         (root / "nodes.toml").write_text("\n".join(lines))
         cmd = [sys.executable, "-m", "hermes_sup.cli.route", "--nodes", str(root / "nodes.toml")]
         cmd += ["--state-dir", str(root / "r"), "--log-level", "WARNING"]

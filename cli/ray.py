@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -100,6 +101,16 @@ class RayUpSettings:
             minimum=1,
         ),
     )
+    lease_time: float = field(
+        default=5.0,
+        metadata=setting(
+            "--lease-time",
+            "with `data_dir`: seconds a node keeps its sessions once no router reaches it "
+            "(every node's `serve --lease-time`): a frozen or cut-off node's keys are served "
+            "by another node within about this plus the router's 4 s",
+            zero="off: a node's keys wait for its locks to be let go",
+        ),
+    )
     resource: str = field(
         default="",
         metadata=setting(
@@ -125,6 +136,17 @@ class RayUpSettings:
 
 
 RAY_SETTINGS: dict[str, Setting] = declare(RayUpSettings)
+
+
+def serve_args_for(settings: RayUpSettings) -> list[str]:
+    """Every node's `serve` arguments: the operator's, and the node lease
+    with a shared data directory (with data of its own, no other node
+    could take a node's keys: its lease would only stop its workers)."""
+    args = list(settings.serve_args)
+    if settings.data_dir is not None and settings.lease_time > 0:
+        args += ["--lease-time", f"{settings.lease_time:g}"]
+    return args
+
 
 # `ray down` and `ray nodes` take the same --address, required there.
 ADDRESS = click.option(
@@ -178,7 +200,7 @@ def up(ctx: click.Context, config: Path | None, **given: Any) -> None:
             settings.base_dir,
             settings.capacity,
             settings.data_dir,
-            list(settings.serve_args),
+            serve_args_for(settings),
             watchdog=watchdog,
             resource=settings.resource or None,
             host=settings.host or None,
@@ -210,6 +232,69 @@ def nodes(address: str) -> None:
     agents.connect(address)
     for spec in agents.read_registry():
         click.echo(json.dumps({"name": spec.name, **spec.describe()}))
+
+
+@ray_group.command(name="drain")
+@ADDRESS
+@click.argument("node")
+@click.option("--off", is_flag=True, help="End the drain: the node takes new sessions again.")
+@click.option(
+    "--wait", is_flag=True, help="Return once the node holds no session (each stopped when idle)."
+)
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for an answer.")
+def drain(address: str, node: str, off: bool, wait: bool, timeout: float) -> None:
+    """Drain NODE, found in the registry: it takes no new sessions, lets
+    running turns finish and stops each session once it is idle, which lets
+    its lease go; every router sends its keys' next messages, and new keys,
+    to the other nodes (with a shared data directory each session's files
+    come along; with node-local data its keys stay its own and wait for it).
+    The node takes it from the router's key the registry holds for it.
+
+    \b
+    Examples:
+      hermes-sup ray drain --address HEAD:6379 gpu-a --wait
+      hermes-sup ray drain --address HEAD:6379 gpu-a --off
+    """
+    from hermes_sup.client import Client, ClientError
+    from hermes_sup.protocol import Kind
+
+    agents = _agents()
+    agents.connect(address)
+    specs = {spec.name: spec for spec in agents.read_registry()}
+    spec = specs.get(node)
+    if spec is None:
+        raise click.ClickException(
+            f"no node {node!r} is registered on an alive Ray node (registered: "
+            f"{', '.join(sorted(specs)) or 'none'})"
+        )
+    try:
+        with Client(connection=node_connection(spec), timeout=timeout) as client:
+            answer = client.request(Kind.DRAIN, {"on": not off}).body["node"]
+            if off:
+                click.echo(f"node {node}: taking new sessions again")
+                return
+            click.echo(
+                f"node {node} draining: no new sessions; {answer['sessions']} session(s) still "
+                "held, each stopped once idle"
+            )
+            while wait and answer["sessions"]:
+                time.sleep(0.2)
+                answer = client.status()["node"]
+                if not answer["draining"]:
+                    raise click.ClickException("the drain was ended (drain --off) while waiting")
+            if wait:
+                click.echo("drained: no session left")
+    except ClientError as exc:
+        raise click.ClickException(f"node {node} ({spec.endpoint}): {exc}") from None
+
+
+def node_connection(spec: Any) -> Any:
+    """How to reach a registered node as its router does (its NodeSpec)."""
+    from hermes_sup.client import Connection, Curve
+
+    return Connection(
+        spec.endpoint, spec.hmac_key, Curve(spec.server_key, spec.public, spec.secret)
+    )
 
 
 if __name__ == "__main__":

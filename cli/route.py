@@ -166,6 +166,7 @@ def route(ctx: click.Context, config: Path | None, **given: Any) -> None:
             obj = ctx.ensure_object(dict)
             obj["state_dir"], obj["state_dir_given"] = state_dir, True
         return
+    from hermes_sup.cluster.homes import HomeStore, MemoryHomes, RayHomes
     from hermes_sup.cluster.nodes import NodeConfigError
     from hermes_sup.cluster.router import serve_router, static_source
     from hermes_sup.door.remote import RemoteError
@@ -190,16 +191,19 @@ def route(ctx: click.Context, config: Path | None, **given: Any) -> None:
         obj = ctx.obj if isinstance(ctx.obj, dict) else {}
         settings.state_dir = obj.get("state_dir") or default_state_dir()
     assert settings.state_dir is not None
+    homes: HomeStore
     if settings.nodes_file:
         source = static_source(Path(settings.nodes_file))
         try:
             source()  # refuse a bad file now, not in the loop (it is read once: cached)
         except (NodeConfigError, OSError) as exc:
             raise click.ClickException(str(exc)) from None
+        homes = MemoryHomes()  # this router's own: a static node list has no shared store
     else:
         from hermes_sup.cluster.ray_agents import registry_source
 
         source = registry_source(settings.ray_address)
+        homes = RayHomes()
     try:
         serve_router(
             settings.state_dir,
@@ -210,6 +214,7 @@ def route(ctx: click.Context, config: Path | None, **given: Any) -> None:
             max_clients=settings.max_clients,
             client_queue=settings.client_queue,
             metrics=metrics_at,
+            homes=homes,
         )
     except OSError as exc:
         raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
@@ -268,6 +273,60 @@ def route_drain(ctx: click.Context, node: str, off: bool, wait: bool) -> None:
             held = own.get("sessions")
         if wait:
             click.echo("drained: no session left")
+
+
+def forked_keys(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The keys a router's merged `list` shows more than once (on two nodes):
+    each a key with two histories, or live on two nodes."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_key.setdefault(str(row.get("key")), []).append(row)
+    return {key: found for key, found in sorted(by_key.items()) if len(found) > 1}
+
+
+@client_options
+@route.command(name="reconcile")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: key -> its rows.")
+@click.pass_context
+def route_reconcile(ctx: click.Context, as_json: bool) -> None:
+    """Find keys that have a session on two nodes, through a running router.
+
+    A key has one history: its router sends it only to nodes that serve
+    the data directory it was first placed on. Older versions started a
+    key anew on another node while its node was away, so it may have two
+    sessions, each with its own turns. This lists each such key with
+    where each of its sessions is, its state and when it was made, and
+    exits 1 if there is any (0 if none): keep the one to keep, and
+    `kill` the other on its node.
+
+    \b
+    Example:
+      hermes-sup route --state-dir /run/hsr reconcile
+    """
+    import json
+
+    with connect(ctx) as client:
+        info = client.status()
+        rows = client.sessions()
+    silent = [n["name"] for n in info.get("nodes", []) if not n.get("answered")]
+    forked = forked_keys(rows)
+    if as_json:
+        click.echo(json.dumps({"forked": forked, "not_answered": silent}, indent=2, default=str))
+    else:
+        for key, found in forked.items():
+            click.echo(f"{key}: {len(found)} sessions")
+            for row in found:
+                made = row.get("created")
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(made)) if made else "?"
+                click.echo(f"  node {row.get('node')}: {row.get('state')}, made {when}")
+        click.echo(f"{len(forked)} key(s) with more than one session")
+        if silent:
+            click.echo(
+                f"not asked (did not answer): {', '.join(silent)}; run it again once they do",
+                err=True,
+            )
+    if forked:
+        ctx.exit(1)
 
 
 if __name__ == "__main__":

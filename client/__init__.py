@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .aio import AsyncClient, AsyncTurn
+    from .aio_failover import AsyncRouters
     from .blocking import Client, Turn
     from .connection import Connection, Curve, session_options
     from .core import Killed, Opened, Pong, Signalled
@@ -66,12 +67,14 @@ if TYPE_CHECKING:
         ToolStart,
         TurnStarted,
     )
+    from .failover import Routers
 
 _WHERE = {
     "AccessDenied": "errors",
     "ApprovalRequest": "events",
     "ApprovalTimeout": "events",
     "AsyncClient": "aio",
+    "AsyncRouters": "aio_failover",
     "AsyncTurn": "aio",
     "Backoff": "events",
     "BadRequest": "errors",
@@ -97,6 +100,7 @@ _WHERE = {
     "ProtocolError": "errors",
     "Queued": "events",
     "Reply": "events",
+    "Routers": "failover",
     "Running": "events",
     "SessionConflict": "errors",
     "SessionFailed": "errors",
@@ -138,6 +142,7 @@ __all__ = [
     "ApprovalRequest",
     "ApprovalTimeout",
     "AsyncClient",
+    "AsyncRouters",
     "AsyncTurn",
     "Backoff",
     "BadRequest",
@@ -163,6 +168,7 @@ __all__ = [
     "ProtocolError",
     "Queued",
     "Reply",
+    "Routers",
     "Running",
     "SessionConflict",
     "SessionFailed",

@@ -4,8 +4,13 @@ would have given it. No I/O.
 `list`: every node's rows, each with `node` (the node that reported it,
 unless the supervisor named its node itself). On a shared data directory
 every node lists the sessions it finds on disk as `exited`, so one key can
-come from several nodes: the row of a node where it is not `exited` wins,
-then the row of the node the key is placed on, then the first by node name.
+come from several nodes of one data directory: of those, every row that is
+not `exited` is kept (two would be one key live on two nodes: shown, never
+hidden), else one: the row of the node the key is placed on, then the first
+by node name. Nodes with data directories of their own (`data_of`) each
+hold their own history of a key, so a key listed by two of them is listed
+twice, once per node: a key with two histories (`route reconcile` finds
+them).
 
 `status`: the router's own fields, session counts summed over the nodes,
 and one row per node (`nodes`), with what that node said of itself.
@@ -27,9 +32,12 @@ EXITED = "exited"
 def merge_sessions(
     answers: Mapping[str, list[dict[str, Any]]],
     owner: Callable[[str], str | None] = lambda key: None,
+    data_of: Callable[[str], str] = lambda node: "",
 ) -> list[dict[str, Any]]:
-    """One `sessions` list from each node's rows, one row per key, sorted by key."""
-    best: dict[str, tuple[tuple[int, int, str], dict[str, Any]]] = {}
+    """One `sessions` list from each node's rows, sorted by key then node:
+    per key, one row per data directory, and every row that is not `exited`."""
+    live: list[dict[str, Any]] = []
+    best: dict[tuple[str, str], tuple[tuple[int, str], dict[str, Any]]] = {}
     for node in sorted(answers):
         for raw in answers[node]:
             if not isinstance(raw, dict) or not isinstance(raw.get("key"), str):
@@ -37,15 +45,18 @@ def merge_sessions(
             row = dict(raw)
             row.setdefault("node", node)
             key = row["key"]
-            rank = (
-                0 if row.get("state") != EXITED else 1,
-                0 if owner(key) == node else 1,
-                node,
-            )
-            held = best.get(key)
+            if row.get("state") != EXITED:
+                live.append(row)
+                continue
+            rank = (0 if owner(key) == node else 1, node)
+            held = best.get((key, data_of(node)))
             if held is None or rank < held[0]:
-                best[key] = (rank, row)
-    return [best[key][1] for key in sorted(best)]
+                best[(key, data_of(node))] = (rank, row)
+    # An exited row stands for its data directory's history only where no
+    # node serving that directory has the key live.
+    live_at = {(row["key"], data_of(str(row["node"]))) for row in live}
+    rows = live + [row for where, (_, row) in best.items() if where not in live_at]
+    return sorted(rows, key=lambda row: (row["key"], str(row["node"])))
 
 
 def sum_counts(counts: list[Mapping[str, Any]]) -> dict[str, int]:

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .homes import OWN_DATA
+
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 Z85_KEY_LENGTH = 40
 
@@ -62,6 +64,12 @@ class NodeSpec:
     capacity: float = 1.0
     draining: bool = False
     shared_data: str | None = None  # the same for nodes that share one data directory
+
+    @property
+    def data(self) -> str:
+        """The data directory its sessions' histories are in, as a key's
+        home names it (homes.py): the shared one's id, else its own."""
+        return self.shared_data if self.shared_data is not None else OWN_DATA + self.name
 
     def describe(self) -> dict[str, Any]:
         """What `status` shows of it (never a key)."""

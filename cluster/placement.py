@@ -10,21 +10,32 @@ a node with twice the capacity is chosen for about twice as many keys.
 The override table records where a session is known to live when that is
 not where the hash would send it: a node answered `moved` and named the
 node that holds the session's lease (after a drain, or a failover the hash
-has since undone). An override is followed while its node is live; it is
-bounded (least recently used first out) so that a stream of moved keys
-cannot grow the router without limit. No I/O here.
+has since undone). An override is followed while its node is live, for
+OVERRIDE_TTL seconds from when a node last said so: then the key goes where
+the hash puts it again. If its session is still live where the override
+pointed, that node's lease makes the hashed node answer `moved` and the
+override is set anew (one hop more, once per OVERRIDE_TTL); if the session
+went idle and let its lease go (hibernated, on a shared data directory),
+the hashed node takes it: keys placed off their hash by a failover or a
+restart come back to their nodes, and a node that joins gets its share of
+the idle ones, not only new keys. The table is bounded (least recently
+used first out) so that a stream of moved keys cannot grow the router
+without limit. No I/O here (a clock).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 # 2^64: hashes are mapped into the open interval (0, 1).
 _SCALE = float(1 << 64)
+# Seconds an override is followed after a node last said the key is there.
+OVERRIDE_TTL = 60.0
 
 
 @dataclass(frozen=True)
@@ -68,28 +79,43 @@ def rendezvous(key: str, nodes: Iterable[Candidate]) -> str | None:
 
 
 class Overrides:
-    """Keys known to live elsewhere than their hash says, bounded (LRU)."""
+    """Keys known to live elsewhere than their hash says, bounded (LRU),
+    each for `ttl` seconds from when it was set."""
 
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(
+        self,
+        capacity: int = 100_000,
+        ttl: float = OVERRIDE_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.capacity = capacity
-        self._table: OrderedDict[str, str] = OrderedDict()
+        self.ttl = ttl
+        self.clock = clock
+        self._table: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def set(self, key: str, node: str) -> None:
-        """Record that `key` lives on `node`."""
-        self._table[key] = node
+        """Record that `key` lives on `node` (now)."""
+        self._table[key] = (node, self.clock())
         self._table.move_to_end(key)
         while len(self._table) > self.capacity:
             self._table.popitem(last=False)
 
     def get(self, key: str) -> str | None:
-        return self._table.get(key)
+        """The node `key` was last said to live on, unless that is older than `ttl`."""
+        held = self._table.get(key)
+        if held is None:
+            return None
+        if self.clock() - held[1] > self.ttl:
+            del self._table[key]
+            return None
+        return held[0]
 
     def forget(self, key: str) -> None:
         self._table.pop(key, None)
 
     def forget_node(self, node: str) -> int:
         """Drop every override naming `node` (it left); how many there were."""
-        gone = [k for k, n in self._table.items() if n == node]
+        gone = [k for k, (n, _) in self._table.items() if n == node]
         for k in gone:
             del self._table[k]
         return len(gone)

@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .nodes import NodeConfigError, NodeSpec, data_id, spec_from_map
 from .ray_nodes import AgentPlan, name_alive, node_address, plan_agents
-from .watchdog import Watchdog, WatchdogSettings, ping_supervisor
+from .watchdog import Watchdog, WatchdogSettings, lease_left, ping_supervisor
 
 NAMESPACE = "hermes-sup"
 REGISTRY = "hermes-sup-registry"
@@ -146,7 +146,11 @@ class NodeAgent:
         )  # fmt: skip
         settings = WatchdogSettings(**(watchdog or {}))
         self.watchdog = Watchdog(
-            self.proc.pid, settings, lambda timeout: ping_supervisor(state_dir, timeout)
+            self.proc.pid,
+            settings,
+            lambda timeout: ping_supervisor(state_dir, timeout),
+            # A shared data directory's node lease (ray up --lease-time).
+            lease_left=(lambda: lease_left(data, name)) if data_dir else lambda: None,
         )
         self.registry = _registry()
         ray.get(self.registry.put.remote(self.entry))

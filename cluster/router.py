@@ -64,10 +64,21 @@ from hermes_sup.protocol import (
     sign,
 )
 
+from .homes import HomeStore
 from .links import NodeLink, reach
 from .nodes import NodeSpec
 from .router_watch import RouterSnapshot, RouterWatch
-from .routing import MOVED, NODE_LOST, Out, RoutingTable, TimeOut, ToClient, ToNode
+from .routing import (
+    MOVED,
+    NODE_LOST,
+    LookUp,
+    Out,
+    Record,
+    RoutingTable,
+    TimeOut,
+    ToClient,
+    ToNode,
+)
 
 log = logging.getLogger("hermes_sup.router")
 
@@ -77,6 +88,9 @@ CLIENT_QUEUE = 100_000
 # Descriptors kept from client connections for node links (about 4 each).
 NODE_FDS = 256
 SNAPSHOT_EVERY = 1.0  # seconds between two snapshots for the metrics endpoint
+# Seconds between two pings of every linked node: a node with --lease-time
+# renews its lease only while a router reaches it (supervisor/node_lease.py).
+TOUCH_EVERY = 1.0
 
 NodeSource = Callable[[], list[NodeSpec]]
 Handler = Callable[[bytes, Message, bytes], None]
@@ -101,8 +115,10 @@ class Router:
         max_clients: int | None = None,
         client_queue: int = CLIENT_QUEUE,
         metrics: tuple[str, int] | None = None,
+        homes: HomeStore | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.homes = homes
         self.metrics = metrics
         self.watch: RouterWatch | None = None
         self.requests = 0  # taken from front ends (for the metrics)
@@ -114,7 +130,7 @@ class Router:
         self.limits = limits or Limits()
         self.max_clients = max_clients
         self.client_queue = client_queue
-        self.routing = RoutingTable(self._info)
+        self.routing = RoutingTable(self._info, homes=homes is not None)
         self.links: dict[str, NodeLink] = {}
         self.started = time.time()
         self.stopping = asyncio.Event()
@@ -163,6 +179,7 @@ class Router:
             )
             self._fronts.listen(self._ctx, loop, self.on_front)
             self._tasks.append(asyncio.create_task(self._follow_membership()))
+            self._tasks.append(asyncio.create_task(self._keep_in_touch()))
             if self.metrics is not None:
                 self.watch = RouterWatch()
                 url = self.watch.serve(*self.metrics)
@@ -203,6 +220,15 @@ class Router:
             else:
                 self.set_nodes(specs)
             await asyncio.sleep(self.poll_interval)
+
+    async def _keep_in_touch(self) -> None:
+        """Ping every linked node each TOUCH_EVERY seconds: it tells a node
+        that routers still reach it (its answers are not waited for)."""
+        while True:
+            await asyncio.sleep(TOUCH_EVERY)
+            for link in list(self.links.values()):
+                if link.live:
+                    self._to_node(ToNode(link.name, Message(Kind.PING, {})))
 
     async def _snapshots(self) -> None:
         """What the metrics and health endpoint show, written once a second
@@ -298,6 +324,45 @@ class Router:
                     self._do(self.routing.on_unsent(out.node, out.re))
             elif type(out) is TimeOut:
                 asyncio.get_running_loop().call_later(out.seconds, self._time_out, out.id)
+            elif type(out) is LookUp:
+                self._tasks.append(asyncio.create_task(self._look_up(out)))
+            elif type(out) is Record:
+                self._tasks.append(asyncio.create_task(self._record(out)))
+
+    async def _record(self, out: Record) -> None:
+        """Record the homes of a node's keys (blocking I/O: in the executor)."""
+        assert self.homes is not None
+        me = asyncio.current_task()
+        try:
+            held = await asyncio.get_running_loop().run_in_executor(
+                None, self.homes.claim_many, out.homes
+            )
+        except Exception as exc:  # the store away: the keys are looked up when asked
+            log.warning(kv("router_homes_unrecorded", keys=len(out.homes), error=exc))
+        else:
+            self._do(self.routing.on_homes(out.homes, held))
+        finally:
+            if me in self._tasks:
+                self._tasks.remove(me)
+
+    async def _look_up(self, out: LookUp) -> None:
+        """A key's home from the store (blocking I/O: in the executor)."""
+        assert self.homes is not None
+        me = asyncio.current_task()
+        try:
+            home = await asyncio.get_running_loop().run_in_executor(
+                None, self.homes.claim, out.key, out.data
+            )
+        except Exception as exc:  # the store away (the GCS restarting): the requests are told
+            log.warning(kv("router_home_unavailable", session=out.key, error=exc))
+            self._do(self.routing.on_home(out.key, None, str(exc) or type(exc).__name__))
+        else:
+            if home != out.data:
+                log.info(kv("router_home_elsewhere", session=out.key, home=home, placed=out.data))
+            self._do(self.routing.on_home(out.key, home))
+        finally:
+            if me in self._tasks:
+                self._tasks.remove(me)
 
     def _to_node(self, out: ToNode) -> bool:
         link = self.links.get(out.node)
@@ -381,6 +446,7 @@ def serve_router(
     max_clients: int | None = None,
     client_queue: int = CLIENT_QUEUE,
     metrics: tuple[str, int] | None = None,
+    homes: HomeStore | None = None,
 ) -> None:
     """Run a router in this process until it is stopped."""
     router = Router(
@@ -392,6 +458,7 @@ def serve_router(
         max_clients=max_clients,
         client_queue=client_queue,
         metrics=metrics,
+        homes=homes,
     )
     asyncio.run(router.run())
 

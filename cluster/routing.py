@@ -13,12 +13,28 @@ gone) and returns what to do about it, in order:
                                      encode) for a node; `re` names the
                                      request it serves
     TimeOut(id, seconds)             call on_timeout(id) that much later
+    LookUp(key, data)                ask the home store (homes.py) where the
+                                     key's history is, recording `data` if
+                                     nowhere yet; then call on_home(key, home)
+    Record(homes)                    record these (key, data) homes where none
+                                     is yet; then call on_homes(what it holds)
 
 The router (router.py) carries them out. A ToNode that cannot be sent (the
 node's queue is full, or its connection went down before its monitor said
 so) comes back as `on_unsent(node, re)`: for that request, the node will
 not answer. The routing itself sends only to nodes it knows live, as a
 link's monitor reports them (`on_node_up`, `on_node_lost`).
+
+With a home store (`homes=True`), a request about a key whose home this
+table has not seen waits for a LookUp, once per key, and then goes to a
+live node serving that home: where placement puts the key if that node
+does, else the best-scoring live node that does. If none does, the
+request is answered `home_unavailable` naming the home's node, and never
+sent on: a key has one history. A node with data of its own that comes up
+is asked for its sessions (`list`), and their homes recorded as that node
+where none is yet: keys made before homes were recorded, or while this
+router did not run, are known too. A key recorded elsewhere is logged:
+it has two histories (`route reconcile` lists them).
 
 A request in flight is a `Pending`, answered in one of four ways (`Mode`):
 
@@ -59,7 +75,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -76,14 +92,19 @@ from hermes_sup.protocol import (
     error_message,
 )
 
+from .homes import OWN_DATA, describe_home, home_node
 from .merge import merge_reloads, merge_sessions, merge_status
 from .nodes import NodeSpec
-from .placement import Candidate, Placement
+from .placement import Candidate, Placement, rendezvous
 
 log = logging.getLogger("hermes_sup.router")
 
 NODE_LOST = "node_lost"
 MOVED = "moved"
+HOME_UNAVAILABLE = ErrorCode.HOME_UNAVAILABLE
+# Homes kept in the table (least recently used first out); one that is
+# not is looked up again, at the cost of one round trip to the store.
+HOMES_CACHED = 200_000
 # How long a fanned-out request waits for slow nodes before it answers
 # with those that did (they are shown as not answered).
 FANOUT_TIMEOUT = 10.0
@@ -160,7 +181,22 @@ class TimeOut(NamedTuple):
     seconds: float
 
 
-Out = ToClient | ToNode | TimeOut
+class LookUp(NamedTuple):
+    """Ask the home store where `key`'s history is, recording `data` as its
+    home if it has none; then call on_home(key, home)."""
+
+    key: str
+    data: str
+
+
+class Record(NamedTuple):
+    """Record each (key, data) as the key's home where it has none; then
+    call on_homes(the homes the store holds for them)."""
+
+    homes: list[tuple[str, str]]
+
+
+Out = ToClient | ToNode | TimeOut | LookUp | Record
 
 
 class RoutingTable:
@@ -175,8 +211,16 @@ class RoutingTable:
         *,
         placement: Placement | None = None,
         wall: Callable[[], float] = time.time,
+        homes: bool = False,
     ) -> None:
         self.about = about
+        self.use_homes = homes
+        # Keys' homes as the store answered (a home never changes once
+        # recorded), and the requests waiting for a key's look-up.
+        self.homes: OrderedDict[str, str] = OrderedDict()
+        self.looking: dict[str, list[tuple[bytes, Message, bytes]]] = {}
+        # The router's own `list` of a node that came up, by request id.
+        self.seeding: dict[str, str] = {}
         self.wall = wall
         self.placement = placement or Placement()
         self.nodes: dict[str, Node] = {}
@@ -216,6 +260,10 @@ class RoutingTable:
         if node is None:
             return []
         node.live = True
+        if self.use_homes and node.spec.shared_data is None:
+            ask = Message(Kind.LIST, {})
+            if self._to_node(name, ask, ask.id):
+                self.seeding[ask.id] = name
         for p in self.pending.values():
             if p.mode is Mode.WATCH_ALL and name not in p.nodes:
                 if self._to_node(name, Message(Kind.WATCH, {}, id=p.id), p.id):
@@ -230,6 +278,8 @@ class RoutingTable:
         if node is not None:
             node.live = False
             self._place(node)
+        for ask in [a for a, asked in self.seeding.items() if asked == name]:
+            del self.seeding[ask]  # asked again when it comes back
         self._lose_node(name, why, node.spec.shared_data if node else None)
         return self._take()
 
@@ -264,6 +314,10 @@ class RoutingTable:
         """A front end's request (already verified) for the nodes: fanned
         out, an unwatch, or forwarded to `node` (by default the session's
         owner). A refusal is answered as an error."""
+        self._request(client, msg, payload, node)
+        return self._take()
+
+    def _request(self, client: bytes, msg: Message, payload: bytes, node: str | None) -> None:
         try:
             kind = msg.kind
             if kind in FANOUT_KINDS or (kind is Kind.WATCH and msg.session is None):
@@ -281,9 +335,11 @@ class RoutingTable:
                 )
         except RemoteProtocolError as exc:
             self._to_client(
-                client, error_message(exc.code, exc.message, re=msg.id, session=msg.session)
+                client,
+                error_message(
+                    exc.code, exc.message, re=msg.id, session=msg.session, detail=exc.detail
+                ),
             )
-        return self._take()
 
     def _forward(self, client: bytes, msg: Message, payload: bytes, node: str | None) -> None:
         held = self.pending.get(msg.id)
@@ -306,7 +362,12 @@ class RoutingTable:
             return
         if node is None:
             assert msg.session is not None
-            node = self.placement.owner(msg.session)
+            if self.use_homes and msg.session not in self.homes:
+                self._look_up(client, msg, payload)
+                return
+            node = self._owner(msg.session)
+            if node is None and self._home(msg.session) is not None:
+                raise self._unavailable(msg.session)
         stream = msg.kind is Kind.WATCH or (msg.kind is Kind.LOGS and bool(msg.body.get("follow")))
         if stream:
             self._check_room(client)
@@ -371,11 +432,133 @@ class RoutingTable:
         self.pending[msg.id] = p
         self._maybe_complete(p)
 
+    # -- homes -----------------------------------------------------------------
+
+    def _look_up(self, client: bytes, msg: Message, payload: bytes) -> None:
+        """Wait for the key's home; ask the store once per key. With no live
+        node to propose as its home there is nothing to ask."""
+        key = msg.session
+        assert key is not None
+        proposed = self.placement.owner(key)
+        if proposed is None:
+            self._to_client(
+                client,
+                error_message(
+                    NODE_LOST, "no live node can take this session now", re=msg.id, session=key
+                ),
+            )
+            return
+        waiting = self.looking.setdefault(key, [])
+        waiting.append((client, msg, payload))
+        if len(waiting) == 1:
+            self._out.append(LookUp(key, self.nodes[proposed].spec.data))
+
+    def on_home(self, key: str, home: str | None, why: str = "") -> list[Out]:
+        """The store's answer for `key`: its home (None: the store could not
+        be read, `why`). The requests that waited for it go on."""
+        waiting = self.looking.pop(key, [])
+        if home is None:
+            for client, msg, _ in waiting:
+                self._to_client(
+                    client,
+                    error_message(
+                        HOME_UNAVAILABLE,
+                        f"where session {key!r} keeps its history cannot be read now ({why}); "
+                        "nothing was sent: try again",
+                        re=msg.id,
+                        session=key,
+                    ),
+                )
+            return self._take()
+        self._learn_home(key, home)
+        for client, msg, payload in waiting:
+            self._request(client, msg, payload, None)
+        return self._take()
+
+    def _seed(self, name: str, msg: Message) -> None:
+        """A node's own sessions: their homes are that node, where none is yet."""
+        node = self.nodes.get(name)
+        rows = msg.body.get("sessions") if msg.kind is Kind.SESSIONS else None
+        if node is None or not isinstance(rows, list):
+            return
+        data = node.spec.data
+        keys = {
+            row["key"] for row in rows if isinstance(row, dict) and isinstance(row.get("key"), str)
+        }
+        fresh = [(key, data) for key in sorted(keys) if self.homes.get(key) != data]
+        if fresh:
+            self._out.append(Record(fresh))
+
+    def on_homes(self, recorded: list[tuple[str, str]], held: dict[str, str]) -> list[Out]:
+        """What the store holds for keys a node has (`recorded`: the homes
+        asked for): learned; a key it holds elsewhere has two histories."""
+        for key, data in recorded:
+            home = held.get(key)
+            if home is None:
+                continue
+            self._learn_home(key, home)
+            if home != data:
+                log.warning(kv("router_key_two_histories", session=key, home=home, also=data))
+        return self._take()
+
+    def _learn_home(self, key: str, home: str) -> None:
+        self.homes[key] = home
+        self.homes.move_to_end(key)
+        while len(self.homes) > HOMES_CACHED:
+            self.homes.popitem(last=False)
+
+    def _home(self, key: str) -> str | None:
+        home = self.homes.get(key)
+        if home is not None:
+            self.homes.move_to_end(key)
+        return home
+
+    def _owner(self, key: str) -> str | None:
+        """The live node a request about `key` goes to: where placement
+        puts it, unless its home is known and that node does not serve it;
+        then the best live node that does (a draining one if only it does).
+        None if no live node can serve the key."""
+        owner = self.placement.owner(key)
+        home = self._home(key)
+        if home is None or (owner is not None and self.nodes[owner].spec.data == home):
+            return owner
+        serving = [
+            Candidate(name, node.spec.capacity, True, False)
+            for name, node in self.nodes.items()
+            if node.live and node.spec.data == home
+        ]
+        taking = [
+            c
+            for c in serving
+            if not (self.nodes[c.name].draining or self.nodes[c.name].spec.draining)
+        ]
+        return rendezvous(key, taking) or rendezvous(key, serving)
+
+    def _unavailable(self, key: str) -> RemoteProtocolError:
+        """`home_unavailable` for a key whose home no live node serves."""
+        home = self._home(key) or ""
+        node = home_node(home)
+        known = sorted(n for n, k in self.nodes.items() if k.spec.data == home)
+        if node is not None:
+            state = "not in the node list" if node not in self.nodes else "not reachable"
+            where = f"node {node}, which is {state} now"
+        else:
+            where = f"{describe_home(home)}, served by no live node now ({', '.join(known) or 'none known'})"
+        return RemoteProtocolError(
+            HOME_UNAVAILABLE,
+            f"session {key!r} keeps its history on {where}; it is not started anew elsewhere "
+            "(that would fork its history): send it again once the node is back",
+            detail={"node": node, "data": home},
+        )
+
     # -- answers ---------------------------------------------------------------
 
     def on_answer(self, node: str, msg: Message, payload: bytes) -> list[Out]:
         """A node's message (verified; `payload` as it came): to the client
         waiting on it, or merged."""
+        if msg.re in self.seeding:
+            self._seed(self.seeding.pop(msg.re), msg)
+            return self._take()
         p = self.pending.get(msg.re or "")
         if p is None or node not in p.nodes:
             return []  # an answer to a request given up on
@@ -445,7 +628,7 @@ class RoutingTable:
                 self._place(node)
             if self.placement.overrides.get(p.session) == name:
                 self.placement.overrides.forget(p.session)
-            target = self.placement.owner(p.session)
+            target = self._owner(p.session)
         elif isinstance(target, str) and target in self.nodes and self.nodes[target].live:
             self.placement.overrides.set(p.session, target)
         else:
@@ -496,7 +679,7 @@ class RoutingTable:
             return False
         if shared_data is None:
             return False  # another node's data knows nothing of this turn
-        target = self.placement.owner(p.session)
+        target = self._owner(p.session)
         node = self.nodes.get(target) if target is not None else None
         if target is None or target == lost or node is None:
             return False
@@ -528,7 +711,9 @@ class RoutingTable:
         ok = {n: m for n, m in p.answers.items() if m is not None and m.kind is not Kind.ERROR}
         if p.kind is Kind.LIST:
             rows = {n: list(m.body.get("sessions", [])) for n, m in ok.items()}
-            body: dict[str, Any] = {"sessions": merge_sessions(rows, self.placement.owner)}
+            body: dict[str, Any] = {
+                "sessions": merge_sessions(rows, self.placement.owner, self._data_of)
+            }
             return Message(Kind.SESSIONS, body, re=p.id)
         if p.kind is Kind.STATUS:
             answers = {
@@ -540,6 +725,10 @@ class RoutingTable:
                 Kind.INFO, {"supervisor": merge_status(self.about(), answers, nodes)}, re=p.id
             )
         return merge_reloads(p.answers, p.id)
+
+    def _data_of(self, name: str) -> str:
+        node = self.nodes.get(name)
+        return node.spec.data if node is not None else OWN_DATA + name
 
     # -- time, failed sends, gone front ends ----------------------------------
 
@@ -553,7 +742,7 @@ class RoutingTable:
             p.nodes.clear()
             self._maybe_complete(p)
         elif p is not None and p.mode is Mode.FORWARD and not p.nodes and p.session:
-            node = self.placement.owner(p.session)
+            node = self._owner(p.session)
             if node is not None and self._to_node(node, p.payload, p.id):
                 p.nodes.add(node)
             else:

@@ -12,11 +12,19 @@ process dies at once), and the kernel drops its locks; its workers follow
 it (their parent-death signal). Until a supervisor has answered once it is
 starting, and only a start longer than `start_grace` counts against it.
 
+With a node lease (`serve --lease-time`, supervisor/node_lease.py) the
+watchdog also reads the node's lease file: a supervisor that does not
+answer while its lease runs out within one ping's time is killed at once,
+without waiting for `misses`. A frozen supervisor cannot give its sessions
+up itself, and once its deadline passes another node may take them: its
+workers, still running, must be gone first (they die with it).
+
 Standard library and the blocking client only; the agent runs it in a thread.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -46,6 +54,21 @@ class WatchdogSettings:
             raise ValueError(f"ping misses must be at least 1, not {self.misses}")
 
 
+def lease_left(data_dir: Path, node: str) -> float | None:
+    """Seconds until the node's lease runs out (negative: it has), None if
+    it has none. The file is the supervisor's (supervisor/node_lease.py,
+    `lease_path`; a test holds the two alike): read here without importing
+    the supervisor's modules."""
+    try:
+        data = json.loads((data_dir / ".node-leases" / f"{node}.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    deadline = data.get("deadline") if isinstance(data, dict) else None
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        return None
+    return float(deadline) - time.time()
+
+
 def ping_supervisor(state_dir: Path, timeout: float) -> bool:
     """Whether the supervisor on `state_dir` answers a ping within `timeout`."""
     try:
@@ -65,11 +88,13 @@ class Watchdog:
         settings: WatchdogSettings,
         ping: Callable[[float], bool],
         kill: Callable[[int, int], None] = os.kill,
+        lease_left: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.pid = pid
         self.settings = settings
         self.ping = ping
         self.kill = kill
+        self.lease_left = lease_left
         self.started = time.monotonic()
         self.answered = False
         self.missed = 0
@@ -86,9 +111,16 @@ class Watchdog:
             why = f"it did not answer a ping within {self.settings.start_grace:.0f}s of its start"
         else:
             self.missed += 1
-            if self.missed < self.settings.misses:
+            left = self.lease_left()
+            if left is not None and left < self.settings.every + self.settings.timeout:
+                why = (
+                    f"it does not answer and its node lease runs out in {max(left, 0.0):.1f}s: "
+                    "its workers must be gone before another node may take its sessions"
+                )
+            elif self.missed < self.settings.misses:
                 return None
-            why = f"it missed {self.missed} pings in a row ({self.settings.timeout:g}s each)"
+            else:
+                why = f"it missed {self.missed} pings in a row ({self.settings.timeout:g}s each)"
         try:
             self.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -44,6 +44,10 @@ class ErrorCode(StrEnum):
     # (draining); and a router's answer for a turn whose node died.
     MOVED = "moved"
     NODE_LOST = "node_lost"
+    # (from a router) the session's history is in a data directory that no
+    # live node serves now (a node's own, while it is away): it is not
+    # started anew elsewhere, which would give the key two histories.
+    HOME_UNAVAILABLE = "home_unavailable"
     # A turn that started and whose supervisor stopped before it ended (the
     # turn journal, supervisor/journal.py): it is never run again.
     INTERRUPTED = "interrupted"

@@ -813,6 +813,21 @@ class ServiceSettings:
             reload=False,
         ),
     )
+    # A node lease with a deadline (supervisor/node_lease.py), for a data
+    # directory shared by nodes behind routers.
+    lease_time: float = field(
+        default=0.0,
+        metadata=setting(
+            "--lease-time",
+            "seconds this node holds its sessions' leases past the last router ping it "
+            "heard: it renews them while routers reach it, and stops its sessions' workers "
+            "before they run out; another node may take a session whose holder's lease ran "
+            "out (a frozen or cut-off node). For a data directory shared by nodes behind "
+            "routers (`ray up --data-dir` sets it)",
+            zero="off: a session's lock alone, held until its holder dies",
+            reload=False,
+        ),
+    )
 
 
 @dataclass(kw_only=True)

@@ -88,6 +88,8 @@ class Front:
         turns.forget_id = self.guard.forget  # a turn refused before it ran
         # What list, status and inspect answer.
         self.reports = Reports(ctx, table, turns, pool, endpoints)
+        # A router's ping arrived (node_lease.py renews the node's lease).
+        self.on_router_ping: Callable[[], None] = lambda: None
         self.handlers: dict[Kind, Callable[[bytes, Message], None]] = {
             Kind.PING: self.ping,
             Kind.OPEN: self.open_session,
@@ -173,6 +175,8 @@ class Front:
     # ------------------------------------------------------------ sessions
 
     def ping(self, client: bytes, msg: Message) -> None:
+        if client[0] != LOCAL_FRONT and remote.is_router(self.endpoints.peer_name(client)):
+            self.on_router_ping()  # a router reaches us: the node lease is renewed
         self.endpoints.to_client(
             client,
             msg.reply(

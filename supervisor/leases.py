@@ -46,6 +46,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,9 @@ class Leases:
         # The endpoint other nodes' routers reach this supervisor at (its
         # TCP endpoint once bound, else None): asked at each taking.
         self.endpoint: Any = lambda: None
+        # Whether a node's lease ran out (node_lease.py): a lock it holds
+        # may then be broken. Never, unless the supervisor says otherwise.
+        self.expired: Callable[[str], bool] = lambda node: False
 
     def _holder_text(self, epoch: int) -> bytes:
         endpoint = self.endpoint()
@@ -224,7 +228,12 @@ class Leases:
         fd = os.open(session_dir / LEASE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if not lock_file(fd):
-                raise LeaseHeld(session_dir, named_holder(session_dir))
+                holder = named_holder(session_dir)
+                if holder is None or not holder.node or not self.expired(holder.node):
+                    raise LeaseHeld(session_dir, holder)
+                os.close(fd)
+                fd = -1
+                fd = self._break(session_dir, holder)
             epoch, _ = read_epoch(session_dir)
             lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex())
             # The holder's name first: one refused meanwhile reads who holds it.
@@ -234,9 +243,24 @@ class Leases:
                 log.warning(kv("lease_holder_unwritten", dir=session_dir.name, error=exc))
             self._write_epoch(lease)
         except BaseException:
-            os.close(fd)  # drops the lock, if we got it
+            if fd >= 0:
+                os.close(fd)  # drops the lock, if we got it
             raise
         return lease
+
+    def _break(self, session_dir: Path, holder: Holder) -> int:
+        """Take a lease whose holder's node lease ran out (frozen, or cut
+        off): its lock cannot be taken from it, so its file is renamed away
+        (the lock stays on it) and a new one locked. The new epoch fences
+        the old holder when it wakes. LeaseHeld if another taker was first."""
+        path = session_dir / LEASE_FILE
+        os.replace(path, session_dir / (LEASE_FILE + ".broken"))
+        log.warning(kv("lease_broken", dir=session_dir.name, holder=holder.node))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not lock_file(fd):
+            os.close(fd)
+            raise LeaseHeld(session_dir, named_holder(session_dir))
+        return fd
 
     def _write_epoch(self, lease: Lease) -> None:
         """Write the lease's epoch line; on a full disk (or any failure to

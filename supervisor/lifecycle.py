@@ -417,7 +417,12 @@ class Lifecycle:
                 self.schedule_retry(session)
         session.exited.set()
         if session.state is State.EXITED and session.queue and self.ctx.accepting:
-            self.start_worker(session)  # messages are waiting: start a fresh worker
+            try:
+                self.start_worker(session)  # messages are waiting: start a fresh worker
+            except RemoteProtocolError as exc:
+                # Its lease is held elsewhere now (it was taken while the
+                # worker stopped): the waiting turns go there.
+                self.turns.fail_queue(session, exc.code, exc.message, exc.detail)
         self.pool.schedule_orphan_cull()
 
     def _answer_current(
@@ -462,10 +467,9 @@ class Lifecycle:
             return
         try:
             self.make_room(session)
+            self.start_worker(session)  # (its lease may be held elsewhere by now)
         except RemoteProtocolError as exc:
-            self.turns.fail_queue(session, exc.code, exc.message)
-            return
-        self.start_worker(session)
+            self.turns.fail_queue(session, exc.code, exc.message, exc.detail)
 
     # ------------------------------------------------------- leases, drain
 

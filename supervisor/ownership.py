@@ -56,8 +56,8 @@ class Ownership:
             holder = self.leases.holder_elsewhere(session.dir)
         except OSError:
             return  # no directory (yet): nobody holds it
-        if holder is not None:
-            raise moved_error(session.key, holder)
+        if holder is not None and not (holder.node and self.leases.expired(holder.node)):
+            raise moved_error(session.key, holder)  # (an expired holder's is taken: claim)
 
     def claim(self, session: Session) -> None:
         """Hold the session's lease before its worker starts: a new

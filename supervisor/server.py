@@ -18,6 +18,7 @@ owns its state and is given, at construction, only the parts it uses:
     lifecycle.py  admission, start, exit policy, back-off, retry, kill
     health.py     hangs, idle culling, limits
     lease_watch.py  leases read back continuously: a worker fenced too
+    node_lease.py the node's lease with a deadline (--lease-time)
     front.py      client requests, one handler per kind
     back.py       what workers say
 
@@ -39,6 +40,7 @@ import os
 import resource
 import signal
 import time
+from functools import partial
 from typing import Any
 
 import psutil
@@ -63,6 +65,7 @@ from .lease_watch import LeaseWatch
 from .lifecycle import Lifecycle
 from .limits import allowed_sessions
 from .metrics import Metrics, read_token
+from .node_lease import NodeLease, node_expired
 from .notify import Notifier
 from .pool import WorkerPool
 from .process import become_subreaper
@@ -164,6 +167,15 @@ class Supervisor:
         )
         self.back = Back(ctx, self.endpoints, self.pool, self.turns, self.lifecycle)
         self.lease_watch = LeaseWatch(self.table.sessions, self.table.ownership)
+        # Leases with a deadline (node_lease.py): other nodes' are read by
+        # every taker; this node's own kept only with --lease-time.
+        self.table.ownership.leases.expired = partial(node_expired, s.data_dir)
+        self.node_lease: NodeLease | None = None
+        if s.lease_time > 0:
+            self.node_lease = NodeLease(
+                s.data_dir, ctx.node, s.lease_time, self.table.sessions, self.table.ownership
+            )
+            self.front.on_router_ping = self.node_lease.heard_from_router
 
     # ------------------------------------------------------------------ start
 
@@ -325,12 +337,15 @@ class Supervisor:
         self.notifier.send("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving, no sessions yet")
         ticker = asyncio.create_task(self._tick_loop())
         watching = asyncio.create_task(self.lease_watch.run())
+        leasing = asyncio.create_task(self.node_lease.run()) if self.node_lease else None
         self.pool.fill_spares()
         try:
             await self._main_loop()
         finally:
             ticker.cancel()
             watching.cancel()
+            if leasing is not None:
+                leasing.cancel()
             assert self.pool.zygote is not None
             self.pool.zygote.detach(loop)
             self.endpoints.close()

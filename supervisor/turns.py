@@ -216,13 +216,18 @@ class Turns:
                 return turn
         return None
 
-    def fail_queue(self, session: Session, code: ErrorCode, text: str) -> None:
-        """End every waiting turn of a session with one error."""
+    def fail_queue(
+        self, session: Session, code: ErrorCode, text: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        """End every waiting turn of a session with one error (`detail`: its
+        fields for programs, as `moved`'s holder)."""
         while session.queue:
             turn = session.queue.popleft()
             self.queued_total -= 1
             self.finish(
-                turn, session, error_message(code.value, text, re=turn.id, session=session.key)
+                turn,
+                session,
+                error_message(code.value, text, re=turn.id, session=session.key, detail=detail),
             )
 
     # ---------------------------------------------------------- run, answer

@@ -154,12 +154,15 @@ def test_turns_list_and_node_loss_through_the_router(cluster) -> None:
                 turn.collect()
             assert lost.value.code == "node_lost", lost.value
         router.wait_nodes({"a"})
-        # b's keys are served again at their next message, on a.
+        # b's keys keep their one history, on b's own data: while b is
+        # away they are refused, naming b, never started anew on a.
         for key in on_b:
-            reply = c.run(key, "env HERMES_SESSION_KEY")
-            assert reply.text == key
+            with pytest.raises(SupervisorError) as away:
+                c.run(key, "env HERMES_SESSION_KEY")
+            assert away.value.code == "home_unavailable", away.value
+            assert "node b" in str(away.value)
         rows = {row["key"]: row for row in c.sessions()}
-        assert {rows[k]["node"] for k in on_b} == {"a"}
+        assert not set(on_b) & set(rows)
         assert all(rows[k]["node"] == "a" for k in keys if owner(k) == "a")
 
         # b comes back: a watch of all sessions opened meanwhile covers it too.
@@ -175,6 +178,11 @@ def test_turns_list_and_node_loss_through_the_router(cluster) -> None:
         with Client(router.state_dir, timeout=60.0) as other:
             assert other.run(back, "env HERMES_SESSION_KEY").text == back
             assert {r["key"]: r["node"] for r in other.sessions()}[back] == "b"
+            # b's keys are served on b again, with their history: each is
+            # listed once, on b (no second session anywhere).
+            assert other.run(on_b[0], "env ROUTE_PROBE").text == f"value-of-{on_b[0]}"
+            listed = [r for r in other.sessions() if r["key"] in on_b]
+            assert sorted((r["key"], r["node"]) for r in listed) == sorted((k, "b") for k in on_b)
         while True:
             msg = c.next()
             assert msg.re == watch
@@ -482,3 +490,23 @@ def wait_for_text(url: str, text: str, status: int = 200) -> str:
         what=f"{text!r} at {url}",
         every=0.2,
     )
+
+
+def test_reconcile_finds_a_key_with_a_session_on_two_nodes(cluster) -> None:
+    """An older version started a key anew on another node while its node
+    was away: two sessions, two histories. `list` through the router shows
+    both, and `route reconcile` names the key, its nodes, and exits 1."""
+    sups, router = cluster
+    for sup in sups.values():  # each node's own session of one key, made directly
+        with sup.client() as direct:
+            assert direct.run("dup:1", "env HERMES_SESSION_KEY").text == "dup:1"
+    with Client(router.state_dir, timeout=30.0) as c:
+        assert c.run("one:1", "env HERMES_SESSION_KEY").text == "one:1"
+        rows = [(r["key"], r["node"]) for r in c.sessions()]
+    assert rows == [("dup:1", "a"), ("dup:1", "b"), ("one:1", owner("one:1"))]
+    found = hs("route", "--state-dir", str(router.state_dir), "reconcile")
+    assert found.returncode == 1, found.stderr + found.stdout
+    assert "dup:1: 2 sessions" in found.stdout
+    assert "  node a: idle" in found.stdout and "  node b: idle" in found.stdout
+    assert "one:1" not in found.stdout
+    assert "1 key(s) with more than one session" in found.stdout

@@ -85,6 +85,57 @@ def test_the_override_table_is_bounded() -> None:
     assert len(p.overrides) == 3 and p.overrides.get("k9") == "a" and p.overrides.get("k0") is None
 
 
+def test_a_key_placed_off_its_hash_goes_back_once_its_override_is_old() -> None:
+    """A failover or a restart left keys on another node (an override per
+    key); after OVERRIDE_TTL the key is asked of its hashed node again: if
+    the other still holds it, `moved` sets the override anew; if its
+    session let its lease go (hibernated), the hashed node takes it."""
+    from hermes_sup.cluster.nodes import NodeSpec
+    from hermes_sup.cluster.placement import OVERRIDE_TTL, Overrides
+    from hermes_sup.cluster.routing import RoutingTable, ToNode
+    from hermes_sup.protocol import Kind, Message, encode, error_message
+
+    now = [0.0]
+    routing = RoutingTable()
+    routing.placement.overrides = Overrides(clock=lambda: now[0])
+    for name in ("a", "b"):
+        routing.set_node(
+            NodeSpec(
+                name, f"tcp://{name}:1", "S" * 40, b"h" * 32, "P" * 40, "X" * 40, shared_data="nfs"
+            )  # fmt: skip
+        )
+        routing.on_node_up(name)
+    key = next(f"k{i}" for i in range(50) if routing.placement.owner(f"k{i}") == "a")
+
+    def ask() -> str:
+        msg = Message(Kind.SEND, {"text": "hi"}, session=key)
+        (out,) = routing.on_request(b"\x00c", msg, encode(msg, b"k" * 32)[2])
+        assert isinstance(out, ToNode)
+        return out.node
+
+    def moved_to_b() -> None:
+        (p,) = routing.pending.values()
+        held = error_message("moved", "held by b", re=p.id, session=key,
+                             detail={"reason": "leased", "node": "b", "endpoint": None})  # fmt: skip
+        (out,) = routing.on_answer("a", held, encode(held, b"k" * 32)[2])
+        assert isinstance(out, ToNode) and out.node == "b"
+        routing.pending.clear()
+
+    assert ask() == "a"
+    moved_to_b()  # the session is live on b (a failover left it there)
+    assert ask() == "b"
+    routing.pending.clear()
+    now[0] += OVERRIDE_TTL + 1
+    assert ask() == "a"  # asked of its node again: b still holds it
+    moved_to_b()
+    assert ask() == "b"
+    routing.pending.clear()
+    now[0] += OVERRIDE_TTL + 1
+    assert ask() == "a"  # b's session went idle and let go: a takes it, and keeps it
+    routing.pending.clear()
+    assert routing.placement.overrides.get(key) is None
+
+
 def test_list_merge_adds_the_node_and_prefers_the_live_row() -> None:
     answers = {
         "a": [{"key": "x", "state": "exited"}, {"key": "y", "state": "idle"}],
