@@ -272,7 +272,9 @@ class Health:
         if groups.hierarchy is None:
             return
         groups.retry()
-        if groups.hierarchy.oom_group:
+        # Only groups whose OOM notice came (or that have none) are read:
+        # see cgroups.py.
+        if groups.hierarchy.oom_group or not groups.oom_watch_needed():
             return
         for session in list(self.table.judged.values()):
             if session.worker_id is None or session.state not in (
@@ -280,6 +282,8 @@ class Health:
                 State.IDLE,
                 State.BUSY,
             ):
+                continue
+            if not groups.oom_due(session.worker_id):
                 continue
             if groups.oom_killed(session.worker_id) is None:
                 continue
@@ -505,13 +509,18 @@ class Health:
 
     async def _check_limits(self) -> None:
         """Sample every live worker's tree (in a thread: it reads /proc) and
-        recycle the sessions over their memory or process limit."""
+        recycle the sessions over their memory or process limit. A worker
+        in a cgroup of its own is not sampled: its group holds both limits
+        in the kernel (memory.max, pids.max; cgroups.py), and reading every
+        tree every few seconds was an idle supervisor's largest cost."""
+        groups = self.lifecycle.pool.cgroups
         workers = {
             sess.proc.pid: sess
             for sess in list(self.table.judged.values())
             if sess.proc is not None
             and sess.proc.returncode is None
             and sess.state in (State.IDLE, State.BUSY)
+            and not groups.holds(sess.worker_id)
         }
         if not workers:
             return
