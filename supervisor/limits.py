@@ -35,10 +35,11 @@ from dataclasses import dataclass
 # to the worker, the worker's pidfd, its output pipe and its lease file
 # (leases.py) (measured: 4,018 fds at 1,000 sessions before the lease), on
 # a data directory that is not shared its epoch file and turn journal, kept
-# open so that a turn opens neither (leases.py, journal.py), a sealed
-# session's proxy listener (proxy.py; its connections have a budget of
-# their own there), and headroom for libzmq's own use.
-FDS_PER_SESSION = 9
+# open so that a turn opens neither (leases.py, journal.py), on cgroup v1
+# its group's OOM notice (an eventfd: cgroups.py), a sealed session's proxy
+# listener (proxy.py; its connections have a budget of their own there),
+# and headroom for libzmq's own use.
+FDS_PER_SESSION = 10
 # Descriptors kept back for clients, logs, the zygote and the interpreter.
 FD_RESERVE = 256
 # The share of the descriptor limit the sealed sessions' egress proxy may

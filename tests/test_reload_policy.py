@@ -96,7 +96,7 @@ def test_an_invalid_file_is_refused_as_a_whole(tmp_path) -> None:
 
 # ------------------------------------------------------------ fd limit
 
-SAFE_AT_1024 = (1024 - FD_RESERVE - 1024 // PROXY_FD_SHARE) // FDS_PER_SESSION  # 71
+SAFE_AT_1024 = (1024 - FD_RESERVE - 1024 // PROXY_FD_SHARE) // FDS_PER_SESSION  # 64
 
 
 @pytest.mark.parametrize(
