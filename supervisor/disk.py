@@ -18,7 +18,10 @@ the supervisor from recording the turns of all the others. Two guards:
   elsewhere a sampler adds up `st_blocks` over each live session's
   directory a slice at a time (at most WALK_ENTRIES entries per tick, so
   the main loop never stalls on a tree of a million files) and stops a
-  session found over its bound with the reason `disk`.
+  session found over its bound with the reason `disk`. A session that has
+  been idle, with no process of its own, since its last walk cannot have
+  written since: it is not walked again until it has been active (so an
+  idle supervisor's rounds follow the active sessions, not the live ones).
 """
 
 from __future__ import annotations
@@ -209,11 +212,20 @@ class DiskSampler:
         interval: Callable[[], float],
         stop: Callable[[object, str], None],
         enabled: Callable[[], bool] = lambda: True,
+        idle_since: Callable[[object], float | None] = lambda session: None,
+        quiet: Callable[[object], bool] = lambda session: False,
     ) -> None:
         self.limit_mb = limit_mb  # the session's limit (its settings'), None: off
         self.enabled = enabled  # whether rounds run at all (the operator's setting)
         self.interval = interval
         self.stop = stop
+        # When an idle session last had activity (None: it is not idle), and
+        # whether it has no process of its own now (reads /proc: asked once
+        # a walk, at its end). A session walked while quiet is `settled` at
+        # that activity time, and skipped while it stays idle since.
+        self.idle_since = idle_since
+        self.quiet = quiet
+        self.settled: dict[str, float] = {}
         # The round under way: the keys still to add up, the first being
         # walked (its Walk kept across ticks), and when the next begins.
         self.round: deque[str] = deque()
@@ -238,10 +250,16 @@ class DiskSampler:
             self.round.extend(sessions)
         budget = WALK_ENTRIES
         while self.round and budget > 0:
-            session = sessions.get(self.round[0])
+            key = self.round[0]
+            session = sessions.get(key)
             limit = self.limit_mb(session) if session is not None else None
             if session is None or not limit:
+                self.settled.pop(key, None)
                 self._next_session()  # gone since the round began, or unbounded
+                continue
+            since = self.idle_since(session)
+            if since is not None and self.settled.get(key) == since:
+                self._next_session()  # idle and alone since its last walk
                 continue
             if self.walk is None:
                 self.walk = Walk(
@@ -255,6 +273,10 @@ class DiskSampler:
             total = self.walk.total
             self._next_session()
             session.disk_used = total  # type: ignore[attr-defined]
+            if since is not None and self.idle_since(session) == since and self.quiet(session):
+                self.settled[key] = since
+            else:
+                self.settled.pop(key, None)
             if total > limit * MIB:
                 self.stop(
                     session,

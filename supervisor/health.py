@@ -62,7 +62,7 @@ from .context import Context
 from .deadlines import Deadlines
 from .disk import DiskSampler, quota_support
 from .lifecycle import Lifecycle
-from .limits import TreeUsage, scan_trees
+from .limits import TreeUsage, children_of, scan_trees
 from .process import kill_processes
 from .session import Session
 from .states import State, Stop
@@ -151,6 +151,8 @@ class Health:
             lambda: ctx.settings.disk_interval,
             self._over_disk,  # type: ignore[arg-type]
             enabled=lambda: bool(ctx.settings.disk_limit_mb),
+            idle_since=_idle_since,  # type: ignore[arg-type]
+            quiet=_alone,  # type: ignore[arg-type]
         )
         kind, why = quota_support(ctx.settings.data_dir)
         # The kernel's project quotas are not set by this version: where
@@ -559,6 +561,16 @@ class Health:
                     f"went over its process limit ({use.procs} processes > "
                     f"{s.max_procs}) and was recycled",
                 )
+
+
+def _idle_since(session: Session) -> float | None:
+    """When an idle session last had activity; None if it is not idle."""
+    return session.last_activity if session.state is State.IDLE else None
+
+
+def _alone(session: Session) -> bool:
+    """Whether a session's worker has no process of its own under it now."""
+    return session.proc is not None and not children_of(session.proc.pid)
 
 
 def exempt(key: str, patterns: tuple[str, ...]) -> bool:

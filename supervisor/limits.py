@@ -108,12 +108,26 @@ def tree_pids(root: int) -> list[int]:
             continue  # gone meanwhile
         seen.add(pid)
         found.append(pid)
-        for tid in threads:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                    stack.extend(int(child) for child in f.read().split())
-            except OSError:
-                continue  # a thread that just ended
+        stack.extend(_children(pid, threads))
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    """The live children of `pid` (of any of its threads); [] if it is gone."""
+    try:
+        return _children(pid, os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return []
+
+
+def _children(pid: int, threads: list[str]) -> list[int]:
+    found: list[int] = []
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue  # a thread that just ended
     return found
 
 
