@@ -44,11 +44,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-def measure(python: str, sessions: int, window: float) -> dict[str, Any]:
+def measure(
+    python: str, sessions: int, window: float, extra: list[str] | None = None
+) -> dict[str, Any]:
     """The ratio of a full supervisor's idle CPU to an empty one's, and the
-    time to stop the full one, under `python`'s install."""
-    empty = Sup("--idle-timeout", "0", python=python)
-    full = Sup("--idle-timeout", "0", "--max-sessions", str(sessions + 16), python=python)
+    time to stop the full one, under `python`'s install (`extra`: more
+    `serve` arguments for both)."""
+    extra = extra or []
+    empty = Sup("--idle-timeout", "0", *extra, python=python)
+    full = Sup("--idle-timeout", "0", "--max-sessions", str(sessions + 16), *extra, python=python)
     try:
         started = time.perf_counter()
         with full.client(timeout=600) as client:
@@ -72,6 +76,7 @@ def measure(python: str, sessions: int, window: float) -> dict[str, Any]:
         empty.close()
     return {
         "python": python,
+        "serve_args": " ".join(extra),
         "sessions_asked": sessions,
         "live_at_start_of_window": live,
         "live_at_end_of_window": live_after,
@@ -91,9 +96,13 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--window", type=float, default=30.0, help="seconds of idle measured")
     parser.add_argument("--other", help="another install's python, measured in the same run")
+    parser.add_argument(
+        "--sup-args", default="", help="`serve` arguments for every supervisor started"
+    )
     args = parser.parse_args()
     for python in [sys.executable, *([args.other] if args.other else [])]:
-        print(json.dumps(measure(python, args.sessions, args.window)), flush=True)
+        got = measure(python, args.sessions, args.window, args.sup_args.split())
+        print(json.dumps(got), flush=True)
 
 
 if __name__ == "__main__":
