@@ -19,9 +19,12 @@ the supervisor from recording the turns of all the others. Two guards:
   directory a slice at a time (at most WALK_ENTRIES entries per tick, so
   the main loop never stalls on a tree of a million files) and stops a
   session found over its bound with the reason `disk`. A session that has
-  been idle, with no process of its own, since its last walk cannot have
-  written since: it is not walked again until it has been active (so an
-  idle supervisor's rounds follow the active sessions, not the live ones).
+  been idle, with no process of its own, since its last walk has had
+  nothing of its own to write with but its worker: it is walked again
+  when it is next active, and otherwise only every SETTLED_ROUNDS rounds
+  (a worker a hostile session made write on its own while idle is still
+  caught, a minute later rather than seconds), so an idle supervisor's
+  rounds follow the active sessions, not the live ones.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ MIB = 1024 * 1024
 # Directory entries the sampler looks at per tick (each an lstat): a few
 # milliseconds at most (about 3 ms measured), however large a session's tree.
 WALK_ENTRIES = 1000
+# Rounds a session idle and alone since its last walk is skipped for.
+SETTLED_ROUNDS = 12
 
 
 def free_bytes(path: Path) -> int | None:
@@ -222,10 +227,11 @@ class DiskSampler:
         # When an idle session last had activity (None: it is not idle), and
         # whether it has no process of its own now (reads /proc: asked once
         # a walk, at its end). A session walked while quiet is `settled` at
-        # that activity time, and skipped while it stays idle since.
+        # that activity time, with the rounds it is skipped for while it
+        # stays idle since.
         self.idle_since = idle_since
         self.quiet = quiet
-        self.settled: dict[str, float] = {}
+        self.settled: dict[str, tuple[float, int]] = {}
         # The round under way: the keys still to add up, the first being
         # walked (its Walk kept across ticks), and when the next begins.
         self.round: deque[str] = deque()
@@ -258,9 +264,13 @@ class DiskSampler:
                 self._next_session()  # gone since the round began, or unbounded
                 continue
             since = self.idle_since(session)
-            if since is not None and self.settled.get(key) == since:
-                self._next_session()  # idle and alone since its last walk
-                continue
+            settled = self.settled.get(key)
+            if since is not None and settled is not None and settled[0] == since:
+                if settled[1] > 1:
+                    self.settled[key] = (since, settled[1] - 1)
+                    self._next_session()  # idle and alone since its last walk
+                    continue
+                del self.settled[key]  # walked again now, all the same
             if self.walk is None:
                 self.walk = Walk(
                     tuple(getattr(session, name) for name in ("workspace", "home", "user", "tmp"))
@@ -274,7 +284,7 @@ class DiskSampler:
             self._next_session()
             session.disk_used = total  # type: ignore[attr-defined]
             if since is not None and self.idle_since(session) == since and self.quiet(session):
-                self.settled[key] = since
+                self.settled[key] = (since, SETTLED_ROUNDS)
             else:
                 self.settled.pop(key, None)
             if total > limit * MIB:
