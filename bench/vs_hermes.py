@@ -23,7 +23,7 @@ goes first:
 - a tool-call turn (the third: the model calls `terminal` to run `echo`,
   then answers with its output), as well as the echo turns;
 - a woken conversation (hermes-sup: its worker hibernated; Hermes: the same
-  third message, to a server that keeps no agent between requests anyway);
+  fifth message, to a server that keeps no agent between requests anyway);
 - turns/s at each `--concurrency`, follow-ups over distinct conversations;
 - memory (PSS summed over every process of each side: for hermes-sup the
   supervisor, zygote, spares, workers, HTTP endpoint and its keeper) with
@@ -409,7 +409,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["memory_idle_by_process"] = {s.name: s.memory_by_kind() for s in sides}
         print("woken conversations...", flush=True)
         woken = convs[: args.woken]
-        (woke,) = asyncio.run(_each(sides, woken, [("woken", 3)]))
+        # Its fifth user turn: hello, again, the tool call, the touch, this.
+        (woke,) = asyncio.run(_each(sides, woken, [("woken", 5)]))
         results["woken"] = _summarize(woke)
         results["turns_per_s"] = {}
         for concurrency in [int(x) for x in args.concurrency.split(",")]:
