@@ -228,9 +228,17 @@ def epoch_line(epoch: int, token: str) -> bytes:
     return (f"{epoch} {token}".ljust(EPOCH_SIZE - 1) + "\n").encode()
 
 
-def _open_epoch(session_dir: Path) -> int:
-    """The epoch file's descriptor, kept by a lease on a local data directory."""
-    return os.open(session_dir / EPOCH_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _open_epoch(session_dir: Path) -> int | None:
+    """The epoch file's descriptor, kept by a lease on a local data
+    directory; None if it cannot be made (a full disk has no inode for a
+    new one): the lease then reads and writes it by path, as on a shared
+    directory, and is unfenced until a write succeeds (`Leases.check`)."""
+    try:
+        return os.open(session_dir / EPOCH_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        return None
 
 
 def _write_fixed(fd: int, data: bytes, size: int) -> None:
@@ -272,17 +280,16 @@ class Leases:
         try:
             if not lock_file(fd):
                 raise LeaseHeld(session_dir, named_holder(session_dir))
-            if self.shared:
+            epoch_fd = None if self.shared else _open_epoch(session_dir)
+            if epoch_fd is None:
                 epoch, _ = read_epoch(session_dir)
-                lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex())
             else:
-                epoch_fd = _open_epoch(session_dir)
                 try:
                     epoch, _ = parse_epoch(os.pread(epoch_fd, EPOCH_SIZE, 0))
                 except OSError:
                     os.close(epoch_fd)
                     raise
-                lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex(), epoch_fd=epoch_fd)
+            lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex(), epoch_fd=epoch_fd)
             # The holder's name first: one refused meanwhile reads who holds it.
             try:
                 self._name_holder(lease)
