@@ -8,7 +8,8 @@ requests, alternated, in one run.
 Both serve Hermes 0.19's chat completions on 127.0.0.1 in front of one fake
 model server (tests/fake_model.py, which echoes the message with the number
 of user turns it was sent, so a reply shows whether the server kept the
-conversation's history). Hermes runs as `hermes gateway run` with its API
+conversation's history), run in a process of its own: its CPU is neither
+side's, nor the bench's. Hermes runs as `hermes gateway run` with its API
 server; hermes-sup as `serve --agent hermes --http` with its defaults
 (sealed where it can be), `--idle-timeout` short so that idle conversations
 hibernate within the run. Each request names its conversation with
@@ -19,13 +20,23 @@ What it measures, each side in turn, in an order that alternates which side
 goes first:
 - a new conversation: first token and full reply;
 - a follow-up (the conversation's second message): first token, full reply;
+- a tool-call turn (the third: the model calls `terminal` to run `echo`,
+  then answers with its output), as well as the echo turns;
 - a woken conversation (hermes-sup: its worker hibernated; Hermes: the same
-  third message, to a server that keeps no agent between requests anyway);
+  fifth message, to a server that keeps no agent between requests anyway);
 - turns/s at each `--concurrency`, follow-ups over distinct conversations;
 - memory (PSS summed over every process of each side: for hermes-sup the
   supervisor, zygote, spares, workers, HTTP endpoint and its keeper) with
-  the conversations live, and once idle (hibernated);
+  the conversations live, and once idle (hibernated). "Live" is counted,
+  not assumed: every conversation is touched again (8 at a time, on both
+  sides) just before, and the live workers are counted at the moment of
+  measurement and printed (`live_workers`); a count short of the
+  conversations is said so (`live_short`), never labelled as all of them;
 - with `--many`, memory with that many conversations held, 50 active.
+
+Hermes's API server runs at most 10 agent turns at once (more are
+answered 429 and retried here: `refused_429`); hermes-sup admits up to its
+`max_sessions`. The throughput figures are under those caps.
 
 Writes bench/results/vs-hermes.json. Judge ratios within one run only.
 """
@@ -52,7 +63,6 @@ import psutil
 
 from bench.common import REPO, Sup, free_port, load_now, machine, pct
 from hermes_sup.httpapi.keys import KeyStore
-from tests.fake_model import FakeModel
 
 MIB = 1024 * 1024
 KEY = "sk-fake-model"
@@ -212,6 +222,30 @@ class HermesSup(Side):
         self.sup.close()
 
 
+class ModelProcess:
+    """tests/fake_model.py served from a process of its own."""
+
+    def __init__(self) -> None:
+        code = (
+            "import sys, time\n"
+            "from tests.fake_model import FakeModel\n"
+            "m = FakeModel(); print(m.url, flush=True)\n"
+            "while True: time.sleep(3600)\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url:
+            self.close()
+            raise RuntimeError("the fake model server did not start")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -265,8 +299,11 @@ async def turn(
 
 def _check(text: str, side: Side, conversation: str, turn_number: int) -> None:
     """The model saw the conversation's earlier messages: its echo counts
-    them (0: not checked)."""
-    if turn_number and f"(turn {turn_number})" not in text:
+    them (0: not checked); a tool-call turn (-1) ended with the tool's
+    output."""
+    if turn_number == -1 and "done:" not in text:
+        raise RuntimeError(f"{side.name} {conversation}: the tool call did not end: {text!r}")
+    if turn_number > 0 and f"(turn {turn_number})" not in text:
         raise RuntimeError(
             f"{side.name} {conversation}: expected the model to see {turn_number} user "
             f"turns, it answered {text!r}"
@@ -336,7 +373,7 @@ def _summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="hsb-vs-", dir=os.environ.get("HSB_DIR", "/tmp")))
-    model = FakeModel()
+    model = ModelProcess()
     sides: list[Side] = []
     results: dict[str, Any] = {"machine": machine(), "args": vars(args) | {"out": None}}
     try:
@@ -351,11 +388,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base = {s.name: s.memory_mib() for s in sides}
         results["memory_empty_mib"] = base
         print("new conversations and their follow-ups...", flush=True)
-        new, follow_up = asyncio.run(_each(sides, convs, [("hello", 1), ("again", 2)]))
+        steps = [("hello", 1), ("again", 2), ("run: echo tool-call", -1)]
+        new, follow_up, tool_call = asyncio.run(_each(sides, convs, steps))
         results["new"], results["follow_up"] = _summarize(new), _summarize(follow_up)
+        results["tool_call"] = _summarize(tool_call)
+        # Every conversation touched again just before the figure, so that
+        # "N live" has N live workers (the first ones would have hibernated).
+        asyncio.run(_touch(sides, convs))
         results["memory_live_mib"] = {s.name: s.memory_mib() for s in sides}
         results["memory_live_by_process"] = {s.name: s.memory_by_kind() for s in sides}
         results["live_worker_uss_mib"] = sup.worker_uss_mib()
+        live = results["live_worker_uss_mib"].get("n", 0)
+        results["live_workers"] = live
+        results["live_short"] = live < len(convs)
+        print(f"live workers at the memory figure: {live} of {len(convs)}", flush=True)
         print("waiting for hibernation...", flush=True)
         results["idle_states"] = _wait_hibernated(sup)
         time.sleep(2)  # let the last stops' memory go back
@@ -363,7 +409,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["memory_idle_by_process"] = {s.name: s.memory_by_kind() for s in sides}
         print("woken conversations...", flush=True)
         woken = convs[: args.woken]
-        (woke,) = asyncio.run(_each(sides, woken, [("woken", 3)]))
+        # Its fifth user turn: hello, again, the tool call, the touch, this.
+        (woke,) = asyncio.run(_each(sides, woken, [("woken", 5)]))
         results["woken"] = _summarize(woke)
         results["turns_per_s"] = {}
         for concurrency in [int(x) for x in args.concurrency.split(",")]:
@@ -390,6 +437,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.close()
         shutil.rmtree(root, ignore_errors=True)
     return results
+
+
+async def _touch(sides: list[Side], conversations: list[str]) -> None:
+    """One more turn of every conversation, 8 at a time, each side in turn."""
+    gate = asyncio.Semaphore(8)
+    async with httpx.AsyncClient(timeout=600) as http:
+
+        async def one(side: Side, conv: str) -> None:
+            async with gate:
+                await turn(http, side, conv, "touch")
+
+        for side in sides:
+            await asyncio.gather(*(one(side, c) for c in conversations))
 
 
 async def _many(sides: list[Side], conversations: list[str]) -> None:

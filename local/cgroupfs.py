@@ -190,6 +190,12 @@ class Hierarchy(ABC):
     def usage(self, name: str) -> Usage:
         """What the kernel counts for the group now."""
 
+    def oom_notice(self, name: str) -> int | None:
+        """A descriptor that becomes readable when the group runs out of
+        memory, for a hierarchy whose OOM kills the supervisor must act on
+        itself (v1); None where the kernel acts alone, or none can be made."""
+        return None
+
     @abstractmethod
     def pids(self, name: str) -> list[int]:
         """The processes in the group."""
@@ -449,6 +455,25 @@ class V1(Hierarchy):
             oom_kills=_keyed(f.read(mem / "memory.oom_control"), "oom_kill"),
             pids_max_hits=_keyed(f.read(pids / "pids.events"), "max"),
         )
+
+    def oom_notice(self, name: str) -> int | None:
+        # v1's OOM notification: an eventfd registered on the group's
+        # memory.oom_control through cgroup.event_control. The kernel keeps
+        # the eventfd, not the oom_control descriptor, which is closed here.
+        if "memory" not in self.bases:
+            return None
+        mem = self._group("memory", name)
+        notice = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        try:
+            control = os.open(mem / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self.files.write(mem / "cgroup.event_control", f"{notice} {control}")
+            finally:
+                os.close(control)
+        except OSError:
+            os.close(notice)
+            return None
+        return notice
 
     def remove(self, name: str) -> bool:
         gone = True

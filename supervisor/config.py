@@ -828,6 +828,19 @@ class ServiceSettings:
             reload=False,
         ),
     )
+    # Whether leases can be lost while held (supervisor/leases.py).
+    shared_data: str = field(
+        default="auto",
+        metadata=setting(
+            "--shared-data",
+            "whether the data directory is shared with other hosts (NFS, a cluster file "
+            "system), where a lock can expire behind its holder: then each session's fencing "
+            "epoch is read back twice a second; `auto` asks the directory's file system type "
+            "(ext4, xfs, btrfs, tmpfs, zfs ... are local; anything else counts as shared)",
+            choices=("auto", "yes", "no"),
+            reload=False,
+        ),
+    )
 
 
 @dataclass(kw_only=True)

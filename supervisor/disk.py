@@ -18,7 +18,13 @@ the supervisor from recording the turns of all the others. Two guards:
   elsewhere a sampler adds up `st_blocks` over each live session's
   directory a slice at a time (at most WALK_ENTRIES entries per tick, so
   the main loop never stalls on a tree of a million files) and stops a
-  session found over its bound with the reason `disk`.
+  session found over its bound with the reason `disk`. A session that has
+  been idle, with no process of its own, since its last walk has had
+  nothing of its own to write with but its worker: it is walked again
+  when it is next active, and otherwise only every SETTLED_ROUNDS rounds
+  (a worker a hostile session made write on its own while idle is still
+  caught, a minute later rather than seconds), so an idle supervisor's
+  rounds follow the active sessions, not the live ones.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ MIB = 1024 * 1024
 # Directory entries the sampler looks at per tick (each an lstat): a few
 # milliseconds at most (about 3 ms measured), however large a session's tree.
 WALK_ENTRIES = 1000
+# Rounds a session idle and alone since its last walk is skipped for.
+SETTLED_ROUNDS = 12
 
 
 def free_bytes(path: Path) -> int | None:
@@ -209,11 +217,21 @@ class DiskSampler:
         interval: Callable[[], float],
         stop: Callable[[object, str], None],
         enabled: Callable[[], bool] = lambda: True,
+        idle_since: Callable[[object], float | None] = lambda session: None,
+        quiet: Callable[[object], bool] = lambda session: False,
     ) -> None:
         self.limit_mb = limit_mb  # the session's limit (its settings'), None: off
         self.enabled = enabled  # whether rounds run at all (the operator's setting)
         self.interval = interval
         self.stop = stop
+        # When an idle session last had activity (None: it is not idle), and
+        # whether it has no process of its own now (reads /proc: asked once
+        # a walk, at its end). A session walked while quiet is `settled` at
+        # that activity time, with the rounds it is skipped for while it
+        # stays idle since.
+        self.idle_since = idle_since
+        self.quiet = quiet
+        self.settled: dict[str, tuple[float, int]] = {}
         # The round under way: the keys still to add up, the first being
         # walked (its Walk kept across ticks), and when the next begins.
         self.round: deque[str] = deque()
@@ -238,11 +256,21 @@ class DiskSampler:
             self.round.extend(sessions)
         budget = WALK_ENTRIES
         while self.round and budget > 0:
-            session = sessions.get(self.round[0])
+            key = self.round[0]
+            session = sessions.get(key)
             limit = self.limit_mb(session) if session is not None else None
             if session is None or not limit:
+                self.settled.pop(key, None)
                 self._next_session()  # gone since the round began, or unbounded
                 continue
+            since = self.idle_since(session)
+            settled = self.settled.get(key)
+            if since is not None and settled is not None and settled[0] == since:
+                if settled[1] > 1:
+                    self.settled[key] = (since, settled[1] - 1)
+                    self._next_session()  # idle and alone since its last walk
+                    continue
+                del self.settled[key]  # walked again now, all the same
             if self.walk is None:
                 self.walk = Walk(
                     tuple(getattr(session, name) for name in ("workspace", "home", "user", "tmp"))
@@ -255,6 +283,10 @@ class DiskSampler:
             total = self.walk.total
             self._next_session()
             session.disk_used = total  # type: ignore[attr-defined]
+            if since is not None and self.idle_since(session) == since and self.quiet(session):
+                self.settled[key] = (since, SETTLED_ROUNDS)
+            else:
+                self.settled.pop(key, None)
             if total > limit * MIB:
                 self.stop(
                     session,

@@ -62,7 +62,7 @@ from .context import Context
 from .deadlines import Deadlines
 from .disk import DiskSampler, quota_support
 from .lifecycle import Lifecycle
-from .limits import TreeUsage, scan_trees
+from .limits import TreeUsage, children_of, scan_trees
 from .process import kill_processes
 from .session import Session
 from .states import State, Stop
@@ -151,6 +151,8 @@ class Health:
             lambda: ctx.settings.disk_interval,
             self._over_disk,  # type: ignore[arg-type]
             enabled=lambda: bool(ctx.settings.disk_limit_mb),
+            idle_since=_idle_since,  # type: ignore[arg-type]
+            quiet=_alone,  # type: ignore[arg-type]
         )
         kind, why = quota_support(ctx.settings.data_dir)
         # The kernel's project quotas are not set by this version: where
@@ -272,7 +274,9 @@ class Health:
         if groups.hierarchy is None:
             return
         groups.retry()
-        if groups.hierarchy.oom_group:
+        # Only groups whose OOM notice came (or that have none) are read:
+        # see cgroups.py.
+        if groups.hierarchy.oom_group or not groups.oom_watch_needed():
             return
         for session in list(self.table.judged.values()):
             if session.worker_id is None or session.state not in (
@@ -280,6 +284,8 @@ class Health:
                 State.IDLE,
                 State.BUSY,
             ):
+                continue
+            if not groups.oom_due(session.worker_id):
                 continue
             if groups.oom_killed(session.worker_id) is None:
                 continue
@@ -505,13 +511,18 @@ class Health:
 
     async def _check_limits(self) -> None:
         """Sample every live worker's tree (in a thread: it reads /proc) and
-        recycle the sessions over their memory or process limit."""
+        recycle the sessions over their memory or process limit. A worker
+        in a cgroup of its own is not sampled: its group holds both limits
+        in the kernel (memory.max, pids.max; cgroups.py), and reading every
+        tree every few seconds was an idle supervisor's largest cost."""
+        groups = self.lifecycle.pool.cgroups
         workers = {
             sess.proc.pid: sess
             for sess in list(self.table.judged.values())
             if sess.proc is not None
             and sess.proc.returncode is None
             and sess.state in (State.IDLE, State.BUSY)
+            and not groups.holds(sess.worker_id)
         }
         if not workers:
             return
@@ -550,6 +561,16 @@ class Health:
                     f"went over its process limit ({use.procs} processes > "
                     f"{s.max_procs}) and was recycled",
                 )
+
+
+def _idle_since(session: Session) -> float | None:
+    """When an idle session last had activity; None if it is not idle."""
+    return session.last_activity if session.state is State.IDLE else None
+
+
+def _alone(session: Session) -> bool:
+    """Whether a session's worker has no process of its own under it now."""
+    return session.proc is not None and not children_of(session.proc.pid)
 
 
 def exempt(key: str, patterns: tuple[str, ...]) -> bool:

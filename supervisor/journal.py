@@ -48,7 +48,10 @@ sent after it.
 
 Durability: a record is in the page cache once written, so it survives the
 supervisor's death (kill -9, a crash); on NFS, close() sends it to the
-server (close-to-open), so another node reads it. A power loss may lose
+server (close-to-open), so another node reads it. So where the data
+directory is shared (leases.py, "Where the lock can be lost") each record
+is one open, write and close; where it is not, the file is kept open while
+the lease is held, and a record is one write (O_APPEND) on it. A power loss may lose
 the newest records of a local file system (no fsync per turn: that would
 add milliseconds to every turn).
 """
@@ -187,9 +190,13 @@ class TurnJournal:
     `fenced(session)` is the ownership's check that the lease is still ours
     (a write goes ahead only then)."""
 
-    def __init__(self, node: str, fenced: Callable[[Session], bool]) -> None:
+    def __init__(self, node: str, fenced: Callable[[Session], bool], shared: bool = True) -> None:
         self.node = node
         self.fenced = fenced
+        # A shared data directory: open and close each record's file (see
+        # "Durability"); else each held session's file stays open, in `fds`.
+        self.shared = shared
+        self.fds: dict[str, int] = {}
         # Per session held: the ids the journal has, and its records' count.
         self.held: dict[str, OrderedDict[str, Entry]] = {}
         self.records: dict[str, int] = {}
@@ -220,6 +227,7 @@ class TurnJournal:
                 self._end(session, entry.id, final.kind.value, final.body, 0)
 
     def released(self, session: Session) -> None:
+        self._close(session.key)
         self.held.pop(session.key, None)
         self.records.pop(session.key, None)
         self.paths.pop(session.key, None)
@@ -288,18 +296,7 @@ class TurnJournal:
         if self.records.get(key, 0) >= 2 * JOURNAL_TURNS:
             self._rotate(session, path)
         try:
-            data = msgpack.packb(rec, use_bin_type=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                written = os.write(fd, data)
-                if written != len(data):
-                    # Cut short by a full disk: a torn record, which read()
-                    # ignores; the next record must not follow it, so the
-                    # tail is cut back to where it was.
-                    os.ftruncate(fd, os.fstat(fd).st_size - written)
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            finally:
-                os.close(fd)
+            self._write(key, path, msgpack.packb(rec, use_bin_type=True))
         except (TypeError, ValueError) as exc:
             # A body msgpack cannot carry (an end record): that turn's end
             # is kept in memory only, and a repeat of it caught there.
@@ -313,6 +310,31 @@ class TurnJournal:
         self.records[key] = self.records.get(key, 0) + 1
         return None
 
+    def _write(self, key: str, path: str, data: bytes) -> None:
+        """One record onto the end of the session's journal file."""
+        fd = self.fds.get(key)
+        if fd is None:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if not self.shared:
+                self.fds[key] = fd
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                # Cut short by a full disk: a torn record, which read()
+                # ignores; the next record must not follow it, so the
+                # tail is cut back to where it was.
+                os.ftruncate(fd, os.fstat(fd).st_size - written)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            if self.shared:
+                os.close(fd)
+
+    def _close(self, key: str) -> None:
+        """Close the session's kept journal file, if it has one."""
+        fd = self.fds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
+
     def _rotate(self, session: Session, path: str) -> None:
         """`turns` becomes `turns.1` (the older one dropped); a new `turns`
         follows, saying since when the journal is complete."""
@@ -321,6 +343,7 @@ class TurnJournal:
             return
         older = os.path.join(session.dir, OLDER_FILE)
         dropping = os.path.exists(older)
+        self._close(key)  # the kept descriptor would follow the file to turns.1
         try:
             os.replace(path, older)
         except OSError as exc:
@@ -331,11 +354,7 @@ class TurnJournal:
             since = self.first.get(key, time.time())
             data = msgpack.packb({"since": since})
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                try:
-                    os.write(fd, data)
-                finally:
-                    os.close(fd)
+                self._write(key, path, data)
             except OSError as exc:
                 log.warning(kv("journal_unwritten", session=key, error=exc.strerror or exc))
                 return

@@ -14,6 +14,11 @@ worker's writes then overlap a new owner's for at most about one pass.
 
 A pass that is still reading (a file server that does not answer) is not
 doubled: the next starts when it ends.
+
+Only where leases can be lost: on a data directory only this host uses
+(leases.py, "Where the lock can be lost") a held lock cannot be taken, so
+the watch does not run at all, and an idle supervisor does no work per
+live session for it.
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ class LeaseWatch:
         self.every = every
 
     async def run(self) -> None:
-        """Check every `every` seconds, until cancelled."""
+        """Check every `every` seconds, until cancelled; on a data directory
+        that is not shared, nothing (see the module docstring)."""
+        if not self.ownership.shared:
+            return
         while True:
             await asyncio.sleep(self.every)
             try:

@@ -31,6 +31,35 @@ the session up. (A write can still race a taking that lands between its
 check and the write itself; the window is one read long, and the next check
 catches it.)
 
+Where the lock can be lost, and what a check reads
+--------------------------------------------------
+The epoch matters only where a lock can go while its holder lives: on a
+file system shared by several hosts (NFS, CIFS, a cluster file system),
+whose server expires a cut-off client's locks; and wherever node leases
+are on (`lease_time`, node_lease.py), since another node breaks the lock
+of a holder whose node lease ran out (`Leases._break`), local disk or not:
+the supervisor then counts its data directory as shared. On a local file system the
+kernel keeps an open-file-description lock for as long as the descriptor
+is open, so no other supervisor can take the lease, nor write a new epoch
+by the protocol, while we live. Which of the two the data directory is,
+`data_dir_shared` decides (the `shared_data` setting, else the file
+system's type from /proc/self/mountinfo), and a lease keeps it (`shared`):
+
+- shared: every check opens `epoch` anew and reads it, and every write
+  opens and closes it: close-to-open consistency is what makes an NFS
+  client ask the server, rather than answer from its own cache. The lease
+  watch (lease_watch.py) reads the epochs back twice a second.
+- local: the epoch is read with one pread on a descriptor the lease keeps
+  open (`Lease.epoch_fd`), with no open or close a turn, and there is no
+  lease watch: nothing can take a lease while its lock is held. The fence
+  still holds against what could write the file anyway (a hand edit, a
+  program that ignores the lock): a pread of a local file reads the page
+  cache every writer shares, so it sees any write made before it, exactly
+  as an open and a read would. The descriptor names the file, not its
+  path: a file renamed over `epoch` is not seen, but the directory is the
+  session's, read-only to its worker, and only a holder of the lock writes
+  there.
+
 Open-file-description locks (F_OFD_SETLK) are used, not classic POSIX ones:
 those belong to the process, and closing any descriptor of the file (one
 that only read the holder's name, say) would silently drop them. Where the
@@ -102,6 +131,10 @@ class Lease:
     # The epoch file could not be written (a full disk): the lock alone
     # guards the session until a later check manages to write it.
     unfenced: bool = False
+    # On a data directory only this host uses: the epoch file, kept open
+    # for a pread a check (see "Where the lock can be lost"); None on a
+    # shared one, where each check opens it anew.
+    epoch_fd: int | None = None
 
 
 def lock_file(fd: int) -> bool:
@@ -160,17 +193,21 @@ def named_holder(session_dir: Path) -> Holder | None:
 
 
 def read_epoch(session_dir: Path) -> tuple[int, str]:
-    """The epoch line's counter and token ((0, "") if there is none yet).
-    os.open and one read: it runs before every turn (at its start, in turns.py)."""
+    """The epoch line's counter and token ((0, "") if there is none yet),
+    read through a new open (close-to-open: on NFS, from the server)."""
     try:
         fd = os.open(os.path.join(session_dir, EPOCH_FILE), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return 0, ""
     try:
-        text = os.read(fd, EPOCH_SIZE).decode(errors="replace")
+        return parse_epoch(os.read(fd, EPOCH_SIZE))
     finally:
         os.close(fd)
-    number, _, token = text.strip().partition(" ")
+
+
+def parse_epoch(data: bytes) -> tuple[int, str]:
+    """An epoch line's counter and token ((0, "") for none, or a torn one)."""
+    number, _, token = data.decode(errors="replace").strip().partition(" ")
     try:
         return int(number), token
     except ValueError:
@@ -183,12 +220,29 @@ def write_epoch(session_dir: Path, epoch: int, token: str) -> None:
     or the new. Only the lease's holder writes it. (A new file, or a rename
     over one, costs a journalled metadata change, about 1 ms on ext4; this
     is a page-cache write of an existing file.)"""
-    line = f"{epoch} {token}".ljust(EPOCH_SIZE - 1) + "\n"
     fd = os.open(session_dir / EPOCH_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        _write_fixed(fd, line.encode(), EPOCH_SIZE)
+        _write_fixed(fd, epoch_line(epoch, token), EPOCH_SIZE)
     finally:
         os.close(fd)
+
+
+def epoch_line(epoch: int, token: str) -> bytes:
+    """The epoch file's content: "<n> <token>", padded to EPOCH_SIZE."""
+    return (f"{epoch} {token}".ljust(EPOCH_SIZE - 1) + "\n").encode()
+
+
+def _open_epoch(session_dir: Path) -> int | None:
+    """The epoch file's descriptor, kept by a lease on a local data
+    directory; None if it cannot be made (a full disk has no inode for a
+    new one): the lease then reads and writes it by path, as on a shared
+    directory, and is unfenced until a write succeeds (`Leases.check`)."""
+    try:
+        return os.open(session_dir / EPOCH_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        return None
 
 
 def _write_fixed(fd: int, data: bytes, size: int) -> None:
@@ -202,8 +256,11 @@ def _write_fixed(fd: int, data: bytes, size: int) -> None:
 class Leases:
     """This supervisor's side of every session lease."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, shared: bool = True) -> None:
         self.node = node
+        # Whether the data directory is shared with other hosts (see "Where
+        # the lock can be lost"): the safe answer is the default.
+        self.shared = shared
         # The endpoint other nodes' routers reach this supervisor at (its
         # TCP endpoint once bound, else None): asked at each taking.
         self.endpoint: Any = lambda: None
@@ -226,6 +283,7 @@ class Leases:
         """Take the lease of an existing session directory; LeaseHeld if
         another supervisor holds it (OSError if the directory cannot be used)."""
         fd = os.open(session_dir / LEASE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lease: Lease | None = None
         try:
             if not lock_file(fd):
                 holder = named_holder(session_dir)
@@ -234,8 +292,16 @@ class Leases:
                 os.close(fd)
                 fd = -1
                 fd = self._break(session_dir, holder)
-            epoch, _ = read_epoch(session_dir)
-            lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex())
+            epoch_fd = None if self.shared else _open_epoch(session_dir)
+            if epoch_fd is None:
+                epoch, _ = read_epoch(session_dir)
+            else:
+                try:
+                    epoch, _ = parse_epoch(os.pread(epoch_fd, EPOCH_SIZE, 0))
+                except OSError:
+                    os.close(epoch_fd)
+                    raise
+            lease = Lease(session_dir, fd, epoch + 1, os.urandom(8).hex(), epoch_fd=epoch_fd)
             # The holder's name first: one refused meanwhile reads who holds it.
             try:
                 self._name_holder(lease)
@@ -245,6 +311,8 @@ class Leases:
         except BaseException:
             if fd >= 0:
                 os.close(fd)  # drops the lock, if we got it
+            if lease is not None and lease.epoch_fd is not None:
+                os.close(lease.epoch_fd)
             raise
         return lease
 
@@ -267,7 +335,10 @@ class Leases:
         write) the lease is unfenced, the lock alone guarding it, and the
         next check tries again."""
         try:
-            write_epoch(lease.dir, lease.epoch, lease.token)
+            if lease.epoch_fd is None:
+                write_epoch(lease.dir, lease.epoch, lease.token)
+            else:
+                _write_fixed(lease.epoch_fd, epoch_line(lease.epoch, lease.token), EPOCH_SIZE)
             lease.unfenced = False
         except OSError as exc:
             if not lease.unfenced:
@@ -279,10 +350,14 @@ class Leases:
 
     def release(self, lease: Lease) -> None:
         """Give the lease up (closing the file drops the lock)."""
-        try:
-            os.close(lease.fd)
-        except OSError:
-            pass
+        epoch_fd, lease.epoch_fd = lease.epoch_fd, None
+        for fd in (lease.fd, epoch_fd):
+            if fd is None:
+                continue
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def check(self, lease: Lease) -> None:
         """Fencing: LeaseLost unless the epoch file is still the one this
@@ -291,7 +366,10 @@ class Leases:
             self._write_epoch(lease)  # still ours by the lock: fence it now if we can
             return
         try:
-            epoch, token = read_epoch(lease.dir)
+            if lease.epoch_fd is None:
+                epoch, token = read_epoch(lease.dir)
+            else:
+                epoch, token = parse_epoch(os.pread(lease.epoch_fd, EPOCH_SIZE, 0))
         except OSError as exc:
             raise LeaseLost(f"cannot read {lease.dir / EPOCH_FILE}: {exc}") from None
         if (epoch, token) != (lease.epoch, lease.token):
@@ -321,6 +399,68 @@ def locked_by(session_dir: Path) -> Holder | None:
     finally:
         os.close(fd)
     return named_holder(session_dir) or Holder(None, None, None)
+
+
+# File systems whose locks live on one host's kernel: a lease there cannot
+# be lost while its holder lives. Anything else (nfs, nfs4, cifs, smb3,
+# ceph, glusterfs, gfs2, ocfs2, lustre, fuse.*, 9p, an unknown name) is
+# taken to be shared, the safe side.
+LOCAL_FILE_SYSTEMS = frozenset(
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "tmpfs",
+        "ramfs",
+        "zfs",
+        "f2fs",
+        "bcachefs",
+        "overlay",
+        "jfs",
+        "reiserfs",
+    }
+)
+
+
+def data_dir_shared(data_dir: Path, setting: str = "auto") -> bool:
+    """Whether leases in `data_dir` can be lost while held (see "Where the
+    lock can be lost"): `setting` "yes" or "no" says so; "auto" asks the
+    type of the file system the directory is on, and a type not known to
+    be local, or one that cannot be told, counts as shared."""
+    if setting in ("yes", "no"):
+        return setting == "yes"
+    fstype = file_system_type(data_dir)
+    return fstype is None or fstype not in LOCAL_FILE_SYSTEMS
+
+
+def file_system_type(path: Path) -> str | None:
+    """The type of the file system `path` is on (its nearest existing
+    ancestor's), from /proc/self/mountinfo: the mount with the longest
+    mount point that contains it. None if that cannot be read."""
+    probe = Path(os.path.realpath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    where = str(probe)
+    best, fstype = -1, None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        # id parent dev root MOUNT_POINT options [optional...] - TYPE source ...
+        head, sep, tail = line.partition(" - ")
+        fields = head.split()
+        if not sep or len(fields) < 5 or not tail.split():
+            continue
+        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        # The later of two mounts on one point is the one on top.
+        if inside and len(point) >= best:
+            best, fstype = len(point), tail.split()[0]
+    return fstype
 
 
 def holder_of(session_dir: Path) -> str | None:

@@ -15,21 +15,31 @@ workers, every sample. So a sample reads stat (RSS) for everyone, and
 smaps_rollup only for the trees whose RSS sum is over their limit: the RSS
 sum is an upper bound of the PSS sum, so a tree under its limit by RSS is
 under it by PSS too.
+
+Only the sessions' own processes are read: each worker's tree is walked
+down from the worker through /proc/<pid>/task/<tid>/children (the kernel's
+list of each thread's children), so a sample costs the processes of the
+sessions sampled, not every process on the host (a host with 10,000
+processes of its own and one session read 10,000 stat files a sample).
+A process that left its tree by a double fork was reparented to the
+supervisor (the subreaper) and is not counted, as with parent links.
 """
 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # File descriptors the supervisor holds per live session: its ipc connection
 # to the worker, the worker's pidfd, its output pipe and its lease file
-# (leases.py) (measured: 4,018 fds at 1,000 sessions before the lease), a
-# sealed session's proxy listener (proxy.py; its connections have a budget
-# of their own there), and headroom for libzmq's own use.
-FDS_PER_SESSION = 7
+# (leases.py) (measured: 4,018 fds at 1,000 sessions before the lease), on
+# a data directory that is not shared its epoch file and turn journal, kept
+# open so that a turn opens neither (leases.py, journal.py), on cgroup v1
+# its group's OOM notice (an eventfd: cgroups.py), a sealed session's proxy
+# listener (proxy.py; its connections have a budget of their own there),
+# and headroom for libzmq's own use.
+FDS_PER_SESSION = 10
 # Descriptors kept back for clients, logs, the zygote and the interpreter.
 FD_RESERVE = 256
 # The share of the descriptor limit the sealed sessions' egress proxy may
@@ -58,34 +68,86 @@ def scan_trees(
     roots: list[int], cpu: bool = False, pss_over: Mapping[int, int] | None = None
 ) -> dict[int, TreeUsage]:
     """RSS, descendant count and (if asked) CPU seconds of each root's
-    process tree, in one pass over the process table; and the tree's PSS
+    process tree, reading only the trees' own processes; and the tree's PSS
     for each root in `pss_over` whose RSS sum is over the bytes it maps to."""
-    children: dict[int, list[int]] = defaultdict(list)
-    rss: dict[int, int] = {}
-    cpu_s: dict[int, float] = {}
-    for pid, ppid, pages, ticks in _process_table():
-        children[ppid].append(pid)
-        rss[pid] = pages * _PAGE
-        if cpu:
-            cpu_s[pid] = ticks / _TICKS
     thresholds = pss_over or {}
     usage = {}
     for root in roots:
-        total, count, seconds = rss.get(root, 0), 0, cpu_s.get(root, 0.0)
-        tree = [root]
-        stack = list(children.get(root, ()))
-        while stack:
-            pid = stack.pop()
-            total += rss.get(pid, 0)
-            seconds += cpu_s.get(pid, 0.0)
+        total, count, seconds = 0, -1, 0.0
+        tree = []
+        for pid in tree_pids(root):
+            stat = _stat(pid)
+            if stat is None:
+                continue  # gone meanwhile, or a zombie
+            pages, ticks = stat
+            total += pages * _PAGE
+            seconds += ticks / _TICKS if cpu else 0.0
             count += 1
-            tree.append(pid)
-            stack.extend(children.get(pid, ()))
+            tree.append((pid, pages * _PAGE))
         pss = None
         if root in thresholds and total > thresholds[root]:
-            pss = sum(_pss(pid, rss.get(pid, 0)) for pid in tree)
-        usage[root] = TreeUsage(rss=total, procs=count, cpu=seconds, pss=pss)
+            pss = sum(_pss(pid, rss) for pid, rss in tree)
+        usage[root] = TreeUsage(rss=total, procs=max(count, 0), cpu=seconds, pss=pss)
     return usage
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant of it (by the kernel's children
+    lists, each thread's: a child forked by a thread is that thread's),
+    parents before their children; empty if `root` is gone."""
+    found: list[int] = []
+    stack = [root]
+    seen = set()
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue  # a pid reused while we walked: counted once
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # gone meanwhile
+        seen.add(pid)
+        found.append(pid)
+        stack.extend(_children(pid, threads))
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    """The live children of `pid` (of any of its threads); [] if it is gone."""
+    try:
+        return _children(pid, os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return []
+
+
+def _children(pid: int, threads: list[str]) -> list[int]:
+    found: list[int] = []
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue  # a thread that just ended
+    return found
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(resident pages, user + system ticks) of a process, from one read of
+    /proc/<pid>/stat; None if it is gone or a zombie (which holds no
+    memory and is no longer running). Parsed here, not by psutil: psutil
+    took 60 - 100 ms for 1,000 workers, time the event loop waited for the
+    GIL (this runs in a thread of the supervisor)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name is in parentheses and may hold spaces or ')'.
+    fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] == b"Z":
+        return None
+    # After the name: state ppid ... utime(12) stime(13) ... rss(22).
+    return int(fields[21]), int(fields[11]) + int(fields[12])
 
 
 def _pss(pid: int, rss: int) -> int:
@@ -106,27 +168,6 @@ def _pss(pid: int, rss: int) -> int:
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _process_table() -> Iterator[tuple[int, int, int, int]]:
-    """(pid, ppid, resident pages, user + system ticks) of every process,
-    from one read of /proc/<pid>/stat each. It runs in a thread of the
-    supervisor and holds the GIL while it parses: psutil took 60 - 100 ms
-    for 1,000 workers, time the event loop waited for the GIL."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        # The command name is in parentheses and may hold spaces or ')'.
-        fields = data[data.rindex(b")") + 2 :].split()
-        if fields[0] == b"Z":
-            continue  # a zombie holds no memory and is no longer running
-        # After the name: state ppid ... utime(12) stime(13) ... rss(22).
-        yield int(name), int(fields[1]), int(fields[21]), int(fields[11]) + int(fields[12])
 
 
 def safe_max_sessions(fd_limit: int) -> int:

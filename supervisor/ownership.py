@@ -21,7 +21,7 @@ from typing import Any
 from hermes_sup.local.logfmt import kv
 from hermes_sup.protocol import ErrorCode, RemoteProtocolError
 
-from .leases import Holder, LeaseHeld, LeaseLost, Leases, log_lost, read_holder
+from .leases import Holder, LeaseHeld, LeaseLost, Leases, data_dir_shared, log_lost, read_holder
 from .session import Session
 from .spare_dirs import SpareDirs
 from .states import State
@@ -34,7 +34,15 @@ class Ownership:
     """This supervisor's leases of its sessions, and their fencing."""
 
     def __init__(self, node: str, store: SessionStore, spare_dirs: SpareDirs) -> None:
-        self.leases = Leases(node)
+        settings = store.ctx.settings
+        # Leases that can be lost while held need reading back (leases.py);
+        # decided once: the data directory is fixed for the process's life.
+        # With node leases (node_lease.py) a lock on a local disk can be
+        # broken too, by another node once this one's node lease ran out.
+        self.shared = settings.lease_time > 0 or data_dir_shared(
+            settings.data_dir, settings.shared_data
+        )
+        self.leases = Leases(node, self.shared)
         self.store = store
         self.spare_dirs = spare_dirs
         spare_dirs.serve(node, self.leases)

@@ -51,6 +51,7 @@ from .cgroups import SessionGroups
 from .context import Context
 from .endpoints import Endpoints
 from .environment import worker_env
+from .limits import children_of, tree_pids
 from .logs import PipeReader
 from .model_gate import worker_agent_config
 from .process import WorkerProcess, kill_processes
@@ -518,16 +519,17 @@ class WorkerPool:
         known = set(self.by_pid) | set(self.spares.by_pid)
         if self.zygote is not None and self.zygote.pid is not None:
             known.add(self.zygote.pid)
-        try:
-            children = psutil.Process().children()
-        except psutil.Error:
-            return
-        orphans = [p for p in children if p.pid not in known]
-        for proc in orphans:
-            try:
-                tree = proc.children(recursive=True)
-            except psutil.Error:
-                tree = []
-            hit = kill_processes([proc, *tree])
+        # Our children by the kernel's lists (limits.py): psutil's children()
+        # reads every process on the host, and this runs after every exit,
+        # so that a shutdown of N workers cost N times the host.
+        orphans = [pid for pid in children_of(os.getpid()) if pid not in known]
+        for pid in orphans:
+            tree = []
+            for member in tree_pids(pid):
+                try:
+                    tree.append(psutil.Process(member))  # its create time, for the kill
+                except psutil.Error:
+                    continue  # gone meanwhile
+            hit = kill_processes(tree)
             if hit:
-                log.warning(kv("orphans_killed", pid=proc.pid, count=hit))
+                log.warning(kv("orphans_killed", pid=pid, count=hit))

@@ -113,7 +113,9 @@ class Turns:
         # Running turns whose client asked for an orphan grace (orphans.py).
         self.orphans = Orphans(endpoints)
         # What became of each turn, in its session's directory (journal.py).
-        self.journal = TurnJournal(ctx.node, table.ownership.still_ours)
+        self.journal = TurnJournal(
+            ctx.node, table.ownership.still_ours, shared=table.ownership.shared
+        )
         # Free space against the supervisor's reserve, before each new turn.
         self.reserve = DiskReserve(
             lambda: (ctx.settings.data_dir, ctx.settings.state_dir),

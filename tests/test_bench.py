@@ -82,3 +82,19 @@ def test_percentiles_are_nearest_rank() -> None:
     assert pct(list(range(1, 61)), 99) == 60
     assert pct(list(range(1, 2001)), 90) == 1800
     assert pct([7.0], 1) == pct([7.0], 100) == 7.0
+
+
+def test_the_idle_bench_counts_the_live_workers_it_measures() -> None:
+    """bench/idle.py: the live workers are counted at the moment of
+    measurement (not assumed from what was asked), the full supervisor is
+    stopped and timed, and nothing is left running."""
+    import sys
+
+    from bench.idle import measure
+
+    mine = psutil.Process()
+    got = measure(sys.executable, 3, 0.2)
+    assert got["live_at_start_of_window"] == 3 and got["live_at_end_of_window"] == 3
+    assert got["stop_s"] > 0 and got["full_cpu_pct"] >= 0
+    _, alive = psutil.wait_procs(mine.children(recursive=True), timeout=30)
+    assert not alive, alive

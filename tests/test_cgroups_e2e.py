@@ -411,3 +411,26 @@ def test_a_supervisor_killed_outright_leaves_no_group(supervisor_factory) -> Non
     sup.proc.kill()
     sup.proc.wait()
     wait_for(lambda: not any(base.exists() for base in bases.values()))
+
+
+def test_an_oom_kill_under_the_worker_is_noticed_without_polling(supervisor_factory) -> None:  # noqa: ANN001
+    """v1 has no memory.oom.group: the supervisor ends a session whose group
+    saw an OOM kill. It learns of it from the group's OOM notice (an
+    eventfd), not by reading every group's counters every tick: a process
+    under the worker running out of memory still ends the session `oom`,
+    and its neighbour is left alone."""
+    sup = supervisor_factory("--memory-limit", "120")
+    with sup.client(timeout=120) as client:
+        assert client.run("neighbour", "echo ready").ok
+        assert client.run("hog", "echo ready").ok
+        hog_pid = client.inspect("hog")["pid"]
+        eat = f"{sys.executable} -c 'b = bytearray(400 << 20); b[::4096] = b\"x\" * (400 << 8)'"
+        try:
+            sh(client, "hog", eat)
+        except (WorkerDied, SessionKilled) as exc:
+            assert "oom" in str(exc)
+        wait_for(lambda: not psutil.pid_exists(hog_pid), timeout=60)
+        details = wait_for(lambda: _ended(client, "hog"), timeout=60)
+        assert "oom" in details["last_exit"], details["last_exit"]
+        assert client.run("neighbour", "echo still here").ok
+    assert "oom_kill session=hog" in sup.log()  # ended by the supervisor, on the notice

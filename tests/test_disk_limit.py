@@ -61,3 +61,50 @@ def test_the_walk_takes_a_slice_at_a_time_and_never_follows_links(tmp_path):
             break
     assert slices >= 50 // 7
     assert 50 * 4096 <= walk.total < 60 * 4096
+
+
+def test_an_idle_session_alone_since_its_last_walk_is_not_walked_again(tmp_path):
+    """A round costs the sessions active since their last walk: one idle,
+    with no process of its own, since then is walked only every
+    SETTLED_ROUNDS rounds (its worker alone could still write)."""
+    from types import SimpleNamespace
+
+    from hermes_sup.supervisor.disk import SETTLED_ROUNDS, DiskSampler
+
+    dirs = {name: tmp_path / name for name in ("workspace", "home", "user", "tmp")}
+    for path in dirs.values():
+        path.mkdir()
+    session = SimpleNamespace(**dirs, last_activity=1.0, idle=True, alone=True, disk_used=0)
+    sampler = DiskSampler(
+        lambda s: 100,
+        lambda: 1.0,
+        lambda s, why: None,
+        idle_since=lambda s: s.last_activity if s.idle else None,
+        quiet=lambda s: s.alone,
+    )
+
+    def one_round(now: float) -> int:
+        sampler.tick(now, {"k": session})
+        return session.disk_used
+
+    assert one_round(0.0) == 0
+    (dirs["workspace"] / "f").write_bytes(b"x" * 8192)  # as if written meanwhile
+    assert one_round(2.0) == 0  # idle and alone since: not walked
+    # ... but walked again after SETTLED_ROUNDS all the same (a worker that
+    # writes on its own while idle is caught, later).
+    now = 2.0
+    for _ in range(SETTLED_ROUNDS - 2):
+        now += 2.0
+        assert one_round(now) == 0
+    now += 2.0
+    assert one_round(now) >= 8192
+    (dirs["workspace"] / "f2").write_bytes(b"x" * 8192)
+    session.last_activity = now  # a turn: walked at the next round
+    assert one_round(now + 2.0) >= 2 * 8192
+    (dirs["workspace"] / "f2").unlink()
+    # A turn that left a process of its own running: walked every round.
+    session.last_activity, session.alone = 100.0, False
+    (dirs["workspace"] / "g").write_bytes(b"x" * 8192)
+    assert one_round(102.0) >= 2 * 8192
+    (dirs["workspace"] / "h").write_bytes(b"x" * 8192)
+    assert one_round(104.0) >= 3 * 8192

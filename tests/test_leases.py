@@ -27,14 +27,15 @@ pytestmark = pytest.mark.e2e
 
 def two_nodes(supervisor_factory, workdir: Path, *names: str):  # noqa: ANN001, ANN201
     """One supervisor per name, each with its own state directory and the
-    same data directory."""
+    same data directory, told it is shared (as on NFS: the tests here
+    take leases over by hand, which a local lock never allows)."""
     shared = workdir / "shared"
     made = []
     for name in names:
         root = workdir / name
         root.mkdir()
         config = root / "hermes-sup.toml"
-        config.write_text(f'node = "{name}"\n')
+        config.write_text(f'node = "{name}"\nshared_data = "yes"\n')
         sup = supervisor_factory("--config", str(config), root=root, start=False)
         sup.data_dir = shared
         made.append(sup.start())

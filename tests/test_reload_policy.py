@@ -96,14 +96,14 @@ def test_an_invalid_file_is_refused_as_a_whole(tmp_path) -> None:
 
 # ------------------------------------------------------------ fd limit
 
-SAFE_AT_1024 = (1024 - FD_RESERVE - 1024 // PROXY_FD_SHARE) // FDS_PER_SESSION  # 91
+SAFE_AT_1024 = (1024 - FD_RESERVE - 1024 // PROXY_FD_SHARE) // FDS_PER_SESSION  # 64
 
 
 @pytest.mark.parametrize(
     "fd_limit, spares, wanted, allowed",
     [
         pytest.param(1024, 0, None, SAFE_AT_1024, id="derived"),
-        pytest.param(1024, 0, 80, 80, id="wanted-fits"),
+        pytest.param(1024, 0, 60, 60, id="wanted-fits"),
         pytest.param(1024, 0, 1000, SAFE_AT_1024, id="wanted-lowered"),
         pytest.param(1024, 3, None, SAFE_AT_1024 - 3, id="spares-hold-fds"),
         pytest.param(1024, 3, SAFE_AT_1024 - 3, SAFE_AT_1024 - 3, id="wanted-just-fits"),

@@ -23,15 +23,17 @@ def rig(tmp_path, monkeypatch) -> Callable[..., Rig]:
 
 
 def count_epoch_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Every read of a session's epoch file from now on, by directory."""
+    """Every check of a session's epoch from now on, by directory (a read
+    of its file: a new open where the data directory is shared, a pread
+    on the lease's descriptor where it is not)."""
     read: list[Path] = []
-    real = leases.read_epoch
+    real = leases.Leases.check
 
-    def counted(session_dir: Path) -> tuple[int, str]:
-        read.append(Path(session_dir))
-        return real(session_dir)
+    def counted(self: leases.Leases, lease: leases.Lease) -> None:
+        read.append(Path(lease.dir))
+        real(self, lease)
 
-    monkeypatch.setattr(leases, "read_epoch", counted)
+    monkeypatch.setattr(leases.Leases, "check", counted)
     return read
 
 
