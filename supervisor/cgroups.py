@@ -184,6 +184,9 @@ class SessionGroups:
     def _arm(self, name: str) -> None:
         """Have the group's OOM notice wake the loop (v1)."""
         assert self.hierarchy is not None
+        # A spare's group is made again when the spare is given a session:
+        # its first notice is closed, not left open beside the new one.
+        self._disarm(name)
         notice = self.hierarchy.oom_notice(name)
         try:
             loop = asyncio.get_running_loop()
