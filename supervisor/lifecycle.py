@@ -51,6 +51,7 @@ from hermes_sup.protocol import (
 
 from .context import Context
 from .endpoints import Endpoints
+from .git import WorktreeError
 from .kills import Killer
 from .metrics import exit_category
 from .pool import WorkerPool, new_identity
@@ -62,7 +63,6 @@ from .spawner import ZygoteError
 from .states import Event, State, backoff_delay, exit_event
 from .table import SessionTable
 from .turns import Turns
-from .worktrees import WorktreeError
 
 log = logging.getLogger("hermes_sup.supervisor")
 

@@ -17,12 +17,13 @@ from pathlib import Path
 from hermes_sup.local.logfmt import kv
 
 from .context import Context
+from .git import GitRunner, WorktreeError
 from .homes import home_is_empty, placeholder_values, seed_home
 from .pool import WorkerPool
 from .sealing import SESSIONS_GID
 from .session import Session
 from .table import SessionTable
-from .worktrees import GitRunner, WorktreeError, Worktrees, read_problem, worktree_ready
+from .worktrees import Worktrees, read_problem, worktree_ready
 
 log = logging.getLogger("hermes_sup.supervisor")
 

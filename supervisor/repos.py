@@ -35,16 +35,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .git import GIT_TIMEOUT, SAFE_CONFIG, common_dir, fetch_args, in_owner_view, open_session_git
 from .session import read_session_meta, sessions_dir, stored_worktree
 from .worktrees import (
-    GIT_TIMEOUT,
-    SAFE_CONFIG,
     SESSIONS_REFS,
-    common_dir,
-    fetch_args,
     give_back,
-    in_owner_view,
-    open_session_git,
     repository_problem,
     session_name,
     worktree_ready,
@@ -103,7 +98,7 @@ def _env() -> dict[str, str]:
 
 def git(repo: str, *args: str, pass_fd: int | None = None) -> subprocess.CompletedProcess[str]:
     """`git -C repo args` in the shared repository, running nothing its
-    configuration or a session's could name (worktrees.SAFE_CONFIG), with
+    configuration or a session's could name (git.SAFE_CONFIG), with
     `pass_fd` open in it (at its own number)."""
     trusted = ("-c", f"safe.directory={os.path.realpath(repo)}")
     return subprocess.run(
@@ -160,7 +155,7 @@ def find_session(data_dir: Path, key: str) -> SessionWork:
 
 def _fetch(repo: str, work: SessionWork, *refspecs: str, prune: bool = False) -> None:
     """Fetch `refspecs` from the session's repository into `repo`, as its
-    owner's upload-pack (worktrees.fetch_args); RepoError if it fails."""
+    owner's upload-pack (git.fetch_args); RepoError if it fails."""
     if not worktree_ready(work.workspace):
         raise RepoError(
             f"session {work.key!r} has no repository of its own yet (one is made at its next start)"

@@ -24,6 +24,7 @@ from typing import Any
 from hermes_sup.local.logfmt import kv
 
 from .context import Context
+from .peers import Peer, peers_text, write_peers
 from .session import (
     SESSION_FILE,
     Session,
@@ -36,7 +37,6 @@ from .session import (
     stored_worktree,
 )
 from .spare_dirs import SpareDirs
-from .worktrees import Peer, peers_text, write_peers
 
 log = logging.getLogger("hermes_sup.supervisor")
 
@@ -164,7 +164,7 @@ class SessionStore:
     # ----------------------------------------------------------------- peers
 
     def write_peers(self, session: Session, peers: list[Peer], checked: bool = False) -> None:
-        """Rewrite the session's peers file (worktrees.write_peers), if it
+        """Rewrite the session's peers file (peers.write_peers), if it
         works on a repository; a failure is logged, never the turn's.
         `checked`: the caller has just made sure the session is ours."""
         if session.repo is None or session.branch is None:

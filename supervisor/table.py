@@ -31,6 +31,7 @@ from .context import Context
 from .environment import SessionOptions, check_policy, parse_options
 from .logs import SessionLog
 from .ownership import Ownership, moved_error
+from .peers import Peer
 from .session import (
     Session,
     read_session_meta,
@@ -42,7 +43,7 @@ from .spare_dirs import SpareDirs
 from .states import LIVE_STATES, Event, State
 from .store import SessionStore
 from .watchers import Watchers
-from .worktrees import Peer, branch_for, repository_problem
+from .worktrees import branch_for, repository_problem
 
 log = logging.getLogger("hermes_sup.supervisor")
 

@@ -17,7 +17,8 @@ import pytest
 from hermes_sup.client import Output, SupervisorError
 from hermes_sup.protocol import Kind
 from hermes_sup.supervisor.homes import placeholder_values, safe_value
-from hermes_sup.supervisor.worktrees import branch_for, peers_text, repository_problem
+from hermes_sup.supervisor.peers import peers_text
+from hermes_sup.supervisor.worktrees import branch_for, repository_problem
 
 from .clirunner import hermes_sup
 from .test_spares import spare_pids
@@ -125,7 +126,7 @@ def test_placeholder_values_cannot_break_out_of_the_file_they_land_in() -> None:
 
 
 def test_the_peers_file_names_the_session_and_lists_each_peer_a_line() -> None:
-    from hermes_sup.supervisor.worktrees import Peer
+    from hermes_sup.supervisor.peers import Peer
 
     text = peers_text("a", "/r", "hermes-sup/a-1", [Peer("b", "hermes-sup/b-2", "busy", None)], 0)
     lines = text.splitlines()
@@ -375,7 +376,8 @@ def test_what_a_crash_leaves_is_made_again_and_an_old_worktree_is_made_a_reposit
     files as they were, its entry in the shared repository gone."""
     import asyncio
 
-    from hermes_sup.supervisor.worktrees import MAKING, GitRunner, Worktrees, worktree_ready
+    from hermes_sup.supervisor.git import GitRunner
+    from hermes_sup.supervisor.worktrees import MAKING, Worktrees, worktree_ready
 
     repo = make_repo(tmp_path / "repo")
     trees = Worktrees(GitRunner(os.environ, lambda: None, lambda: None, lambda pid: None))
@@ -568,7 +570,8 @@ def test_a_purged_sessions_branch_never_goes_over_other_work(tmp_path: Path) -> 
     --delete-branch keeps nothing."""
     import asyncio
 
-    from hermes_sup.supervisor.worktrees import KEPT_REFS, GitRunner, Worktrees
+    from hermes_sup.supervisor.git import GitRunner
+    from hermes_sup.supervisor.worktrees import KEPT_REFS, Worktrees
 
     repo = make_repo(tmp_path / "repo")
     trees = Worktrees(GitRunner(os.environ, lambda: None, lambda: None, lambda pid: None))

@@ -52,7 +52,7 @@ MAX_SLEEP = 24 * 3600.0
 MAX_SPIN = 60.0
 APPROVAL_TIMEOUT = 60.0
 STREAM_DELAY = 0.02
-# Where the supervisor lists a session's peers (supervisor/worktrees.py).
+# Where the supervisor lists a session's peers (supervisor/peers.py).
 PEERS_PATH = ".hermes-sup/peers"
 # What `setenv` set, in the session's home: what the probe keeps across a
 # hibernation (a woken worker reads it back at start).
