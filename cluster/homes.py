@@ -24,6 +24,7 @@ cluster reads and which outlives any one actor.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -85,3 +86,30 @@ class RayHomes:
 
     def claim_many(self, homes: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {key: self.claim(key, data) for key, data in homes}
+
+
+# Homes a router keeps (least recently used first out); one it does not
+# is looked up again, at the cost of one round trip to the store.
+HOMES_CACHED = 200_000
+
+
+class KnownHomes:
+    """The homes a router has learned from its store, bounded: the table's
+    memory of them (no I/O; the store is asked for what is not here)."""
+
+    def __init__(self, limit: int = HOMES_CACHED) -> None:
+        self.known: OrderedDict[str, str] = OrderedDict()
+        self.limit = limit
+
+    def learn(self, key: str, home: str) -> None:
+        self.known[key] = home
+        self.known.move_to_end(key)
+        while len(self.known) > self.limit:
+            self.known.popitem(last=False)
+
+    def get(self, key: str) -> str | None:
+        """The key's home if known (and now the most recently used)."""
+        home = self.known.get(key)
+        if home is not None:
+            self.known.move_to_end(key)
+        return home

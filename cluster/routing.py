@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -92,7 +92,7 @@ from hermes_sup.protocol import (
     error_message,
 )
 
-from .homes import OWN_DATA, describe_home, home_node
+from .homes import OWN_DATA, KnownHomes, describe_home, home_node
 from .merge import merge_reloads, merge_sessions, merge_status
 from .nodes import NodeSpec
 from .placement import Candidate, Placement, rendezvous
@@ -102,9 +102,6 @@ log = logging.getLogger("hermes_sup.router")
 NODE_LOST = "node_lost"
 MOVED = "moved"
 HOME_UNAVAILABLE = ErrorCode.HOME_UNAVAILABLE
-# Homes kept in the table (least recently used first out); one that is
-# not is looked up again, at the cost of one round trip to the store.
-HOMES_CACHED = 200_000
 # How long a fanned-out request waits for slow nodes before it answers
 # with those that did (they are shown as not answered).
 FANOUT_TIMEOUT = 10.0
@@ -217,7 +214,7 @@ class RoutingTable:
         self.use_homes = homes
         # Keys' homes as the store answered (a home never changes once
         # recorded), and the requests waiting for a key's look-up.
-        self.homes: OrderedDict[str, str] = OrderedDict()
+        self.homes = KnownHomes()
         self.looking: dict[str, list[tuple[bytes, Message, bytes]]] = {}
         # The router's own `list` of a node that came up, by request id.
         self.seeding: dict[str, str] = {}
@@ -362,11 +359,11 @@ class RoutingTable:
             return
         if node is None:
             assert msg.session is not None
-            if self.use_homes and msg.session not in self.homes:
+            if self.use_homes and msg.session not in self.homes.known:
                 self._look_up(client, msg, payload)
                 return
             node = self._owner(msg.session)
-            if node is None and self._home(msg.session) is not None:
+            if node is None and self.homes.get(msg.session) is not None:
                 raise self._unavailable(msg.session)
         stream = msg.kind is Kind.WATCH or (msg.kind is Kind.LOGS and bool(msg.body.get("follow")))
         if stream:
@@ -470,7 +467,7 @@ class RoutingTable:
                     ),
                 )
             return self._take()
-        self._learn_home(key, home)
+        self.homes.learn(key, home)
         for client, msg, payload in waiting:
             self._request(client, msg, payload, None)
         return self._take()
@@ -485,7 +482,7 @@ class RoutingTable:
         keys = {
             row["key"] for row in rows if isinstance(row, dict) and isinstance(row.get("key"), str)
         }
-        fresh = [(key, data) for key in sorted(keys) if self.homes.get(key) != data]
+        fresh = [(key, data) for key in sorted(keys) if self.homes.known.get(key) != data]
         if fresh:
             self._out.append(Record(fresh))
 
@@ -496,22 +493,10 @@ class RoutingTable:
             home = held.get(key)
             if home is None:
                 continue
-            self._learn_home(key, home)
+            self.homes.learn(key, home)
             if home != data:
                 log.warning(kv("router_key_two_histories", session=key, home=home, also=data))
         return self._take()
-
-    def _learn_home(self, key: str, home: str) -> None:
-        self.homes[key] = home
-        self.homes.move_to_end(key)
-        while len(self.homes) > HOMES_CACHED:
-            self.homes.popitem(last=False)
-
-    def _home(self, key: str) -> str | None:
-        home = self.homes.get(key)
-        if home is not None:
-            self.homes.move_to_end(key)
-        return home
 
     def _owner(self, key: str) -> str | None:
         """The live node a request about `key` goes to: where placement
@@ -519,7 +504,7 @@ class RoutingTable:
         then the best live node that does (a draining one if only it does).
         None if no live node can serve the key."""
         owner = self.placement.owner(key)
-        home = self._home(key)
+        home = self.homes.get(key)
         if home is None or (owner is not None and self.nodes[owner].spec.data == home):
             return owner
         serving = [
@@ -536,7 +521,7 @@ class RoutingTable:
 
     def _unavailable(self, key: str) -> RemoteProtocolError:
         """`home_unavailable` for a key whose home no live node serves."""
-        home = self._home(key) or ""
+        home = self.homes.get(key) or ""
         node = home_node(home)
         known = sorted(n for n, k in self.nodes.items() if k.spec.data == home)
         if node is not None:
