@@ -8,20 +8,18 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 
 from .aio import AsyncClient
 from .connection import Connection
 from .errors import ClientError
 from .events import Reply
-from .failover import ROUND_PAUSE, fails_over
+from .failover import ROUND_PAUSE, RouterList, fails_over
 
 T = TypeVar("T")
 
 
-class AsyncRouters:
+class AsyncRouters(RouterList):
     """One cluster's routers from asyncio (see `Routers`)."""
 
     def __init__(
@@ -31,24 +29,8 @@ class AsyncRouters:
         timeout: float = 10.0,
         rounds: int = 2,
     ) -> None:
-        if not connections:
-            raise ValueError("give at least one router")
-        self.connections = list(connections)
-        self.timeout = timeout
-        self.rounds = rounds
-        self.current = 0
-        self.failovers = 0
+        super().__init__(connections, timeout=timeout, rounds=rounds)
         self._client: AsyncClient | None = None
-
-    @classmethod
-    def local(cls, state_dirs: Sequence[Path | str], **kw: Any) -> AsyncRouters:
-        """Routers on this host, by their state directories."""
-        return cls([partial(Connection.local, d) for d in state_dirs], **kw)
-
-    @classmethod
-    def from_files(cls, paths: Sequence[Path | str], **kw: Any) -> AsyncRouters:
-        """Remote routers, by their connection files."""
-        return cls([Connection.from_file(p) for p in paths], **kw)
 
     async def close(self) -> None:
         """Close the connection to the router in use."""
@@ -65,19 +47,15 @@ class AsyncRouters:
     def client(self) -> AsyncClient:
         """A client of the router in use (NotRunning if it cannot be reached)."""
         if self._client is None:
-            conn = self.connections[self.current]
-            self._client = AsyncClient(
-                connection=conn if isinstance(conn, Connection) else conn(),
-                timeout=self.timeout,
-            )
+            self._client = AsyncClient(connection=self.connection(), timeout=self.timeout)
         return self._client
 
     async def call(self, fn: Callable[[AsyncClient], Awaitable[T]]) -> T:
         """`await fn(client)` through the router in use, again through the
         next while routers cannot be reached. `fn` must be safe to repeat."""
         last: ClientError | None = None
-        for attempt in range(self.rounds * len(self.connections)):
-            if attempt and attempt % len(self.connections) == 0:
+        for attempt in self.attempts():
+            if self.pause_before(attempt):
                 await asyncio.sleep(ROUND_PAUSE)
             try:
                 return await fn(self.client())
@@ -86,8 +64,7 @@ class AsyncRouters:
                     raise
                 last = exc
             await self.close()
-            self.current = (self.current + 1) % len(self.connections)
-            self.failovers += 1
+            self.advance()
         assert last is not None
         raise last
 

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from .blocking import Client
 from .connection import Connection
@@ -48,9 +48,9 @@ def fails_over(exc: ClientError) -> bool:
     return isinstance(exc, SupervisorError) and exc.code == NODE_LOST
 
 
-class Routers:
-    """One cluster's routers, used one at a time; a request that finds the
-    one in use gone is sent again through the next."""
+class RouterList:
+    """A cluster's routers and which one is in use: what the blocking and the
+    asyncio failover clients share (no I/O here)."""
 
     def __init__(
         self,
@@ -66,18 +66,51 @@ class Routers:
         self.rounds = rounds
         self.current = 0  # the index of the router in use
         self.failovers = 0  # times a request moved to the next router
-        self._client: Client | None = None
 
     @classmethod
-    def local(cls, state_dirs: Sequence[Path | str], **kw: Any) -> Routers:
+    def local(cls, state_dirs: Sequence[Path | str], **kw: Any) -> Self:
         """Routers on this host, by their state directories (each read when used:
         a router not running yet is skipped until it is)."""
         return cls([partial(Connection.local, d) for d in state_dirs], **kw)
 
     @classmethod
-    def from_files(cls, paths: Sequence[Path | str], **kw: Any) -> Routers:
+    def from_files(cls, paths: Sequence[Path | str], **kw: Any) -> Self:
         """Remote routers, by their connection files (`hermes-sup keys generate`)."""
         return cls([Connection.from_file(p) for p in paths], **kw)
+
+    def connection(self) -> Connection:
+        """The connection of the router in use (a local one read now)."""
+        conn = self.connections[self.current]
+        return conn if isinstance(conn, Connection) else conn()
+
+    def attempts(self) -> range:
+        """The tries a request gets: `rounds` over every router."""
+        return range(self.rounds * len(self.connections))
+
+    def pause_before(self, attempt: int) -> bool:
+        """Whether a round over every router ended before this try (a router
+        being restarted gets ROUND_PAUSE to come back)."""
+        return attempt > 0 and attempt % len(self.connections) == 0
+
+    def advance(self) -> None:
+        """Use the next router from now on."""
+        self.current = (self.current + 1) % len(self.connections)
+        self.failovers += 1
+
+
+class Routers(RouterList):
+    """One cluster's routers, used one at a time; a request that finds the
+    one in use gone is sent again through the next."""
+
+    def __init__(
+        self,
+        connections: Sequence[Connection | Callable[[], Connection]],
+        *,
+        timeout: float = 10.0,
+        rounds: int = 2,
+    ) -> None:
+        super().__init__(connections, timeout=timeout, rounds=rounds)
+        self._client: Client | None = None
 
     def close(self) -> None:
         """Close the connection to the router in use."""
@@ -94,24 +127,15 @@ class Routers:
     def client(self) -> Client:
         """A client of the router in use (NotRunning if it cannot be reached)."""
         if self._client is None:
-            conn = self.connections[self.current]
-            self._client = Client(
-                connection=conn if isinstance(conn, Connection) else conn(),
-                timeout=self.timeout,
-            )
+            self._client = Client(connection=self.connection(), timeout=self.timeout)
         return self._client
-
-    def _next(self) -> None:
-        self.close()
-        self.current = (self.current + 1) % len(self.connections)
-        self.failovers += 1
 
     def call(self, fn: Callable[[Client], T]) -> T:
         """`fn(client)` through the router in use, again through the next
         while routers cannot be reached. `fn` must be safe to repeat."""
         last: ClientError | None = None
-        for attempt in range(self.rounds * len(self.connections)):
-            if attempt and attempt % len(self.connections) == 0:
+        for attempt in self.attempts():
+            if self.pause_before(attempt):
                 time.sleep(ROUND_PAUSE)
             try:
                 return fn(self.client())
@@ -119,7 +143,8 @@ class Routers:
                 if not fails_over(exc):
                     raise
                 last = exc
-            self._next()
+            self.close()
+            self.advance()
         assert last is not None
         raise last
 
