@@ -47,14 +47,10 @@ class Exit(IntEnum):
     INTERRUPTED = 130  # a turn cancelled with Ctrl-C (128 + SIGINT, as shells say)
 
 
-EXIT_NOT_RUNNING = Exit.NOT_RUNNING
-EXIT_INTERRUPTED = Exit.INTERRUPTED
-
-
 class NotRunningError(click.ClickException):
     """The supervisor is not running: exit 3 with how to start it."""
 
-    exit_code = EXIT_NOT_RUNNING
+    exit_code = Exit.NOT_RUNNING
 
 
 class StartingError(click.ClickException):

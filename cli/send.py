@@ -49,7 +49,7 @@ from hermes_sup.client.events import to_event
 from hermes_sup.protocol import Kind, Message
 
 from . import tool_lines
-from .common import EXIT_INTERRUPTED
+from .common import Exit
 from .terminal import Screen
 from .tool_lines import one_line as short
 
@@ -362,7 +362,7 @@ class Sender:
             pass
         except Exception as exc:  # the supervisor went away, say: we leave anyway
             self.note(f"could not cancel the turn: {exc}", fg="red")
-        return EXIT_INTERRUPTED
+        return Exit.INTERRUPTED
 
     def _finish(self, reply: Reply) -> int:
         if any(a.asked for a in self.waiting):
