@@ -132,12 +132,16 @@ class Api:
         starts (the sealed Hermes preload) waits for it, up to START_WAIT,
         and is answered then; past that, 503 `starting` with Retry-After."""
         deadline = time.monotonic() + START_WAIT
+        said = False
         while self._client is None:
             try:
                 self._client = self._connect()
             except Starting as exc:
                 if time.monotonic() >= deadline:
                     raise from_client_error(exc) from None
+                if not said:  # once a request, not once a poll
+                    log.info(kv("http_waiting_for_start", detail=str(exc)))
+                    said = True
                 await asyncio.sleep(START_POLL)
             except ClientError as exc:
                 raise from_client_error(exc) from None

@@ -104,16 +104,20 @@ def test_every_client_says_starting_and_send_waits_for_the_start(supervisor_fact
             assert said.returncode == Exit.STARTING, (command, said)
             assert "is starting: starting the zygote" in said.stderr, (command, said.stderr)
             assert "Start it with" not in said.stderr
-        sender = subprocess.Popen(
-            hs_cmd(sup, "send", "alice", "echo sent during the start"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        # It waits (saying so) rather than failing; then the start ends.
-        assert until(lambda: sender.poll() is None and status().returncode == Exit.STARTING)
+        said = tmp_path / "send.err"
+        with open(said, "w") as err_file:
+            sender = subprocess.Popen(
+                hs_cmd(sup, "send", "alice", "echo sent during the start"),
+                stdout=subprocess.PIPE,
+                stderr=err_file,
+                text=True,
+            )
+        # It waits, saying so, rather than failing; only then does the start end.
+        assert until(lambda: "waiting for it" in said.read_text() or sender.poll(), 300)
+        assert sender.poll() is None, said.read_text()
         release.touch()
-        out, err = sender.communicate(timeout=300)
+        out, _ = sender.communicate(timeout=300)
+        err = said.read_text()
         assert sender.returncode == 0, err
         assert "sent during the start" in out
         assert "is starting: starting the zygote" in err and "waiting for it" in err
@@ -173,7 +177,9 @@ def test_the_http_endpoint_says_starting_and_answers_a_turn_sent_then(
             )
         )
         asked.start()
-        assert until(lambda: hs(sup, "status").returncode == Exit.STARTING)  # still starting
+        # The request has reached the endpoint and waits; only then does the start end.
+        assert until(lambda: "http_waiting_for_start" in sup.log() or answers, 300)
+        assert not answers and hs(sup, "status").returncode == Exit.STARTING
     finally:
         release.touch()
     asked.join(timeout=300)
